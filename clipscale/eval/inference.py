@@ -1,0 +1,79 @@
+"""What every evaluation does around the model: eval mode, no grad, autocast, progress.
+
+Evaluation runs in the middle of training, so the model's train/eval mode is
+restored afterwards, and a DDP wrapper is looked through (DDP's forward would
+try to synchronise buffers and is not what `encode_image` needs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+Autocast = Optional[Callable[[], ContextManager]]
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DistributedDataParallel (or the model itself)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module):
+    """Yield the unwrapped model in eval mode without autograd; restore its mode afterwards."""
+    inner = unwrap(model)
+    was_training = inner.training
+    inner.eval()
+    try:
+        with torch.no_grad():
+            yield inner
+    finally:
+        inner.train(was_training)
+
+
+def normalised_float(features: torch.Tensor, what: str) -> torch.Tensor:
+    """L2-normalise in float32 (bf16 features are re-normalised at full precision).
+
+    Non-finite features would compare False against everything and silently
+    rank first, so they are an error here.
+    """
+    features = features.float()
+    if not torch.isfinite(features).all():
+        raise ValueError(f"{what} features contain NaN or Inf; the model cannot be evaluated")
+    return F.normalize(features, dim=-1)
+
+
+def encode_images(model, images: torch.Tensor, device, autocast: Autocast) -> torch.Tensor:
+    with autocast_context(autocast):
+        features = model.encode_image(images.to(device, non_blocking=True), normalize=True)
+    return normalised_float(features, "image")
+
+
+def encode_texts(model, tokenizer, texts: list[str], device, autocast: Autocast) -> torch.Tensor:
+    with autocast_context(autocast):
+        features = model.encode_text(tokenizer(texts).to(device, non_blocking=True), normalize=True)
+    return normalised_float(features, "text")
+
+
+def autocast_context(autocast: Autocast) -> ContextManager:
+    return autocast() if autocast is not None else contextlib.nullcontext()
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def progress_bar(iterable: Iterable, enabled: bool, desc: str, total: Optional[int] = None):
+    """A tqdm bar on rank 0 only, so a multi-GPU run prints one bar, not one per rank."""
+    on_main_rank = not is_distributed() or dist.get_rank() == 0
+    if total is None and hasattr(iterable, "__len__"):
+        try:
+            total = len(iterable)
+        except TypeError:  # an IterableDataset's loader may not know its length
+            total = None
+    return tqdm(iterable, desc=desc, total=total, disable=not (enabled and on_main_rank), leave=False)
