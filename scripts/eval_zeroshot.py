@@ -1,0 +1,112 @@
+"""Zero-shot classification or retrieval of a checkpoint, written as CLIP_benchmark-style JSON.
+
+    python scripts/eval_zeroshot.py --checkpoint runs/digits/checkpoints/latest.pt \
+        --task imagefolder --data /data/digits-val --output results.json
+    python scripts/eval_zeroshot.py --checkpoint ViT-B-32-laion2b.pt --model ViT-B-32 \
+        --task imagenet --data /data/imagenet/val
+    torchrun --nproc-per-node 8 scripts/eval_zeroshot.py ...   # each GPU evaluates its part
+
+The model comes from the checkpoint's own config (clipscale checkpoints) or
+from --model: an open_clip architecture name or an open_clip model-config JSON
+(embed_dim, vision_cfg, text_cfg). Weights load through open_clip, which reads
+both open_clip's and clipscale's layout ("state_dict", "module." prefixes).
+--task is a built-in set (see clipscale.eval.tasks) or a YAML/JSON task file;
+the options below override its fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from clipscale.config import ModelConfig  # noqa: E402
+from clipscale.distributed import init_distributed, shutdown_distributed  # noqa: E402
+from clipscale.eval.tasks import resolve_task, run_task  # noqa: E402
+from clipscale.models import build_model  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="local .pt file (clipscale or open_clip)")
+    p.add_argument("--model", help="open_clip model name or model-config JSON; default: the checkpoint's config")
+    p.add_argument("--task", required=True, help="built-in task name or a YAML/JSON task file")
+    p.add_argument("--data", help="image folder, shard pattern or caption JSON")
+    p.add_argument("--image-root", help="coco: folder the caption JSON's image paths are relative to")
+    p.add_argument("--split", help="coco: split of a Karpathy JSON (default test)")
+    p.add_argument("--classnames", help="'imagenet', 'folders' or a file of class names")
+    p.add_argument("--templates", help="'openai', 'simple' or a file of '{c}' templates")
+    p.add_argument("--class-subset", help="file of class-name indices the data's labels refer to")
+    p.add_argument("--folder-names", help="JSON {folder: class name}; only these folders are used")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on GPU")
+    p.add_argument("--output", help="write the results JSON here")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def model_config(checkpoint: str, model: str | None) -> ModelConfig:
+    if model is None:
+        # mmap: read the config without loading every tensor into memory.
+        saved = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
+        if not isinstance(saved, dict) or "config" not in saved:
+            raise SystemExit(f"{checkpoint} has no clipscale config; say which architecture with --model")
+        return ModelConfig(**{**saved["config"]["model"], "pretrained": checkpoint, "grad_checkpointing": False})
+    if Path(model).is_file():
+        return ModelConfig(custom=json.loads(Path(model).read_text()), pretrained=checkpoint)
+    return ModelConfig(name=model, pretrained=checkpoint)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    world = init_distributed(args.device)
+    task = resolve_task(
+        args.task,
+        data=args.data,
+        image_root=args.image_root,
+        split=args.split,
+        classnames=args.classnames,
+        templates=args.templates,
+        class_subset=args.class_subset,
+        folder_names=args.folder_names,
+    )
+    towers = build_model(model_config(args.checkpoint, args.model))
+    model = towers.model.to(world.device)
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and world.device.type == "cuda")
+    autocast = (lambda: torch.autocast(world.device.type, dtype=torch.bfloat16)) if bf16 else None
+    metrics = run_task(
+        task,
+        model,
+        towers.tokenizer,
+        towers.val_transform,
+        world.device,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        autocast=autocast,
+        progress=not args.no_progress,
+    )
+    result = {
+        "dataset": task.name,
+        "model": args.model or "checkpoint config",
+        "pretrained": args.checkpoint,
+        "task": "zeroshot_retrieval" if task.kind == "retrieval" else "zeroshot_classification",
+        "metrics": metrics,
+    }
+    if world.is_main:
+        print(json.dumps(result, indent=2))
+        if args.output:
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    shutdown_distributed()
+    return result
+
+
+if __name__ == "__main__":
+    main()
