@@ -1,0 +1,170 @@
+"""What every contrastive loss shares: where this rank sits, input checks, gathers.
+
+Batch layout (rectangular batches included). Every rank passes `m` images and
+`n >= m` texts; text k < m is the partner of image k, texts m..n-1 are extra
+negatives. Globally, ranks are concatenated in rank order, so image i of rank r
+is global image r*m + i and its partner is global text r*n + i. With m == n this
+is the usual square CLIP batch.
+
+Loss (open_clip's symmetric CLIP loss over the global batch, B = world * m):
+
+    x_ij = s * <I_i, T_j>
+    L = 1/2 * [ 1/B sum_i (lse_{all texts j} x_ij - x_i,p(i))
+              + 1/B sum_{paired j} (lse_{all images i} x_ij - x_q(j),j) ]
+
+Extra texts are negatives in image->text only; text->image runs over the
+paired texts, so with m == n both directions are plain cross-entropies.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+
+
+def rank_and_world(group=None) -> tuple[int, int]:
+    """(rank, world size) in `group`; (0, 1) when no process group is initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This rank's place in the global batch: `images`/`texts` are per-rank counts."""
+
+    rank: int
+    world: int
+    images: int
+    texts: int
+
+    @property
+    def global_images(self) -> int:
+        return self.world * self.images
+
+    def local_partners(self, device) -> torch.Tensor:
+        """Global text index of the partner of each of this rank's images."""
+        return self.rank * self.texts + torch.arange(self.images, device=device)
+
+    def global_partners(self, device) -> torch.Tensor:
+        """Global text index of the partner of every global image."""
+        image = torch.arange(self.global_images, device=device)
+        return (image // self.images) * self.texts + image % self.images
+
+
+def as_scale(logit_scale, like: torch.Tensor) -> torch.Tensor:
+    """The exponentiated logit scale as a tensor (a Python number is accepted, without gradient)."""
+    if isinstance(logit_scale, torch.Tensor):
+        return logit_scale
+    return torch.tensor(float(logit_scale), dtype=torch.float32, device=like.device)
+
+
+def _local_problem(named: dict[str, torch.Tensor], logit_scale: torch.Tensor) -> str | None:
+    """The first thing wrong with this rank's inputs, in words, or None."""
+    (first_name, first), *others = named.items()
+    for name, features in named.items():
+        if not isinstance(features, torch.Tensor) or not features.is_floating_point():
+            return f"{name} must be a floating-point tensor, got {getattr(features, 'dtype', type(features).__name__)}"
+        if features.dim() != 2:
+            return f"{name} must have shape [batch, dim], got {tuple(features.shape)}"
+        if features.shape[0] == 0:
+            return f"{name} is empty (batch of 0 samples)"
+    for name, features in others:
+        if features.shape[1] != first.shape[1]:
+            return f"feature dims differ: {first_name} has {first.shape[1]}, {name} has {features.shape[1]}"
+        if features.dtype != first.dtype:
+            return f"dtypes differ: {first_name} is {first.dtype}, {name} is {features.dtype}"
+        if features.shape[0] < first.shape[0]:
+            return f"{name} has fewer rows ({features.shape[0]}) than {first_name} ({first.shape[0]})"
+    if logit_scale.numel() != 1:
+        return f"the logit scale must be a single number, got shape {tuple(logit_scale.shape)}"
+    for name, tensor in (*named.items(), ("the logit scale", logit_scale)):
+        if not bool(torch.isfinite(tensor.detach()).all()):
+            return f"{name} contains NaN or infinite values"
+    if not float(logit_scale.detach()) > 0:
+        return f"the logit scale must be positive (it is exp(log-scale)), got {float(logit_scale.detach())}"
+    return None
+
+
+def check_inputs(named: dict[str, torch.Tensor], logit_scale: torch.Tensor, group=None) -> Layout:
+    """Validate the inputs of all ranks at once, so every rank raises the same ValueError.
+
+    A check that failed on one rank only would leave the others waiting in the
+    next collective, so problems and shapes are all_gathered first (one small
+    collective) and judged identically everywhere.
+    """
+    rank, world = rank_and_world(group)
+    problem = _local_problem(named, logit_scale)
+    tensors = list(named.values())
+    shape = None if problem else (*(t.shape[0] for t in tensors), tensors[0].shape[1], str(tensors[0].dtype))
+    reports = [(problem, shape)]
+    if world > 1:
+        reports = [None] * world
+        dist.all_gather_object(reports, (problem, shape), group=group)
+    for r, (p, _) in enumerate(reports):
+        if p is not None:
+            raise ValueError(f"rank {r}: {p}" if world > 1 else p)
+    shapes = [s for _, s in reports]
+    if any(s != shapes[0] for s in shapes):
+        fields = f"({', '.join(named)} rows, dim, dtype)"
+        raise ValueError(
+            f"every rank must pass the same local batch shape and dtype; per rank {fields}: {shapes}"
+        )
+    return Layout(rank, world, images=tensors[0].shape[0], texts=tensors[-1].shape[0])
+
+
+def check_clip_inputs(image_features, text_features, logit_scale, group=None) -> tuple[Layout, torch.Tensor]:
+    logit_scale = as_scale(logit_scale, image_features)
+    named = {"image_features": image_features, "text_features": text_features}
+    return check_inputs(named, logit_scale, group), logit_scale
+
+
+def gather_with_grad(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """All ranks' `tensor` concatenated in rank order; backward sums every rank's gradient
+    of the gathered tensor and hands each rank its own slice (torch.distributed.nn)."""
+    if rank_and_world(group)[1] == 1:
+        return tensor
+    # torch marks this public autograd gather deprecated in favour of a private
+    # module (_functional_collectives); keep the public one and its quiet.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed.nn.functional.all_gather", FutureWarning)
+        return torch.cat(dist_nn.all_gather(tensor, group=group or dist.group.WORLD))
+
+
+class _GlobalMean(torch.autograd.Function):
+    """Value: the mean of `local_loss` over ranks. Gradient: that of `local_loss` alone."""
+
+    @staticmethod
+    def forward(ctx, local_loss, group):
+        total = local_loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total / dist.get_world_size(group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def report_global_mean(local_loss: torch.Tensor, group=None) -> torch.Tensor:
+    """For losses that each rank computes over its own rows (`local`, `disco`).
+
+    The global loss is the mean of the rank-local ones, and that is what every
+    rank returns (for logging). The gradient stays that of the local loss: the
+    gather's backward already sums every rank's contribution, which gives rank r
+    world * dL_global/dfeatures_r, as DDP expects.
+    """
+    if rank_and_world(group)[1] == 1:
+        return local_loss
+    return _GlobalMean.apply(local_loss, group)
+
+
+def clip_cross_entropy(logits_per_image, image_labels, logits_per_text, text_labels) -> torch.Tensor:
+    """open_clip's symmetric loss: the mean of the two directions' cross-entropies."""
+    return (
+        torch.nn.functional.cross_entropy(logits_per_image, image_labels)
+        + torch.nn.functional.cross_entropy(logits_per_text, text_labels)
+    ) / 2
