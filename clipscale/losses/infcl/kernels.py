@@ -1,0 +1,488 @@
+"""Inf-CL tile primitives as fused Triton kernels.
+
+Implements exactly the contract of `clipscale/losses/infcl/__init__.py`
+(`lse_pass`, `grad_pass`); `reference.py` is the same in plain PyTorch.
+
+Reference math (logits x_ij = s * <I_i, T_j>, i < m rows, j < n columns,
+entries with mask_diagonal and row_offset + i == col_offset + j are -inf):
+
+    row_lse_i = log sum_j exp(x_ij)          col_lse_j = log sum_i exp(x_ij)
+    G_ij      = rw_i exp(x_ij - row_lse_i) + cw_j exp(x_ij - col_lse_j)
+    dI       += s * G @ T                    dT       += s * G^T @ I
+
+Inside the kernels everything is in base 2 (x * log2 e, exp2, log2): one
+multiply folded into the score scale, and exp2/log2 are the native MUFU ops.
+
+Forward, `lse_pass` (one product, both directions)
+---------------------------------------------------
+A persistent grid of P = RS x CS programs (P ~ #SMs) cuts the m x n plane
+into RS row groups and CS column groups; program (r, c) owns the row blocks
+r, r+RS, ... and the column blocks c, c+CS, ...  It walks its row blocks, and
+for each one all of its column blocks, computing the score tile once
+(K-loop over d) and from that one tile
+
+  * the row statistics online (running max and sum in registers, as in
+    flash-attention), written once per row block as a partial row LSE, and
+  * the column statistics of the tile (max, sum of exp2) merged into the
+    program's own slot of the partial column LSE (read-modify-write of
+    BLOCK_N floats per tile; no other program touches that slot, so no
+    atomics and no races).
+
+A tiny second kernel merges the partials (logsumexp over RS resp. CS).
+Memory: (RS * n + CS * m) float32 partials + the two outputs. With RS, CS
+near sqrt(#SMs) (about 11 x 12 on an H100) that is ~ 23 * b floats, i.e.
+92 MB at b = 1M, independent of d; nothing of size m x n.
+
+Backward, `grad_pass` (one recompute + the two gradient products)
+-----------------------------------------------------------------
+The gradient products contract over the *other* dimension of the tile
+(dI over columns, dT over rows) and produce [*, d] outputs: a [BLOCK, d]
+float32 accumulator does not fit in registers for d = 512..1024, and
+splitting d would repeat the score recompute (a product over d) once per
+d-chunk. Instead the plane is walked in super-tiles of H x W (default at
+most 8192 x 16384): one Triton kernel recomputes the score tiles of the
+super-tile and writes the weight matrix G (bf16 for bf16 inputs, fp16 with
+a scale for fp16, float32 for float32 inputs) into a fixed workspace; then
+two large GEMMs accumulate  dI[H] += s G @ T[W]  and  dT[W] += s G^T @ I[H]
+in float32 (cuBLAS with float32 output on CUDA; plain torch on CPU).
+Products: exactly 3 b^2 d multiply-adds (recompute, dI, dT): the floor.
+Memory: the workspace, min(m, H) * min(n, W) elements (at most 256 MiB in
+bf16, 512 MiB in float32), plus one [H, d] float32 temporary: a constant,
+independent of b. The extra traffic (G written once, read twice: 6 bytes
+per logit in bf16) is far below what the products take at d >= 64.
+
+Precision: bf16/fp16 products accumulate in float32, all softmax math is
+float32. `exact=True` with float32 inputs uses IEEE fp32 dots in Triton
+(`input_precision="ieee"`) and disables TF32 for the GEMMs; float32 inputs
+without `exact` use TF32 in both.
+
+Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (one small
+tile config; the GEMMs run in float32 torch). `launch_counts` counts kernel
+launches so tests can check that the Triton path really ran.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["lse_pass", "grad_pass", "launch_counts"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# Triton's interpreter mis-multiplies bf16 dots (it sees the raw bits): there the
+# tiles are widened to float32 first, which is the same math (bf16 x bf16 products
+# are exact in float32, accumulation is float32 either way).
+_UPCAST = tl.constexpr(INTERPRET)
+
+# Kernel launches per kernel name (tests assert the Triton path ran).
+launch_counts: collections.Counter = collections.Counter()
+
+# Backward workspace: super-tile of at most MAX_H rows and WORKSPACE_ELEMS
+# elements in all (module-level so tests can shrink them).
+MAX_H = 8192
+WORKSPACE_ELEMS = 1 << 27
+
+
+def _bucket(x: int) -> int:
+    """Coarse size class for the autotune key (few entries, few retunes)."""
+    return 0 if x <= 16384 else (1 if x <= 131072 else 2)
+
+
+# ----------------------------------------------------------------------------
+# Autotune configurations (beside the kernels, as in the Triton tutorials).
+# bf16/fp16 and tf32: 128-row tiles, the probe's best was 128 x 256 / 8 warps /
+# 3 stages at d = 512. IEEE fp32 dots run on the FMA units: smaller tiles.
+# ----------------------------------------------------------------------------
+def _configs_mma():
+    if INTERPRET:
+        return [triton.Config({"BM": 32, "BN": 16, "BK": 32}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BM": 128, "BN": 128, "BK": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BM": 128, "BN": 256, "BK": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BM": 128, "BN": 128, "BK": 64}, num_warps=4, num_stages=4),
+        triton.Config({"BM": 64, "BN": 128, "BK": 64}, num_warps=4, num_stages=4),
+        triton.Config({"BM": 64, "BN": 64, "BK": 32}, num_warps=4, num_stages=2),
+        triton.Config({"BM": 32, "BN": 32, "BK": 32}, num_warps=4, num_stages=2),
+    ]
+
+
+def _prune(configs, named_args, **kwargs):
+    """IEEE fp32 -> the FMA-sized tiles; MMA dtypes -> the big tiles (the small
+    ones stay only for tiny problems)."""
+    if INTERPRET:
+        return configs
+    ieee = named_args.get("PREC", kwargs.get("PREC")) == "ieee" and named_args["I"].dtype == torch.float32
+    small = [c for c in configs if c.kwargs["BM"] * c.kwargs["BN"] <= 64 * 64]
+    big = [c for c in configs if c.kwargs["BM"] * c.kwargs["BN"] > 64 * 64]
+    if ieee:
+        return small
+    sz = max(named_args["m"], named_args["n"])
+    if named_args["d"] > 256 and named_args["I"].dtype == torch.float32:
+        big = [c for c in big if c.kwargs["BN"] <= 128]  # tf32 tiles are twice the bytes
+    return big if sz >= 1024 else big + small
+
+
+# ----------------------------------------------------------------------------
+# Shared device helpers
+# ----------------------------------------------------------------------------
+@triton.jit
+def _scores(I, T, rows, cols, m, n, d, stride_i, stride_t, qk_scale,
+            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+            EVEN_D: tl.constexpr, PREC: tl.constexpr):
+    """One score tile in log2 units: (I[rows] @ T[cols]^T) * s * log2(e).
+    K-loop over d in chunks of BK; out-of-range rows/columns load zeros."""
+    offs_k = tl.arange(0, BK)
+    rmask = rows < m
+    cmask = cols < n
+    i_ptrs = I + rows[:, None].to(tl.int64) * stride_i + offs_k[None, :]
+    t_ptrs = T + cols[:, None].to(tl.int64) * stride_t + offs_k[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k in range(0, d, BK):
+        if EVEN_D:
+            a = tl.load(i_ptrs, mask=rmask[:, None], other=0.0)
+            b = tl.load(t_ptrs, mask=cmask[:, None], other=0.0)
+        else:
+            kmask = (offs_k + k) < d
+            a = tl.load(i_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(t_ptrs, mask=cmask[:, None] & kmask[None, :], other=0.0)
+        if _UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+        i_ptrs += BK
+        t_ptrs += BK
+    return acc * qk_scale
+
+
+@triton.jit
+def _valid(rows, cols, m, n, row_off, col_off, MASK_DIAG: tl.constexpr):
+    ok = (rows[:, None] < m) & (cols[None, :] < n)
+    if MASK_DIAG:
+        ok = ok & ((rows[:, None] + row_off) != (cols[None, :] + col_off))
+    return ok
+
+
+# ----------------------------------------------------------------------------
+# Forward: row and column LSE in one pass (persistent grid, partial LSEs)
+# ----------------------------------------------------------------------------
+@triton.autotune(configs=_configs_mma(), key=["d", "B_BUCKET"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.heuristics({"EVEN_D": lambda a: a["d"] % a["BK"] == 0})
+@triton.jit
+def _lse_fwd_kernel(I, T, PART_ROW, PART_COL, m, n, d, stride_i, stride_t, qk_scale,
+                    row_off, col_off, RS, CS, B_BUCKET,
+                    MASK_DIAG: tl.constexpr, NEED_COL: tl.constexpr, PREC: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_D: tl.constexpr):
+    # PART_ROW[CS, m], PART_COL[RS, n]: base-2 LSEs of this program's share.
+    pid = tl.program_id(0)
+    pr = pid // CS
+    pc = pid % CS
+    RB = tl.cdiv(m, BM)
+    CB = tl.cdiv(n, BN)
+    offs_m = tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    NEG_INF: tl.constexpr = float("-inf")
+    if NEED_COL:
+        # A program with no row block still owns its column slots.
+        if pr >= RB:
+            for cb in range(pc, CB, CS):
+                cols = cb * BN + offs_n
+                tl.store(PART_COL + pr * n + cols, tl.full([BN], NEG_INF, tl.float32), mask=cols < n)
+    for rb in range(pr, RB, RS):
+        rows = rb * BM + offs_m
+        m_i = tl.full([BM], NEG_INF, tl.float32)   # running row max
+        l_i = tl.zeros([BM], dtype=tl.float32)      # running row sum of exp2(s - m_i)
+        for cb in range(pc, CB, CS):
+            cols = cb * BN + offs_n
+            s = _scores(I, T, rows, cols, m, n, d, stride_i, stride_t, qk_scale,
+                        BM, BN, BK, EVEN_D, PREC)
+            s = tl.where(_valid(rows, cols, m, n, row_off, col_off, MASK_DIAG), s, NEG_INF)
+            # -- rows: online max / rescaled sum (flash-attention style)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+            l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+            m_i = m_new
+            if NEED_COL:
+                # -- columns: this tile's LSE, merged into the program's slot
+                c_max = tl.max(s, 0)
+                c_safe = tl.where(c_max == NEG_INF, 0.0, c_max)
+                t_lse = c_max + tl.log2(tl.sum(tl.exp2(s - c_safe[None, :]), 0))
+                p_ptrs = PART_COL + pr * n + cols
+                # the first row block of the program overwrites (idempotent launches)
+                old = tl.load(p_ptrs, mask=(cols < n) & (rb != pr), other=NEG_INF)
+                hi = tl.maximum(old, t_lse)
+                hi_safe = tl.where(hi == NEG_INF, 0.0, hi)
+                new = hi + tl.log2(tl.exp2(old - hi_safe) + tl.exp2(t_lse - hi_safe))
+                tl.store(p_ptrs, new, mask=cols < n)
+        tl.store(PART_ROW + pc * m + rows, m_i + tl.log2(l_i), mask=rows < m)
+
+
+@triton.jit
+def _merge_kernel(P, OUT, K, n, BLOCK: tl.constexpr):
+    """OUT[j] = ln2 * log2 sum_k exp2(P[k, j])   (P: [K, n] base-2 LSEs)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    NEG_INF: tl.constexpr = float("-inf")
+    mx = tl.full([BLOCK], NEG_INF, tl.float32)
+    for k in range(0, K):
+        mx = tl.maximum(mx, tl.load(P + k * n + offs, mask=mask, other=NEG_INF))
+    mx_safe = tl.where(mx == NEG_INF, 0.0, mx)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in range(0, K):
+        acc += tl.exp2(tl.load(P + k * n + offs, mask=mask, other=NEG_INF) - mx_safe)
+    tl.store(OUT + offs, (mx + tl.log2(acc)) * 0.6931471805599453, mask=mask)
+
+
+# ----------------------------------------------------------------------------
+# Backward: recompute each score tile once, write G into the workspace
+# ----------------------------------------------------------------------------
+@triton.autotune(configs=_configs_mma(), key=["d", "B_BUCKET"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.heuristics({"EVEN_D": lambda a: a["d"] % a["BK"] == 0})
+@triton.jit
+def _weights_kernel(I, T, RL, CL, RW, CW, G, m, n, d, stride_i, stride_t, stride_g,
+                    qk_scale, g_scale, row_off, col_off, B_BUCKET,
+                    MASK_DIAG: tl.constexpr, HAS_ROW: tl.constexpr, HAS_COL: tl.constexpr,
+                    PREC: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_D: tl.constexpr):
+    # G[i, j] = g_scale * (rw_i exp2(s_ij - rl_i) + cw_j exp2(s_ij - cl_j)), 0 where masked.
+    # 1-D grid, column blocks fastest: neighbouring programs share the row block
+    # of I and sweep the (L2-resident) column super-block of T.
+    pid = tl.program_id(0)
+    CB = tl.cdiv(n, BN)
+    rows = (pid // CB) * BM + tl.arange(0, BM)
+    cols = (pid % CB) * BN + tl.arange(0, BN)
+    s = _scores(I, T, rows, cols, m, n, d, stride_i, stride_t, qk_scale,
+                BM, BN, BK, EVEN_D, PREC)
+    rmask = rows < m
+    cmask = cols < n
+    g = tl.zeros([BM, BN], dtype=tl.float32)
+    if HAS_ROW:
+        rl = tl.load(RL + rows, mask=rmask, other=0.0) * 1.4426950408889634
+        rw = tl.load(RW + rows, mask=rmask, other=0.0)
+        g += rw[:, None] * tl.exp2(s - rl[:, None])
+    if HAS_COL:
+        cl = tl.load(CL + cols, mask=cmask, other=0.0) * 1.4426950408889634
+        cw = tl.load(CW + cols, mask=cmask, other=0.0)
+        g += cw[None, :] * tl.exp2(s - cl[None, :])
+    g = tl.where(_valid(rows, cols, m, n, row_off, col_off, MASK_DIAG), g * g_scale, 0.0)
+    g_ptrs = G + rows[:, None].to(tl.int64) * stride_g + cols[None, :]
+    tl.store(g_ptrs, g.to(G.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+# ----------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------
+def _check(image: torch.Tensor, text: torch.Tensor):
+    if image.dim() != 2 or text.dim() != 2:
+        raise ValueError(f"image and text must be 2-D, got {tuple(image.shape)} and {tuple(text.shape)}")
+    if image.shape[1] != text.shape[1]:
+        raise ValueError(f"feature dims differ: {image.shape[1]} vs {text.shape[1]}")
+    if image.dtype != text.dtype:
+        raise ValueError(f"dtypes differ: {image.dtype} vs {text.dtype}")
+    if image.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported dtype {image.dtype} (float32, bfloat16, float16)")
+    if image.device != text.device:
+        raise ValueError("image and text are on different devices")
+    if image.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError("Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU)")
+    if image.stride(1) != 1:
+        image = image.contiguous()
+    if text.stride(1) != 1:
+        text = text.contiguous()
+    return image, text
+
+
+def _prec(dtype: torch.dtype, exact: bool) -> str:
+    return "ieee" if (dtype == torch.float32 and exact) or INTERPRET else "tf32"
+
+
+def _n_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 6
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _split(m: int, n: int, programs: int, tile: int = 128) -> tuple[int, int]:
+    """(RS, CS) with RS * CS <= programs minimising the busiest program's
+    nominal tile count, ties broken by the partials' size (RS * n + CS * m)."""
+    rb, cb = max(1, -(-m // tile)), max(1, -(-n // tile))
+    best = None
+    for rs in range(1, min(programs, rb) + 1):
+        cs = max(1, min(cb, programs // rs))
+        key = (-(-rb // rs) * -(-cb // cs), rs * n + cs * m)
+        if best is None or key < best[0]:
+            best = (key, rs, cs)
+    return best[1], best[2]
+
+
+def _scale_value(scale) -> float:
+    return float(scale.detach().item()) if isinstance(scale, torch.Tensor) else float(scale)
+
+
+def lse_pass(image, text, scale, *, row_offset=0, col_offset=0, mask_diagonal=False,
+             need_col=True, exact=False, _grid=None):
+    """Row and column log-sum-exp of x = scale * image @ text.T, one pass.
+
+    Returns (row_lse [m] float32, col_lse [n] float32 or None); -inf where every
+    entry of the row/column is masked. Extra memory: (RS*n + CS*m) float32
+    partials, RS*CS ~ #SMs (see the module docstring). `_grid=(RS, CS)`
+    overrides the split (tests).
+    """
+    image, text = _check(image, text)
+    m, d = image.shape
+    n = text.shape[0]
+    dev = image.device
+    s = _scale_value(scale)
+    if m == 0 or n == 0:
+        row = torch.full((m,), float("-inf"), dtype=torch.float32, device=dev)
+        col = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev) if need_col else None
+        return row, col
+    rs, cs = _grid if _grid is not None else _split(m, n, _n_programs(dev))
+    part_row = torch.empty((cs, m), dtype=torch.float32, device=dev)
+    part_col = torch.empty((rs, n) if need_col else (1,), dtype=torch.float32, device=dev)
+    _lse_fwd_kernel[(rs * cs,)](
+        image, text, part_row, part_col, m, n, d, image.stride(0), text.stride(0), s * LOG2E,
+        int(row_offset), int(col_offset), rs, cs, _bucket(max(m, n)),
+        MASK_DIAG=bool(mask_diagonal), NEED_COL=bool(need_col), PREC=_prec(image.dtype, exact))
+    launch_counts["lse_fwd"] += 1
+    row_lse = _merge(part_row, m)
+    col_lse = _merge(part_col, n) if need_col else None
+    return row_lse, col_lse
+
+
+def _merge(part: torch.Tensor, n: int) -> torch.Tensor:
+    out = torch.empty((n,), dtype=torch.float32, device=part.device)
+    BLOCK = 256 if INTERPRET else 1024
+    _merge_kernel[(triton.cdiv(n, BLOCK),)](part, out, part.shape[0], n, BLOCK=BLOCK)
+    launch_counts["merge"] += 1
+    return out
+
+
+def _as_weight(w, size: int, dev) -> torch.Tensor | None:
+    if w is None:
+        return None
+    if isinstance(w, torch.Tensor) and w.dim() > 0:
+        if w.shape != (size,):
+            raise ValueError(f"weight has shape {tuple(w.shape)}, expected ({size},)")
+        return w.to(device=dev, dtype=torch.float32).contiguous()
+    return torch.full((size,), _scale_value(w), dtype=torch.float32, device=dev)
+
+
+@contextlib.contextmanager
+def _tf32(allow: bool):
+    """cuBLAS float32 GEMMs with (allow) or without TF32, restored afterwards."""
+    m = torch.backends.cuda.matmul
+    try:
+        old = m.allow_tf32
+    except Exception:  # new fp32_precision API in use: leave it alone
+        yield
+        return
+    m.allow_tf32 = allow
+    try:
+        yield
+    finally:
+        m.allow_tf32 = old
+
+
+def _acc_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float):
+    """out (float32) += alpha * a @ b, with float32 accumulation and output."""
+    if out.device.type != "cuda":
+        out.addmm_(a.float(), b.float(), alpha=alpha)
+    elif a.dtype == torch.float32:
+        out.addmm_(a, b, alpha=alpha)
+    else:
+        torch.addmm(out, a, b, alpha=alpha, out_dtype=torch.float32, out=out)
+
+
+def _super_tile(m: int, n: int) -> tuple[int, int]:
+    h = min(m, MAX_H)
+    w = min(n, max(1, WORKSPACE_ELEMS // h))
+    if w < n and w >= 256:
+        w -= w % 256
+    return h, w
+
+
+def grad_pass(image, text, scale, row_lse, col_lse, row_weight, col_weight, *,
+              row_offset=0, col_offset=0, mask_diagonal=False,
+              grad_image=None, grad_text=None, exact=False):
+    """grad_image += scale * G @ text, grad_text += scale * G^T @ image with
+    G_ij = rw_i exp(x_ij - row_lse_i) + cw_j exp(x_ij - col_lse_j) (0 where masked;
+    a term is absent when its weight is None). Returns (grad_image, grad_text),
+    float32, fresh zeros where None was passed.
+
+    One recompute of every score tile (Triton) into a bounded workspace of
+    min(m, MAX_H) x min(n, WORKSPACE_ELEMS / H) elements, then two float32-
+    accumulating GEMMs per super-tile (see the module docstring).
+    """
+    image, text = _check(image, text)
+    m, d = image.shape
+    n = text.shape[0]
+    dev = image.device
+    s = _scale_value(scale)
+    if grad_image is None:
+        grad_image = torch.zeros((m, d), dtype=torch.float32, device=dev)
+    if grad_text is None:
+        grad_text = torch.zeros((n, d), dtype=torch.float32, device=dev)
+    if grad_image.dtype != torch.float32 or grad_text.dtype != torch.float32:
+        raise ValueError("grad_image / grad_text accumulators must be float32")
+    rw = _as_weight(row_weight, m, dev)
+    cw = _as_weight(col_weight, n, dev)
+    has_row, has_col = rw is not None, cw is not None
+    if has_col and col_lse is None:
+        raise ValueError("col_weight given without col_lse")
+    if m == 0 or n == 0 or d == 0 or not (has_row or has_col):
+        return grad_image, grad_text
+    rl = row_lse.to(device=dev, dtype=torch.float32).contiguous() if has_row else None
+    cl = col_lse.to(device=dev, dtype=torch.float32).contiguous() if has_col else None
+    dummy = torch.empty((1,), dtype=torch.float32, device=dev)
+
+    # Workspace dtype: bf16 -> bf16 (fp32 range); fp16 -> fp16 holding G / gmax
+    # (G <= max rw + max cw, so no overflow; the GEMM alpha undoes the scale);
+    # fp32 -> fp32.
+    g_scale = 1.0
+    if image.dtype == torch.float16:
+        gmax = (rw.abs().max().item() if has_row else 0.0) + (cw.abs().max().item() if has_col else 0.0)
+        g_scale = 1.0 / gmax if gmax > 0 else 1.0
+    ws_dtype = image.dtype
+    if dev.type != "cuda":
+        ws_dtype = torch.float32 if image.dtype == torch.float32 else ws_dtype
+    h_max, w_max = _super_tile(m, n)
+    workspace = torch.empty((h_max * w_max,), dtype=ws_dtype, device=dev)
+    alpha = s / g_scale
+    prec = _prec(image.dtype, exact)
+    tf32_ctx = _tf32(not exact) if (image.dtype == torch.float32 and dev.type == "cuda") else contextlib.nullcontext()
+    with tf32_ctx:
+        for r0 in range(0, m, h_max):
+            h = min(h_max, m - r0)
+            img = image[r0:r0 + h]
+            for c0 in range(0, n, w_max):
+                w = min(w_max, n - c0)
+                txt = text[c0:c0 + w]
+                g = workspace[: h * w].view(h, w)
+
+                def grid(meta, h=h, w=w):
+                    return (triton.cdiv(h, meta["BM"]) * triton.cdiv(w, meta["BN"]),)
+
+                _weights_kernel[grid](
+                    img, txt,
+                    rl[r0:r0 + h] if has_row else dummy, cl[c0:c0 + w] if has_col else dummy,
+                    rw[r0:r0 + h] if has_row else dummy, cw[c0:c0 + w] if has_col else dummy,
+                    g, h, w, d, img.stride(0), txt.stride(0), g.stride(0),
+                    s * LOG2E, g_scale, int(row_offset) + r0, int(col_offset) + c0,
+                    _bucket(h * w // 8192),
+                    MASK_DIAG=bool(mask_diagonal), HAS_ROW=has_row, HAS_COL=has_col, PREC=prec)
+                launch_counts["weights"] += 1
+                _acc_mm(grad_image[r0:r0 + h], g, txt, alpha)
+                _acc_mm(grad_text[c0:c0 + w], g.t(), img, alpha)
+    return grad_image, grad_text

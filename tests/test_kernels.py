@@ -1,0 +1,249 @@
+"""The Inf-CL Triton tile kernels under TRITON_INTERPRET=1, against float64.
+
+The kernels run in Triton's interpreter on CPU tensors (the env var is set
+before triton is imported, and the kernels module is reloaded if something
+imported it earlier without it); every test checks `launch_counts` so the
+Triton path, not a PyTorch fallback, produced the numbers.
+
+Tolerances (all relative to the float64 result on the same, already-rounded
+inputs):
+  * float32 exact (IEEE dots): LSE abs error <= 2e-5 * max(1, |lse|),
+    gradients ||err|| / ||ref|| <= 2e-5.
+  * bf16 / fp16 inputs: scores accumulate in float32 (LSE <= 2e-5 as above);
+    the backward weight matrix G is stored in bf16 (fp16) for the GEMMs, so
+    gradients ||err|| / ||ref|| <= 4e-3 (bf16) and 1e-3 (fp16).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import clipscale.losses.infcl.kernels as K  # noqa: E402
+
+if not K.INTERPRET:  # imported earlier in this process without the interpreter
+    K = importlib.reload(K)
+assert K.INTERPRET and type(K._lse_fwd_kernel.fn).__name__ != "JITFunction"
+
+
+# ---------------------------------------------------------------- float64 math
+def _logits64(image, text, scale, ro, co, mask):
+    x = float(scale) * image.double() @ text.double().T
+    if mask:
+        r = torch.arange(x.shape[0])[:, None] + ro
+        c = torch.arange(x.shape[1])[None, :] + co
+        x = x.masked_fill(r == c, float("-inf"))
+    return x
+
+
+def ref_lse(image, text, scale, ro=0, co=0, mask=False):
+    x = _logits64(image, text, scale, ro, co, mask)
+    return x.logsumexp(1), x.logsumexp(0)
+
+
+def ref_grad(image, text, scale, rl, cl, rw, cw, ro=0, co=0, mask=False):
+    x = _logits64(image, text, scale, ro, co, mask)
+    g = torch.zeros_like(x)
+    if rw is not None:
+        g = g + rw.double()[:, None] * torch.exp(x - rl.double()[:, None])
+    if cw is not None:
+        g = g + cw.double()[None, :] * torch.exp(x - cl.double()[None, :])
+    g = torch.nan_to_num(g, nan=0.0)  # fully masked rows: exp(-inf - -inf)
+    if mask:
+        g = g.masked_fill(torch.isinf(x), 0.0)
+    return float(scale) * g @ text.double(), float(scale) * g.T @ image.double()
+
+
+def feats(n, d, dtype=torch.float32, seed=0, normalize=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    if normalize:
+        x = x / x.norm(dim=1, keepdim=True)
+    return x.to(dtype)
+
+
+def assert_lse(got, ref, tol=2e-5):
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    inf = torch.isinf(ref)
+    assert torch.equal(torch.isinf(got), inf), "masked rows/cols must be -inf exactly"
+    assert not torch.isnan(got).any()
+    err = (got.double() - ref)[~inf].abs()
+    bound = tol * ref[~inf].abs().clamp(min=1.0)
+    assert (err <= bound).all(), f"max lse err {err.max().item():.3g}"
+
+
+def rel(a, b):
+    return ((a.double() - b).norm() / b.norm().clamp(min=1e-300)).item()
+
+
+@pytest.fixture(autouse=True)
+def _count():
+    K.launch_counts.clear()
+    yield
+
+
+# ----------------------------------------------------------------------- tests
+@pytest.mark.parametrize(
+    "m,n,d,scale",
+    [
+        (1, 1, 8, 10.0),
+        (37, 53, 24, 20.0),  # odd sizes, d not a multiple of the K-block
+        (100, 64, 64, 100.0),  # rectangular, CLIP's largest logit scale
+        (64, 100, 64, 14.3),
+        (5, 7, 1000, 50.0),  # large d, tiny b
+    ],
+)
+def test_lse_fp32_exact(m, n, d, scale):
+    image, text = feats(m, d, seed=1), feats(n, d, seed=2)
+    row, col = K.lse_pass(image, text, scale, exact=True)
+    r64, c64 = ref_lse(image, text, scale)
+    assert_lse(row, r64)
+    assert_lse(col, c64)
+    assert K.launch_counts["lse_fwd"] == 1 and K.launch_counts["merge"] == 2
+
+
+@pytest.mark.parametrize("grid", [(1, 1), (3, 2), (2, 7), (9, 9)])  # (9, 9): programs with no blocks
+def test_lse_partial_merge(grid):
+    image, text = feats(70, 32, seed=3), feats(45, 32, seed=4)
+    row, col = K.lse_pass(image, text, 30.0, exact=True, _grid=grid)
+    r64, c64 = ref_lse(image, text, 30.0)
+    assert_lse(row, r64)
+    assert_lse(col, c64)
+
+
+@pytest.mark.parametrize(
+    "m,n,ro,co",
+    [
+        (40, 40, 0, 0),  # self-similarity: the whole diagonal masked
+        (30, 50, 17, 5),  # off-centre block: the global diagonal crosses it
+        (1, 1, 3, 3),  # the single entry masked: -inf both ways
+        (20, 20, 0, 40),  # diagonal outside the block: nothing masked
+    ],
+)
+def test_lse_mask_offsets(m, n, ro, co):
+    image, text = feats(m, 16, seed=5), feats(n, 16, seed=6)
+    row, col = K.lse_pass(image, text, 12.0, row_offset=ro, col_offset=co, mask_diagonal=True, exact=True)
+    r64, c64 = ref_lse(image, text, 12.0, ro, co, True)
+    assert_lse(row, r64)
+    assert_lse(col, c64)
+
+
+def test_lse_need_col_false_and_tensor_scale():
+    image, text = feats(33, 16, seed=7), feats(21, 16, seed=8)
+    row, col = K.lse_pass(image, text, torch.tensor(7.0), need_col=False, exact=True)
+    assert col is None
+    assert_lse(row, ref_lse(image, text, 7.0)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lse_half_inputs(dtype):
+    image, text = feats(90, 64, dtype, seed=9), feats(75, 64, dtype, seed=10)
+    row, col = K.lse_pass(image, text, 100.0)
+    r64, c64 = ref_lse(image, text, 100.0)  # on the rounded inputs: fp32 accumulation only
+    assert_lse(row, r64)
+    assert_lse(col, c64)
+
+
+def test_empty():
+    image, text = feats(0, 8), feats(5, 8)
+    row, col = K.lse_pass(image, text, 1.0)
+    assert row.shape == (0,) and torch.isinf(col).all()
+    gi, gt = K.grad_pass(image, text, 1.0, row, col, torch.ones(0), torch.ones(5))
+    assert gi.shape == (0, 8) and torch.equal(gt, torch.zeros(5, 8))
+
+
+def _weights(m, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(m, generator=g) + 0.5, torch.rand(n, generator=g) + 0.5
+
+
+@pytest.mark.parametrize(
+    "m,n,d,mask,ro,co",
+    [
+        (37, 53, 24, False, 0, 0),
+        (100, 64, 64, False, 0, 0),
+        (48, 48, 32, True, 0, 0),
+        (30, 50, 20, True, 17, 5),
+        (5, 7, 1000, False, 0, 0),
+    ],
+)
+def test_grad_fp32_exact(m, n, d, mask, ro, co):
+    image, text = feats(m, d, seed=11), feats(n, d, seed=12)
+    s = 25.0
+    rl, cl = ref_lse(image, text, s, ro, co, mask)
+    rw, cw = _weights(m, n, 13)
+    gi, gt = K.grad_pass(image, text, s, rl.float(), cl.float(), rw, cw,
+                         row_offset=ro, col_offset=co, mask_diagonal=mask, exact=True)
+    ri, rt = ref_grad(image, text, s, rl.float(), cl.float(), rw, cw, ro, co, mask)
+    assert gi.dtype == gt.dtype == torch.float32
+    assert rel(gi, ri) <= 2e-5 and rel(gt, rt) <= 2e-5, (rel(gi, ri), rel(gt, rt))
+    assert K.launch_counts["weights"] >= 1
+
+
+def test_grad_fully_masked_row():
+    image = feats(1, 8, seed=14)
+    row, col = K.lse_pass(image, image, 5.0, mask_diagonal=True, exact=True)
+    gi, gt = K.grad_pass(image, image, 5.0, row, col, torch.ones(1), torch.ones(1), mask_diagonal=True, exact=True)
+    assert torch.equal(gi, torch.zeros(1, 8)) and torch.equal(gt, torch.zeros(1, 8))
+
+
+def test_grad_row_only_accumulates_and_super_tiles(monkeypatch):
+    # Several super-tiles (workspace 24 x 40) and accumulation into given tensors.
+    monkeypatch.setattr(K, "MAX_H", 24)
+    monkeypatch.setattr(K, "WORKSPACE_ELEMS", 24 * 40)
+    m, n, d, s = 61, 97, 40, 9.0
+    image, text = feats(m, d, seed=15), feats(n, d, seed=16)
+    rl, _ = ref_lse(image, text, s)
+    rw = torch.full((m,), 1.0 / m)
+    gi0, gt0 = torch.randn(m, d), torch.randn(n, d)
+    gi, gt = K.grad_pass(image, text, s, rl.float(), None, rw, None,
+                         grad_image=gi0.clone(), grad_text=gt0.clone(), exact=True)
+    ri, rt = ref_grad(image, text, s, rl.float(), None, rw, None)
+    assert rel(gi - gi0, ri) <= 2e-5 and rel(gt - gt0, rt) <= 2e-5
+    assert K.launch_counts["weights"] == 3 * 3
+
+
+def test_end_to_end_symmetric_loss_gradient():
+    """Contract -> CLIP loss: both LSEs from one pass, gradients from one grad_pass
+    plus the O(bd) positive terms, equal to float64 autograd."""
+    b, d, s = 50, 32, 30.0
+    image, text = feats(b, d, seed=17), feats(b, d, seed=18)
+    row, col = K.lse_pass(image, text, s, exact=True)
+    w = torch.full((b,), 0.5 / b)
+    gi, gt = K.grad_pass(image, text, s, row, col, w, w, exact=True)
+    gi -= s / b * text  # d/dI of -(1/2b) sum 2 x_ii
+    gt -= s / b * image
+    loss = 0.5 * (row.mean() + col.mean()) - s * (image * text).sum(1).mean()
+    I64, T64 = image.double().requires_grad_(), text.double().requires_grad_()
+    x = s * I64 @ T64.T
+    ref = 0.5 * (torch.nn.functional.cross_entropy(x, torch.arange(b)) +
+                 torch.nn.functional.cross_entropy(x.T, torch.arange(b)))
+    ref.backward()
+    assert abs(loss.item() - ref.item()) <= 2e-5 * abs(ref.item())
+    assert rel(gi, I64.grad) <= 2e-5 and rel(gt, T64.grad) <= 2e-5
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 4e-3), (torch.float16, 1e-3)])
+def test_grad_half_inputs(dtype, tol):
+    m, n, d, s = 70, 45, 64, 50.0
+    image, text = feats(m, d, dtype, seed=19), feats(n, d, dtype, seed=20)
+    row, col = K.lse_pass(image, text, s)
+    r64, c64 = ref_lse(image, text, s)
+    assert_lse(row, r64)
+    rw, cw = _weights(m, n, 21)
+    gi, gt = K.grad_pass(image, text, s, row, col, rw / m, cw / n)
+    ri, rt = ref_grad(image, text, s, r64, c64, rw / m, cw / n)
+    assert rel(gi, ri) <= tol and rel(gt, rt) <= tol, (rel(gi, ri), rel(gt, rt))
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError):
+        K.lse_pass(feats(3, 4), feats(3, 5), 1.0)
+    with pytest.raises(ValueError):
+        K.lse_pass(feats(3, 4), feats(3, 4, torch.bfloat16), 1.0)
