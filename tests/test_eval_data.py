@@ -1,0 +1,163 @@
+"""Each data format and task variant, end to end through run_task, on solid-colour pictures.
+
+With RiggedModel an image's feature is its RGB colour, so the expected
+metrics are known exactly (worked out in the comments).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import webdataset as wds
+from PIL import Image
+from torchvision.transforms import ToTensor
+
+from clipscale.eval.tasks import resolve_task, run_task
+from test_eval_metrics import CAPTION_FEATURES, EXPECTED_RETRIEVAL, RETRIEVAL_CAPTIONS, RiggedModel
+
+COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "purple": (255, 0, 255), "yellow": (255, 255, 0)}
+FEATURE = {"red": [1.0, 0.0, 0.0], "green": [0.0, 1.0, 0.0], "blue": [0.0, 0.0, 1.0]}
+
+# Folders sort as blue (label 0), green (1), red (2). Purple scores red = blue, and blue wins the tie.
+FOLDER_IMAGES = {"blue": ["blue"], "green": ["green", "red"], "red": ["red", "purple"]}
+# Hits: blue, green, red; misses: the red picture in green, the purple one in red.
+EXPECTED_FOLDER = {"acc1": 3 / 5, "mean_per_class_recall": pytest.approx((1 + 1 / 2 + 1 / 2) / 3), "num_samples": 5}
+
+
+def picture(path, colour: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (4, 4), COLOURS[colour]).save(path)
+
+
+def png_bytes(colour: str, tmp_path) -> bytes:
+    path = tmp_path / "tmp.png"
+    picture(path, colour)
+    return path.read_bytes()
+
+
+def write_lines(path, lines) -> str:
+    path.write_text("\n".join(str(line) for line in lines) + "\n")
+    return str(path)
+
+
+def evaluate(task, model):
+    return run_task(task, model, model.tokenize, ToTensor(), "cpu", batch_size=3, workers=0, progress=False)
+
+
+@pytest.fixture
+def colour_model():
+    return RiggedModel({f"a {name}": feature for name, feature in FEATURE.items()})
+
+
+@pytest.fixture
+def templates(tmp_path):
+    return write_lines(tmp_path / "templates.txt", ["a {c}"])
+
+
+def check_folder_metrics(metrics):
+    assert math.isnan(metrics.pop("acc5"))  # three classes: no top-5, as in CLIP_benchmark
+    assert metrics == EXPECTED_FOLDER
+
+
+def test_image_folder(tmp_path, colour_model, templates):
+    for folder, colours in FOLDER_IMAGES.items():
+        for i, colour in enumerate(colours):
+            picture(tmp_path / "val" / folder / f"{i}.png", colour)
+    task = resolve_task("imagefolder", data=str(tmp_path / "val"), templates=templates)
+    check_folder_metrics(evaluate(task, colour_model))
+
+
+def test_classification_shards(tmp_path, colour_model, templates):
+    labels = {"blue": 0, "green": 1, "red": 2}
+    samples = [(colour, labels[folder]) for folder, colours in FOLDER_IMAGES.items() for colour in colours]
+    for shard, part in enumerate((samples[:2], samples[2:])):
+        with wds.TarWriter(str(tmp_path / f"val-{shard}.tar")) as sink:
+            for i, (colour, label) in enumerate(part):
+                sink.write({"__key__": f"{shard}-{i}", "png": png_bytes(colour, tmp_path), "cls": label})
+    classnames = write_lines(tmp_path / "classes.txt", ["blue", "green", "red"])
+    task = resolve_task("wds", data=str(tmp_path / "val-{0..1}.tar"), classnames=classnames, templates=templates)
+    check_folder_metrics(evaluate(task, colour_model))
+
+
+def test_numeric_folders_are_labels(tmp_path, templates):
+    # ImageNet-V2 layout: sorted order would make "10" label 0; the folder name is the label.
+    picture(tmp_path / "v2" / "10" / "0.png", "green")
+    picture(tmp_path / "v2" / "2" / "0.png", "red")
+    names = [f"n{i}" for i in range(11)]
+    model = RiggedModel({f"a {n}": FEATURE["red"] if n == "n2" else FEATURE["green"] if n == "n10" else [0.0] * 3 for n in names})
+    classnames = write_lines(tmp_path / "names.txt", names)
+    task = resolve_task("imagenet-v2", data=str(tmp_path / "v2"), classnames=classnames, templates=templates)
+    metrics = evaluate(task, model)
+    assert (metrics["acc1"], metrics["num_samples"]) == (1.0, 2)
+
+
+def test_folder_names_keep_listed_folders_in_listed_order(tmp_path, colour_model, templates):
+    # ObjectNet layout: only the mapped folders count, labelled in the mapping's order, named by it.
+    for folder, colour in (("f_red", "red"), ("f_green", "green"), ("unmapped", "blue")):
+        picture(tmp_path / "objectnet" / folder / "0.png", colour)
+    mapping = tmp_path / "folders.json"
+    mapping.write_text(json.dumps({"f_red": "red", "f_green": "green"}))
+    task = resolve_task("objectnet", data=str(tmp_path / "objectnet"), folder_names=str(mapping), templates=templates)
+    metrics = evaluate(task, colour_model)
+    assert (metrics["acc1"], metrics["num_samples"]) == (1.0, 2)
+
+
+def test_class_subset_maps_labels_onto_a_longer_name_list(tmp_path, templates):
+    # ImageNet-R layout: folder i (sorted) is class name subset[i] of the full list.
+    picture(tmp_path / "r" / "a" / "0.png", "red")
+    picture(tmp_path / "r" / "b" / "0.png", "green")
+    names = write_lines(tmp_path / "names.txt", [f"x{i}" for i in range(5)])
+    subset = write_lines(tmp_path / "subset.txt", [4, 1])
+    model = RiggedModel({"a x4": FEATURE["red"], "a x1": FEATURE["green"]})
+    task = resolve_task("imagefolder", data=str(tmp_path / "r"), classnames=names, class_subset=subset, templates=templates)
+    assert evaluate(task, model)["acc1"] == 1.0
+
+
+def test_builtin_variants_say_what_they_need():
+    with pytest.raises(ValueError, match="needs class_subset"):
+        resolve_task("imagenet-r", data="somewhere")
+    with pytest.raises(ValueError, match="unknown keys"):
+        resolve_task({"name": "x", "data": "d", "clasnames": "folders"})
+
+
+# ---- retrieval: the rigged case of test_eval_metrics, as pictures --------------------------
+
+RETRIEVAL_COLOURS = ["red", "green", "blue", "red"]  # features e0, e1, e2, e0
+
+
+def caption_model() -> RiggedModel:
+    # The fourth feature dimension (no image has it) becomes the zero vector: scores 0 with every image.
+    return RiggedModel({caption: feature[:3] for caption, feature in CAPTION_FEATURES.items()})
+
+
+def test_coco_karpathy_json(tmp_path):
+    entries = []
+    for i, (colour, captions) in enumerate(zip(RETRIEVAL_COLOURS, RETRIEVAL_CAPTIONS)):
+        picture(tmp_path / "images" / "val2014" / f"{i}.png", colour)
+        entries.append({"filepath": "val2014", "filename": f"{i}.png", "split": "test", "sentences": [{"raw": c} for c in captions]})
+    entries.append({"filepath": "val2014", "filename": "0.png", "split": "train", "sentences": [{"raw": "a"}]})
+    (tmp_path / "karpathy.json").write_text(json.dumps({"images": entries}))
+    model = caption_model()
+    task = resolve_task("coco", data=str(tmp_path / "karpathy.json"), image_root=str(tmp_path / "images"))
+    assert evaluate(task, model) == EXPECTED_RETRIEVAL
+
+
+def test_coco_flat_json_beside_its_images(tmp_path):
+    entries = []
+    for i, (colour, captions) in enumerate(zip(RETRIEVAL_COLOURS, RETRIEVAL_CAPTIONS)):
+        picture(tmp_path / "val2014" / f"{i}.png", colour)
+        entries.append({"image": f"val2014/{i}.png", "caption": captions})
+    (tmp_path / "coco_karpathy_test.json").write_text(json.dumps(entries))
+    task = resolve_task("coco", data=str(tmp_path / "coco_karpathy_test.json"))
+    assert evaluate(task, caption_model()) == EXPECTED_RETRIEVAL
+
+
+def test_retrieval_shards_with_caption_lists(tmp_path):
+    with wds.TarWriter(str(tmp_path / "coco-0.tar")) as sink:
+        for i, (colour, captions) in enumerate(zip(RETRIEVAL_COLOURS, RETRIEVAL_CAPTIONS)):
+            sink.write({"__key__": f"{i:04d}", "png": png_bytes(colour, tmp_path), "json": json.dumps(captions).encode()})
+    task = resolve_task("wds-retrieval", data=str(tmp_path / "coco-0.tar"))
+    assert evaluate(task, caption_model()) == EXPECTED_RETRIEVAL
