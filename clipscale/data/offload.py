@@ -1,0 +1,131 @@
+"""Keep a batch on the host in its compact form and stream it to the device one chunk at a time.
+
+A contrastive batch of a million samples does not fit on a GPU, and decoded it does
+not even fit in host memory (10^6 x 3x224x224 uint8 = 150 GB). So the batch stays on
+the host as what the shards hold -- encoded JPEG bytes and caption strings
+(`EncodedSamples`), or a pinned uint8 / token tensor where that is small enough
+(`HostTensor`) -- and `stream_chunks` decodes chunk i+1 in background threads into
+pinned memory and copies it on a side CUDA stream while the model computes on chunk i.
+
+GradCache walks the batch twice, so every chunk is decoded twice: decoding must be a
+pure function of the sample. Random augmentation belongs in the sample (e.g. draw a
+seed or a crop box when the loader reads it), not in `decode`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Executor
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+DeviceTransform = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class HostTensor:
+    """A column already decoded into one host tensor (uint8 images, token ids).
+
+    Pinned once, so that every chunk copy can be asynchronous. `device_transform` runs on
+    the device after the copy (e.g. uint8 -> normalised float, 4x fewer bytes on the bus).
+    """
+
+    def __init__(self, tensor: torch.Tensor, device_transform: DeviceTransform | None = None):
+        if torch.cuda.is_available() and not tensor.is_pinned():
+            tensor = tensor.pin_memory()
+        self.tensor = tensor
+        self.device_transform = device_transform or _identity
+
+    def __len__(self) -> int:
+        return len(self.tensor)
+
+    def submit(self, start: int, stop: int, pool: Executor, pin: bool) -> Callable[[], torch.Tensor]:
+        chunk = self.tensor[start:stop]  # a row slice of a pinned tensor is pinned
+        return lambda: chunk
+
+
+class EncodedSamples:
+    """A column kept as encoded samples (JPEG/PNG bytes, captions), decoded per chunk.
+
+    `decode(sample)` returns a CPU tensor of the same shape for every sample (e.g. a
+    uint8 [3, H, W] image, an int64 [context_length] token row). It runs in the
+    thread pool; PIL's decoders release the GIL, so threads decode in parallel.
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[Any],
+        decode: Callable[[Any], torch.Tensor],
+        device_transform: DeviceTransform | None = None,
+    ):
+        self.samples = samples
+        self.decode = decode
+        self.device_transform = device_transform or _identity
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def submit(self, start: int, stop: int, pool: Executor, pin: bool) -> Callable[[], torch.Tensor]:
+        """Start decoding samples[start:stop] into one (pinned) buffer; return a waiter for it."""
+        # The first sample is decoded here to learn the shape, so the workers can write
+        # straight into the pinned buffer with no extra stacking copy.
+        first = self.decode(self.samples[start])
+        buffer = torch.empty((stop - start, *first.shape), dtype=first.dtype, pin_memory=pin)
+        buffer[0] = first
+
+        def fill(row: int) -> None:
+            buffer[row] = self.decode(self.samples[start + row])
+
+        futures = [pool.submit(fill, row) for row in range(1, stop - start)]
+
+        def wait() -> torch.Tensor:
+            for future in futures:
+                future.result()
+            return buffer
+
+        return wait
+
+
+HostColumn = HostTensor | EncodedSamples
+
+
+def _to_device(host: torch.Tensor, device: torch.device, copy_stream) -> torch.Tensor:
+    if copy_stream is None:
+        return host.to(device)
+    with torch.cuda.stream(copy_stream):
+        moved = host.to(device, non_blocking=True)
+    compute = torch.cuda.current_stream(device)
+    compute.wait_stream(copy_stream)
+    # The tensor was allocated on the copy stream but is used (and freed) on the compute
+    # stream: tell the caching allocator, or it could hand the memory out too early.
+    moved.record_stream(compute)
+    return moved
+
+
+def stream_chunks(
+    column: HostColumn,
+    bounds: Sequence[tuple[int, int]],
+    device: torch.device,
+    pool: Executor,
+    lookahead: int = 2,
+) -> Iterator[torch.Tensor]:
+    """Yield column[start:stop] on `device` for each bound, preparing the next ones meanwhile.
+
+    Up to `lookahead` chunks are being decoded on the host while one is used; the copy of
+    a chunk is issued on a side stream, so it overlaps the kernels still queued for the
+    previous chunk. Host memory in flight: about `lookahead` decoded chunks.
+    """
+    on_cuda = device.type == "cuda"
+    copy_stream = torch.cuda.Stream(device) if on_cuda else None
+    pending = deque(column.submit(start, stop, pool, on_cuda) for start, stop in bounds[:lookahead])
+    later = iter(bounds[lookahead:])
+    for _ in bounds:
+        host = pending.popleft()()
+        upcoming = next(later, None)
+        if upcoming is not None:
+            pending.append(column.submit(*upcoming, pool, on_cuda))
+        yield column.device_transform(_to_device(host, device, copy_stream))

@@ -1,0 +1,310 @@
+"""GradCache gives the parameter gradients of one plain forward/backward over the whole batch.
+
+"Plain" here means: one graph over the whole batch, one loss, one backward. With dropout
+on, a random mask depends on how many samples an encoder call sees, so the plain step
+calls the encoders on the same chunks, in the same order, from the same RNG state; then
+every mask is the same and the gradients must agree to rounding. Without dropout the
+plain step is a single encoder call over the whole batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import numpy as np
+import open_clip
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from PIL import Image
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from clipscale.data.offload import EncodedSamples, HostTensor
+from clipscale.gradcache import GradCache, encode
+from clipscale.losses import build_loss
+from tests.gloo_world import run_in_gloo_world
+
+pytestmark = pytest.mark.timeout(180)
+
+CONTEXT, VOCAB = 16, 1000
+
+
+def buildable_losses() -> list[str]:
+    """The CLIP losses of the registry that build here (others are still being written)."""
+    names = []
+    for name in ("vanilla", "local", "disco", "infcl"):
+        with contextlib.suppress(Exception):
+            build_loss(name)
+            names.append(name)
+    return names
+
+
+LOSSES = buildable_losses()
+
+# name -> (autocast dtype, whether a GradScaler scales the loss)
+PRECISIONS = {"fp32": (None, False), "bf16": (torch.bfloat16, False), "fp16": (torch.float16, True)}
+
+
+def tiny_clip(dropout: float = 0.1) -> open_clip.CLIP:
+    """A 2-layer ViT + 2-layer text transformer, with patch dropout and MLP dropout in every block."""
+    torch.manual_seed(0)
+    model = open_clip.CLIP(
+        embed_dim=32,
+        vision_cfg=dict(image_size=32, patch_size=8, width=64, layers=2, head_width=32, patch_dropout=dropout),
+        text_cfg=dict(context_length=CONTEXT, vocab_size=VOCAB, width=64, heads=2, layers=2),
+    )
+    if dropout:
+        for block in (*model.visual.transformer.resblocks, *model.transformer.resblocks):
+            block.mlp.add_module("dropout", nn.Dropout(dropout))
+    return model.train()
+
+
+def make_batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randn(n, 3, 32, 32, generator=generator)
+    texts = torch.randint(1, VOCAB, (n, CONTEXT), generator=generator)
+    return images, texts
+
+
+def float64_clip_loss(image, text, logit_scale):
+    """The full-matrix symmetric CLIP loss in float64, single process: the gold reference."""
+    logits = logit_scale.double() * image.double() @ text.double().T
+    labels = torch.arange(len(logits))
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def scaler_for(precision: str) -> torch.amp.GradScaler | None:
+    return torch.amp.GradScaler("cpu", init_scale=2.0**10) if PRECISIONS[precision][1] else None
+
+
+def autocast_for(precision: str):
+    dtype = PRECISIONS[precision][0]
+    return (lambda: torch.autocast("cpu", dtype=dtype)) if dtype else contextlib.nullcontext
+
+
+def plain_step(model, loss_fn, images, texts, chunk_size, precision="fp32"):
+    """One graph over the whole batch; encoders called per chunk (see the module docstring)."""
+    # One autocast region per chunk, as in GradCache: inside one region autocast caches each
+    # weight's low-precision copy, and the chunks' weight gradients would then be summed in
+    # bf16/fp16 before the cast back -- a rounding difference of the order of bf16's epsilon.
+    scaler, autocast = scaler_for(precision), autocast_for(precision)
+    outs = []
+    for s in range(0, len(images), chunk_size):
+        with autocast():
+            outs.append(encode(model, images[s : s + chunk_size], texts[s : s + chunk_size]))
+    with autocast():
+        loss = loss_fn(torch.cat([o.image for o in outs]), torch.cat([o.text for o in outs]), outs[0].scalars[0])
+    (scaler.scale(loss) if scaler else loss).backward()
+    return loss.detach()
+
+
+def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    model = getattr(model, "module", model)  # same names with or without DDP
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """Worst over parameters of max|got - want| / max|want|; every parameter must have a gradient."""
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))[:5]
+    return max(float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)) for n in want)
+
+
+def gradcache_grads(model, loss_fn, images, texts, chunk_size, precision="fp32", seed=1, **options):
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    step = GradCache(model, loss_fn, chunk_size, autocast=PRECISIONS[precision][0], scaler=scaler_for(precision), **options)
+    loss = step(images, texts)
+    return loss, grads_of(model)
+
+
+def plain_grads(model, loss_fn, images, texts, chunk_size, precision="fp32", seed=1):
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    loss = plain_step(model, loss_fn, images, texts, chunk_size, precision)
+    return loss, grads_of(model)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("loss_name", LOSSES)
+def test_matches_plain_step_with_dropout(loss_name, precision):
+    model, loss_fn = tiny_clip(), build_loss(loss_name)
+    images, texts = make_batch(10, seed=0)
+    loss, grads = gradcache_grads(model, loss_fn, images, texts, chunk_size=4, precision=precision)
+    want_loss, want = plain_grads(model, loss_fn, images, texts, chunk_size=4, precision=precision)
+    assert torch.equal(loss, want_loss)
+    assert relative_error(grads, want) < 1e-5
+
+
+def test_dropout_is_really_on():
+    """Guards the test above: with another seed the masks, hence the gradients, differ."""
+    model, loss_fn = tiny_clip(), float64_clip_loss
+    images, texts = make_batch(10, seed=0)
+    _, one = plain_grads(model, loss_fn, images, texts, chunk_size=4, seed=1)
+    _, other = plain_grads(model, loss_fn, images, texts, chunk_size=4, seed=2)
+    assert relative_error(one, other) > 1e-3
+
+
+def test_chunking_is_invisible_without_dropout():
+    model, loss_fn = tiny_clip(dropout=0.0), float64_clip_loss
+    images, texts = make_batch(10, seed=0)
+    _, grads = gradcache_grads(model, loss_fn, images, texts, chunk_size=3)
+    _, want = plain_grads(model, loss_fn, images, texts, chunk_size=len(images))
+    assert relative_error(grads, want) < 1e-5
+
+
+def test_leaves_rng_where_one_pass_would():
+    model, loss_fn = tiny_clip(), float64_clip_loss
+    images, texts = make_batch(10, seed=0)
+    gradcache_grads(model, loss_fn, images, texts, chunk_size=4)
+    after_gradcache = torch.get_rng_state()
+    plain_grads(model, loss_fn, images, texts, chunk_size=4)
+    assert torch.equal(after_gradcache, torch.get_rng_state())
+
+
+def test_combines_with_gradient_checkpointing():
+    model, loss_fn = tiny_clip(), float64_clip_loss
+    images, texts = make_batch(10, seed=0)
+    _, want = plain_grads(model, loss_fn, images, texts, chunk_size=4)
+    model.set_grad_checkpointing()
+    _, grads = gradcache_grads(model, loss_fn, images, texts, chunk_size=4)
+    assert relative_error(grads, want) < 1e-5
+
+
+def test_locked_image_tower_is_encoded_once():
+    model, loss_fn = tiny_clip(), float64_clip_loss
+    model.lock_image_tower()
+    calls = []
+    model.visual.register_forward_hook(lambda *_: calls.append(1))
+    images, texts = make_batch(10, seed=0)
+    _, grads = gradcache_grads(model, loss_fn, images, texts, chunk_size=4)
+    assert len(calls) == 3  # pass 1 only: 3 chunks
+    _, want = plain_grads(model, loss_fn, images, texts, chunk_size=4)
+    assert not any(n.startswith("visual.") for n in grads)
+    assert relative_error(grads, want) < 1e-5
+
+
+def png_bytes(image: torch.Tensor) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(image.permute(1, 2, 0).numpy()).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def decode_png(data: bytes) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).copy()).permute(2, 0, 1)
+
+
+def normalise(pixels: torch.Tensor) -> torch.Tensor:
+    return (pixels.float() / 255 - 0.5) / 0.25
+
+
+def test_offload_gives_the_same_gradients():
+    """Encoded PNG bytes decoded per chunk in both passes == the decoded batch kept whole."""
+    model, loss_fn = tiny_clip(), float64_clip_loss
+    pixels = torch.randint(0, 256, (10, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    _, texts = make_batch(10, seed=0)
+    encoded = EncodedSamples([png_bytes(p) for p in pixels], decode_png, device_transform=normalise)
+    _, offloaded = gradcache_grads(model, loss_fn, encoded, HostTensor(texts), chunk_size=4, offload=True)
+    _, kept = gradcache_grads(model, loss_fn, normalise(pixels), texts, chunk_size=4)
+    assert relative_error(offloaded, kept) == 0.0
+
+
+# --- DistributedDataParallel in a 2-process gloo world -------------------------------------------
+
+WORLD, PER_RANK, CHUNK = 2, 6, 4
+
+
+def counting_allreduce(counter: list, bucket):
+    counter.append(1)
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def gold_grads(model, seeds_and_batches, chunk_size):
+    """One process, the whole global batch, float64 loss; each rank's chunks with its RNG."""
+    model.zero_grad(set_to_none=True)
+    outs = []
+    for seed, (images, texts) in seeds_and_batches:
+        torch.manual_seed(seed)
+        outs += [encode(model, images[s : s + chunk_size], texts[s : s + chunk_size]) for s in range(0, len(images), chunk_size)]
+    float64_clip_loss(torch.cat([o.image for o in outs]), torch.cat([o.text for o in outs]), outs[0].scalars[0]).backward()
+    return grads_of(model)
+
+
+def averaged_plain_grads(model, loss_fn, images, texts, precision, seed):
+    """What DDP does for a plain step: local forward/backward, then the mean over ranks."""
+    _, grads = plain_grads(model, loss_fn, images, texts, CHUNK, precision, seed)
+    for g in grads.values():
+        dist.all_reduce(g)
+        g /= dist.get_world_size()
+    return grads
+
+
+def plain_ddp_backward(ddp, images, texts):
+    out = encode(ddp, images, texts)
+    (out.image.sum() + out.text.sum() + out.scalars[0]).backward()
+
+
+def ddp_worker(rank, world, loss_names):
+    seed = 100 + rank
+    batches = [(100 + r, make_batch(PER_RANK, seed=r)) for r in range(world)]
+    images, texts = batches[rank][1]
+    model = tiny_clip()
+    ddp = DistributedDataParallel(model)
+    hook_calls: list = []
+    ddp.register_comm_hook(hook_calls, counting_allreduce)
+
+    plain_ddp_backward(ddp, images, texts)  # DDP re-buckets after its first backward
+    hook_calls.clear()
+    plain_ddp_backward(ddp, images, texts)
+    buckets = len(hook_calls)
+
+    errors = {}
+    hook_calls.clear()
+    _, grads = gradcache_grads(ddp, float64_clip_loss_in_world, images, texts, CHUNK, seed=seed)
+    errors["allreduce_calls"] = (len(hook_calls), buckets)
+    errors["gold"] = relative_error(grads, gold_grads(model, batches, CHUNK))
+
+    for name in loss_names:
+        for precision in PRECISIONS:
+            loss_fn = build_loss(name)
+            _, grads = gradcache_grads(ddp, loss_fn, images, texts, CHUNK, precision, seed=seed)
+            errors[name, precision] = relative_error(grads, averaged_plain_grads(model, loss_fn, images, texts, precision, seed))
+    return errors
+
+
+def float64_clip_loss_in_world(image, text, logit_scale):
+    """float64_clip_loss over all ranks' features, with the loss contract's gradients: each rank
+    computes the global loss, so summing the gathered gradients gives world * dL/dfeatures_r."""
+    return float64_clip_loss(gather_with_grad(image), gather_with_grad(text), logit_scale)
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local):
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local.contiguous())
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        return grad.chunk(dist.get_world_size())[dist.get_rank()]
+
+
+def gather_with_grad(local: torch.Tensor) -> torch.Tensor:
+    return _Gather.apply(local)
+
+
+def test_ddp_gloo_world_matches_plain_step():
+    results = run_in_gloo_world(ddp_worker, WORLD, args=(LOSSES,), timeout=150)
+    for errors in results:
+        assert errors["gold"] < 1e-5, errors
+        gradcache_calls, plain_calls = errors["allreduce_calls"]
+        assert gradcache_calls == plain_calls > 0, "gradients must be all-reduced once per step"
+        for key, error in errors.items():
+            if isinstance(key, tuple):
+                assert error < 1e-5, (key, error)
