@@ -48,3 +48,7 @@ bf16/fp16 inputs always accumulate in float32. The positive logits, the
 -T_i / -I_i terms of the gradient and the scale gradient
 (s * dL/ds = sum_i <dI_i, I_i>) are O(b d) and live in loss.py.
 """
+
+from .loss import infcl_loss, ntxent_loss  # noqa: E402  (the contract above comes first)
+
+__all__ = ["infcl_loss", "ntxent_loss"]

@@ -1,0 +1,232 @@
+"""Inf-CL as autograd Functions: `infcl_loss`, `ntxent_loss` and their registered modules.
+
+Both are one weighted log-sum-exp loss over a global block matrix x = s * I @ T.T
+(NT-Xent: I = T = the features, the diagonal masked), written with per-row and
+per-column weights so one Function serves both:
+
+    L = sum_i a_i (row_lse_i - x_i,p(i)) + sum_j c_j (col_lse_j - x_q(j),j)
+
+    CLIP  (B global images):  a_i = 1/(2B), c_j = 1/(2B) for paired texts, 0 for
+                              extra texts (rectangular batches), p(i) = q^-1 = own text
+    NT-Xent (N global rows):  a_i = 1/N, no column term, p(i) = the other view of row i
+
+Forward: the ring (ring.py) brings every rank's text block to every rank; the
+tile primitives (reference.py or kernels.py) merge row LSEs locally and column
+LSEs into the visiting block. Only the inputs and the float32 LSE vectors are
+saved. Backward recomputes each tile:
+
+    dL/dx_ij = a_i softmax_row(x)_ij + c_j softmax_col(x)_ij - (a_i + c_j) [j = p(i)]
+    dI_i = s sum_j dL/dx_ij T_j ;  dT_j = s sum_i dL/dx_ij I_i
+
+with the visiting block carrying its text gradient home. The scale gradient
+needs no pass of its own: x is linear in s * I, so s dL/ds = sum_i <dI_i, I_i>.
+
+Gradients follow DDP's convention (see clipscale.losses): rank r's share of
+the objective is its own rows and paired columns, weighed by world * its
+upstream gradient, so rank r receives world * dL/dfeatures_r and the ranks'
+scale gradients average to dL/ds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from dataclasses import dataclass
+from functools import partial
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from clipscale.losses import register_loss
+from clipscale.losses.common import Layout, as_scale, check_clip_inputs, check_inputs
+from clipscale.losses.infcl import reference
+from clipscale.losses.infcl.ring import circulate
+
+BACKENDS = ("auto", "reference", "triton")
+
+
+def select_backend(backend: str = "auto", device: torch.device | str = "cpu", tile_size: int | None = None):
+    """The tile primitives (an object with `lse_pass` and `grad_pass`) for tensors on `device`.
+
+    auto: the Triton kernels for CUDA tensors, and for CPU tensors when
+    TRITON_INTERPRET=1 (how CI runs them); the PyTorch reference otherwise, or
+    when the kernels cannot be imported. `tile_size` sets the reference's tiles
+    (the Triton kernels pick their own).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown Inf-CL backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if tile_size is not None and (not isinstance(tile_size, int) or tile_size < 1):
+        raise ValueError(f"tile_size must be a positive integer, got {tile_size!r}")
+    device = torch.device(device)
+    interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    if backend == "triton" or (backend == "auto" and (device.type == "cuda" or interpreted)):
+        if backend == "triton" and tile_size is not None:
+            raise ValueError("tile_size sets the reference backend's tiles; the Triton kernels choose their own")
+        kernels = _import_kernels(required=backend == "triton")
+        if kernels is not None:
+            return kernels
+    if tile_size is None:
+        return reference
+    return SimpleNamespace(
+        lse_pass=partial(reference.lse_pass, tile_size=tile_size),
+        grad_pass=partial(reference.grad_pass, tile_size=tile_size),
+    )
+
+
+def _import_kernels(required: bool):
+    try:
+        return importlib.import_module(f"{__package__}.kernels")
+    except ModuleNotFoundError as missing:
+        if required or missing.name not in (f"{__package__}.kernels", "triton"):
+            raise
+        warnings.warn(f"Inf-CL Triton kernels unavailable ({missing}); using the PyTorch reference", stacklevel=4)
+        return None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything the Function needs besides the tensors (see the module docstring for a, c, p)."""
+
+    layout: Layout
+    group: object
+    primitives: object
+    exact: bool
+    self_contrast: bool  # mask the global diagonal (NT-Xent)
+    partner: torch.Tensor  # p(i): local text row of each image's positive
+    row_weight: torch.Tensor  # a_i
+    col_weight: torch.Tensor | None  # c_j, None: no column term
+    positive_weight: torch.Tensor  # a_i + c_p(i): the weight of x_i,p(i)
+
+
+class _TiledContrastiveLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, image, text, scale, plan: _Plan):
+        row_offset = plan.layout.rank * len(image)
+        row_lse = torch.full((len(image),), float("-inf"), device=image.device)
+
+        def visit(owner, text_block):
+            nonlocal row_lse
+            rows, cols = plan.primitives.lse_pass(
+                image, text_block, scale, row_offset=row_offset, col_offset=owner * len(text),
+                mask_diagonal=plan.self_contrast, need_col=plan.col_weight is not None, exact=plan.exact,
+            )
+            row_lse = torch.logaddexp(row_lse, rows)
+            return cols
+
+        col_lse = circulate([text], visit, torch.logaddexp, plan.group)
+        positive = scale * (image.float() * text[plan.partner].float()).sum(1)
+        loss = (plan.row_weight * row_lse).sum() - (plan.positive_weight * positive).sum()
+        if col_lse is not None:
+            loss = loss + (plan.col_weight * col_lse).sum()
+        if plan.layout.world > 1:
+            dist.all_reduce(loss, group=plan.group)  # every rank summed its own rows and columns
+        ctx.save_for_backward(image, text, scale, row_lse, col_lse)
+        ctx.plan = plan
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        image, text, scale, row_lse, col_lse = ctx.saved_tensors
+        plan = ctx.plan
+        weigh = grad_loss.float() * plan.layout.world  # DDP's convention, see the module docstring
+        row_weight = plan.row_weight * weigh
+        grad_image = torch.zeros(image.shape, dtype=torch.float32, device=image.device)
+        # The visiting block brings its owner's global column LSE and weights.
+        block = [text] if col_lse is None else [text, torch.stack([col_lse, plan.col_weight * weigh])]
+
+        def visit(owner, text_block, col_stats=None):
+            col_lse_block, col_weight_block = (None, None) if col_stats is None else col_stats
+            _, grad_text_block = plan.primitives.grad_pass(
+                image, text_block, scale, row_lse, col_lse_block, row_weight, col_weight_block,
+                row_offset=plan.layout.rank * len(image), col_offset=owner * len(text),
+                mask_diagonal=plan.self_contrast, grad_image=grad_image, exact=plan.exact,
+            )
+            return grad_text_block
+
+        grad_text = circulate(block, visit, torch.add, plan.group)
+        # The positive logits x_i,p(i) = s <I_i, T_p(i)> are local to this rank.
+        positive_weight = scale * (plan.positive_weight * weigh)[:, None]
+        grad_image -= positive_weight * text[plan.partner].float()
+        grad_text.index_add_(0, plan.partner, -positive_weight * image.float())
+        grad_scale = (grad_image * image.float()).sum() / scale  # this rank's share of dL/ds
+        return grad_image.to(image.dtype), grad_text.to(text.dtype), grad_scale.to(scale.dtype).reshape(scale.shape), None
+
+
+def _full(n: int, value: float, device) -> torch.Tensor:
+    return torch.full((n,), value, dtype=torch.float32, device=device)
+
+
+def infcl_loss(
+    image_features, text_features, logit_scale, group=None, *, backend="auto", tile_size=None, exact=False
+):
+    """The global symmetric CLIP loss (open_clip's), never materialising the b x b logits.
+
+    Rectangular batches: texts beyond the number of images are extra negatives
+    (image->text only). `exact=True` forbids TF32 for float32 inputs.
+    """
+    layout, logit_scale = check_clip_inputs(image_features, text_features, logit_scale, group)
+    device = image_features.device
+    half_mean = 1.0 / (2 * layout.global_images)
+    col_weight = torch.cat([_full(layout.images, half_mean, device), _full(layout.texts - layout.images, 0.0, device)])
+    plan = _Plan(
+        layout, group, select_backend(backend, device, tile_size), exact, self_contrast=False,
+        partner=torch.arange(layout.images, device=device),
+        row_weight=_full(layout.images, half_mean, device),
+        col_weight=col_weight,
+        positive_weight=_full(layout.images, 2 * half_mean, device),
+    )
+    return _TiledContrastiveLoss.apply(image_features, text_features, logit_scale, plan)
+
+
+def ntxent_loss(features, temperature, group=None, *, backend="auto", tile_size=None, exact=False):
+    """SimCLR's NT-Xent: features [2b, d] = [view 1; view 2] of b samples, similarity <f_i, f_j> / t.
+
+    The positive of row k is row (k + b) mod 2b *of the same rank*; every other
+    row of every rank is a negative; self-similarity is excluded. With several
+    ranks this is the usual SimCLR setup: each rank stacks the two views of its
+    own samples, and the global batch is the concatenation of the ranks' blocks.
+    `temperature` may be a tensor (then it receives a gradient).
+    """
+    temperature = as_scale(temperature, features)
+    if not float(temperature.detach()) > 0:
+        raise ValueError(f"temperature must be positive, got {float(temperature.detach())}")
+    scale = 1.0 / temperature
+    layout = check_inputs({"features": features}, scale, group)
+    if layout.images % 2:
+        raise ValueError(f"features must stack two views [2b, d]; got an odd number of rows ({layout.images})")
+    device = features.device
+    rows = layout.images
+    weight = _full(rows, 1.0 / layout.global_images, device)
+    plan = _Plan(
+        layout, group, select_backend(backend, device, tile_size), exact, self_contrast=True,
+        partner=(torch.arange(rows, device=device) + rows // 2) % rows,
+        row_weight=weight, col_weight=None, positive_weight=weight,
+    )
+    return _TiledContrastiveLoss.apply(features, features, scale, plan)
+
+
+class _TiledLossModule(nn.Module):
+    def __init__(self, backend="auto", tile_size=None, exact=False, group=None):
+        super().__init__()
+        select_backend(backend, "cpu", tile_size)  # fail at build time on a bad option
+        self.options = dict(backend=backend, tile_size=tile_size, exact=exact)
+        self.group = group
+
+
+@register_loss("infcl")
+class InfCLLoss(_TiledLossModule):
+    def forward(self, image_features, text_features, logit_scale):
+        return infcl_loss(image_features, text_features, logit_scale, self.group, **self.options)
+
+
+@register_loss("ntxent")
+class NTXentLoss(_TiledLossModule):
+    def __init__(self, temperature=0.1, **options):
+        super().__init__(**options)
+        self.temperature = temperature
+
+    def forward(self, features):
+        return ntxent_loss(features, self.temperature, self.group, **self.options)

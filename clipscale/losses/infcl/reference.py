@@ -1,0 +1,108 @@
+"""The Inf-CL tile primitives in plain PyTorch (any device), to the contract in
+`clipscale.losses.infcl` (see its docstring for the exact math).
+
+A block [m, d] x [n, d] is walked in tiles of at most `tile_size` rows and
+columns, so the largest intermediate is a few [tile, tile] float32 tensors,
+never [m, n]. Each tile's logits are recomputed from the features:
+
+    x = scale * I_tile @ T_tile.T          (float32 accumulation)
+    lse_pass:   row_lse <- logaddexp(row_lse, lse over the tile's columns)
+                col_lse <- logaddexp(col_lse, lse over the tile's rows)
+    grad_pass:  G = row_weight * exp(x - row_lse) + col_weight * exp(x - col_lse)
+                grad_image += scale * G @ T_tile ;  grad_text += scale * G.T @ I_tile
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+TILE_SIZE = 1024
+
+
+def _spans(total: int, tile_size: int) -> list[tuple[int, int]]:
+    return [(start, min(start + tile_size, total)) for start in range(0, total, tile_size)]
+
+
+@contextmanager
+def _matmul_precision(exact: bool):
+    """exact=True: full fp32 products (no TF32) for float32 inputs, restored afterwards."""
+    previous = torch.get_float32_matmul_precision()
+    if exact:
+        torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+class _Tiles:
+    """The tiles of one block and their logits, masked on the global diagonal if asked."""
+
+    def __init__(self, image, text, scale, row_offset, col_offset, mask_diagonal, tile_size):
+        self.image, self.text, self.scale = image, text, scale
+        self.row_offset, self.col_offset, self.mask_diagonal = row_offset, col_offset, mask_diagonal
+        self.rows, self.cols = _spans(len(image), tile_size), _spans(len(text), tile_size)
+
+    def __iter__(self):
+        """Yields (row span, column span, image tile, text tile, logits, mask or None)."""
+        for r0, r1 in self.rows:
+            # bf16/fp16 products are exact in float32, so upcasting tile by tile
+            # gives float32 accumulation without ever holding a float32 copy of a block.
+            image_tile = self.image[r0:r1].float()
+            for c0, c1 in self.cols:
+                text_tile = self.text[c0:c1].float()
+                logits = self.scale * (image_tile @ text_tile.T)
+                mask = self._diagonal(r0, r1, c0, c1, logits.device)
+                if mask is not None:
+                    logits = logits.masked_fill(mask, float("-inf"))
+                yield (r0, r1), (c0, c1), image_tile, text_tile, logits, mask
+
+    def _diagonal(self, r0, r1, c0, c1, device):
+        first, last = max(self.row_offset + r0, self.col_offset + c0), min(self.row_offset + r1, self.col_offset + c1)
+        if not self.mask_diagonal or first >= last:
+            return None  # this tile does not touch the global diagonal
+        rows = torch.arange(self.row_offset + r0, self.row_offset + r1, device=device)
+        cols = torch.arange(self.col_offset + c0, self.col_offset + c1, device=device)
+        return rows[:, None] == cols[None, :]
+
+
+def lse_pass(
+    image, text, scale, *, row_offset=0, col_offset=0, mask_diagonal=False, need_col=True, exact=False,
+    tile_size=TILE_SIZE,
+):
+    """(row_lse [m], col_lse [n] or None), float32, over this block only."""
+    row_lse = torch.full((len(image),), float("-inf"), device=image.device)
+    col_lse = torch.full((len(text),), float("-inf"), device=text.device) if need_col else None
+    with _matmul_precision(exact):
+        for (r0, r1), (c0, c1), _, _, logits, _ in _Tiles(
+            image, text, scale, row_offset, col_offset, mask_diagonal, tile_size
+        ):
+            row_lse[r0:r1] = torch.logaddexp(row_lse[r0:r1], logits.logsumexp(1))
+            if need_col:
+                col_lse[c0:c1] = torch.logaddexp(col_lse[c0:c1], logits.logsumexp(0))
+    return row_lse, col_lse
+
+
+def grad_pass(
+    image, text, scale, row_lse, col_lse, row_weight, col_weight, *, row_offset=0, col_offset=0,
+    mask_diagonal=False, grad_image=None, grad_text=None, exact=False, tile_size=TILE_SIZE,
+):
+    """(grad_image [m, d], grad_text [n, d]) float32, accumulated in place when given."""
+    if grad_image is None:
+        grad_image = torch.zeros(image.shape, dtype=torch.float32, device=image.device)
+    if grad_text is None:
+        grad_text = torch.zeros(text.shape, dtype=torch.float32, device=text.device)
+    with _matmul_precision(exact):
+        for (r0, r1), (c0, c1), image_tile, text_tile, logits, mask in _Tiles(
+            image, text, scale, row_offset, col_offset, mask_diagonal, tile_size
+        ):
+            g = row_weight[r0:r1, None] * torch.exp(logits - row_lse[r0:r1, None])
+            if col_weight is not None:
+                g = g + col_weight[None, c0:c1] * torch.exp(logits - col_lse[None, c0:c1])
+            if mask is not None:
+                g = g.masked_fill(mask, 0.0)  # exp(-inf - lse) is 0 unless a whole row is masked
+            grad_image[r0:r1] += scale * (g @ text_tile)
+            grad_text[c0:c1] += scale * (g.T @ image_tile)
+    return grad_image, grad_text
