@@ -12,7 +12,7 @@ sample on its own. So one step is:
      through it: dL/dtheta = sum over chunks of (dL/dfeatures_chunk) . dfeatures_chunk/dtheta.
 
 The parameter gradients are those of one forward/backward over the whole batch; the
-price is one extra encoder forward. See DESIGN.md, "Gradient Cache and offload".
+price is one extra encoder forward. A batch of a single chunk takes the plain step. See DESIGN.md, "Gradient Cache and offload".
 
     step = GradCache(model, loss_fn, chunk_size=512, autocast=torch.bfloat16)
     loss = step(images, texts)   # gradients accumulated into model parameters
@@ -152,6 +152,8 @@ class GradCache:
         if len(images) == 0:
             raise ValueError("empty batch")
         bounds = [(s, min(s + self.chunk_size, len(images))) for s in range(0, len(images), self.chunk_size)]
+        if len(bounds) == 1:  # the batch is one chunk: a plain step, no second forward needed
+            return self.plain_step(next(self.chunks(images, bounds)), next(self.chunks(texts, bounds)))
         train_image, train_text = trainable_towers(self.module)
 
         # Without offload, pass 1's device chunks are kept for pass 2 instead of loaded twice.
@@ -180,6 +182,13 @@ class GradCache:
                     grads += [g for _, g in trainable]
                 if outputs:
                     torch.autograd.backward(outputs, grads)
+        return loss.detach()
+
+    def plain_step(self, images: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            out = encode(self.model, images, texts)
+            loss = self.loss_fn(out.image, out.text, *out.scalars)
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         return loss.detach()
 
     def chunks(self, batch: Batch, bounds: Sequence[tuple[int, int]]) -> Iterator[torch.Tensor]:

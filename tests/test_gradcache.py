@@ -156,6 +156,17 @@ def test_chunking_is_invisible_without_dropout():
     assert relative_error(grads, want) < 1e-5
 
 
+def test_one_chunk_is_a_plain_step():
+    model, loss_fn = tiny_clip(), float64_clip_loss
+    calls = []
+    model.visual.register_forward_hook(lambda *_: calls.append(1))
+    images, texts = make_batch(10, seed=0)
+    _, grads = gradcache_grads(model, loss_fn, images, texts, chunk_size=16)
+    assert len(calls) == 1
+    _, want = plain_grads(model, loss_fn, images, texts, chunk_size=10)
+    assert relative_error(grads, want) == 0.0
+
+
 def test_leaves_rng_where_one_pass_would():
     model, loss_fn = tiny_clip(), float64_clip_loss
     images, texts = make_batch(10, seed=0)
