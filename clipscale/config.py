@@ -1,0 +1,250 @@
+"""The run configuration: typed sections, YAML file, dotted command-line overrides.
+
+Precedence is command line > YAML file > defaults. Every key is checked
+before any work starts: an unknown key names the allowed ones, a bad value
+names the key, the expected type and (for choices) the allowed values.
+
+    cfg = load_config("configs/digits.yaml", ["train.steps=100", "loss.name=infcl"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before any work starts."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "digits"
+    output_dir: str = "runs"
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    resume: bool = True  # continue from runs/<name>/checkpoints/latest.pt when it exists
+
+
+@dataclass
+class ModelConfig:
+    # An open_clip architecture name (ViT-B-16, ...) or, when `custom` is given,
+    # the open_clip.CLIP keyword arguments (embed_dim, vision_cfg, text_cfg, ...).
+    name: Optional[str] = None
+    custom: Optional[dict] = None
+    pretrained: Optional[str] = None  # local checkpoint path only; nothing is downloaded
+    grad_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    # "digits": scikit-learn's handwritten digits, written as shards on first use.
+    # "webdataset": train_shards / val_shards brace patterns ("data/{000..099}.tar").
+    kind: Literal["digits", "webdataset"] = "digits"
+    root: str = "data/digits"
+    train_shards: Optional[str] = None
+    image_size: int = 32
+    workers: int = 2
+    shuffle_buffer: int = 1000
+
+
+@dataclass
+class LossConfig:
+    name: str = "vanilla"
+    options: dict = field(default_factory=dict)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.2
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-6
+    warmup_steps: int = 50
+    grad_clip: Optional[float] = 1.0  # max global grad norm; null disables
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 256  # global: the number of negatives each sample sees
+    chunk_size: Optional[int] = None  # per-GPU encoder sub-batch (Gradient Cache); null = whole batch
+    offload: bool = False
+    steps: int = 300
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    log_every: int = 10
+    checkpoint_every: int = 100
+    max_nonfinite_steps: int = 10  # consecutive skipped steps before the run stops
+
+
+@dataclass
+class EvalConfig:
+    every_n_steps: int = 0  # 0: evaluate only at the end of training
+    zeroshot: bool = True
+    batch_size: int = 256
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: str = "clipscale"
+    mode: Literal["auto", "online", "offline"] = "auto"  # auto: offline when no API key
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _describe(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp) -> Any:
+    """Check `value` against the annotation `tp`, allowing int -> float and nothing else implicit."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError:
+                pass
+    elif origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif tp is float and isinstance(value, str):
+        # PyYAML (YAML 1.1) reads 5e-4 without a dot as a string; accept it as the number it means.
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    elif tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    elif tp in (str, bool, dict, list) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{key}: got {value!r}, expected {_describe(tp)}")
+
+
+def _apply(section, updates: dict, prefix: str) -> None:
+    hints = typing.get_type_hints(type(section))
+    for key, value in updates.items():
+        if key not in hints:
+            allowed = ", ".join(hints)
+            raise ConfigError(f"unknown key {prefix}{key}; allowed keys in {prefix.rstrip('.') or 'the config'}: {allowed}")
+        current = getattr(section, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{prefix}{key}: expected a mapping of its keys, got {value!r}")
+            _apply(current, value, f"{prefix}{key}.")
+        else:
+            setattr(section, key, _coerce(prefix + key, value, hints[key]))
+
+
+def _override_to_nested(override: str) -> dict:
+    """'train.steps=100' -> {'train': {'steps': 100}}; the value is parsed as YAML."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like section.key=value")
+    dotted, raw = override.split("=", 1)
+    value = yaml.safe_load(raw) if raw != "" else ""
+    nested: dict = {}
+    node = nested
+    parts = dotted.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return nested
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def validate(cfg: Config) -> None:
+    """Checks that span keys; per-key types are checked while applying."""
+    if (cfg.model.name is None) == (cfg.model.custom is None):
+        raise ConfigError("model: set exactly one of model.name (an open_clip architecture) or model.custom (a CLIP config dict)")
+    if cfg.model.name is not None:
+        import open_clip
+
+        if cfg.model.name not in open_clip.list_models():
+            raise ConfigError(f"model.name: unknown open_clip architecture {cfg.model.name!r}; see open_clip.list_models()")
+    if cfg.model.pretrained is not None and not Path(cfg.model.pretrained).is_file():
+        raise ConfigError(f"model.pretrained: no file at {cfg.model.pretrained!r} (only local checkpoints are loaded)")
+    from clipscale.losses import available_losses
+
+    if cfg.loss.name not in available_losses():
+        raise ConfigError(f"loss.name: got {cfg.loss.name!r}, expected one of {', '.join(available_losses())}")
+    if cfg.data.kind == "webdataset" and not cfg.data.train_shards:
+        raise ConfigError("data.train_shards: required when data.kind is 'webdataset'")
+    positive = {
+        "train.batch_size": cfg.train.batch_size,
+        "train.steps": cfg.train.steps,
+        "train.log_every": cfg.train.log_every,
+        "train.checkpoint_every": cfg.train.checkpoint_every,
+        "data.image_size": cfg.data.image_size,
+        "eval.batch_size": cfg.eval.batch_size,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}: must be positive, got {value}")
+    if cfg.train.chunk_size is not None and cfg.train.chunk_size <= 0:
+        raise ConfigError(f"train.chunk_size: must be positive or null, got {cfg.train.chunk_size}")
+    if cfg.optim.lr <= 0:
+        raise ConfigError(f"optim.lr: must be positive, got {cfg.optim.lr}")
+    if cfg.data.workers < 0:
+        raise ConfigError(f"data.workers: must be >= 0, got {cfg.data.workers}")
+
+
+def check_world(cfg: Config, world_size: int) -> None:
+    if cfg.train.batch_size % world_size:
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} is the global batch and must split evenly over "
+            f"{world_size} processes (it leaves a remainder of {cfg.train.batch_size % world_size})"
+        )
+
+
+def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
+    raw: dict = {}
+    if path is not None:
+        text = Path(path).read_text()
+        raw = yaml.safe_load(text) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    for override in overrides:
+        _merge(raw, _override_to_nested(override))
+    cfg = Config()
+    _apply(cfg, raw, "")
+    validate(cfg)
+    return cfg

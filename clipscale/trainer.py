@@ -1,0 +1,318 @@
+"""The training loop. Read top to bottom, it is the algorithm:
+
+    set up the world, data, towers, loss, optimizer   (each its own module)
+    resume from runs/<name>/checkpoints/latest.pt if it exists
+    for each step: lr schedule -> step strategy (forward, loss, backward)
+                   -> unscale, clip, skip if non-finite -> optimizer
+                   -> clamp logit scale -> log / evaluate / checkpoint
+    final evaluation and checkpoint
+
+The loop does not know how the loss is computed (`build_loss`) nor how the
+batch is split into encoder chunks (the step strategy: one plain forward and
+backward, or Gradient Cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import signal
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import yaml
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from clipscale.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from clipscale.config import Config, check_world
+from clipscale.data import prepare_data
+from clipscale.data.shards import ShardStream, StreamState
+from clipscale.distributed import (
+    World,
+    all_gather_objects,
+    all_reduce_max,
+    all_reduce_sum,
+    init_distributed,
+    shutdown_distributed,
+)
+from clipscale.eval import evaluate_zeroshot, zeroshot_classifier
+from clipscale.losses import build_loss
+from clipscale.metrics import MetricsLogger
+from clipscale.models import build_model
+from clipscale.optim import build_optimizer, cosine_lr
+
+MAX_LOGIT_SCALE = math.log(100)  # open_clip clamps the learnable temperature at 100
+
+
+def autocast_factory(precision: str, device: torch.device):
+    if precision == "fp32":
+        return contextlib.nullcontext
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+class PlainStep:
+    """One forward and backward over the whole per-rank batch."""
+
+    def __init__(self, model, loss_fn, autocast, scaler):
+        self.model, self.loss_fn, self.autocast, self.scaler = model, loss_fn, autocast, scaler
+
+    def __call__(self, images: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            out = self.model(images, texts)
+            loss = self.loss_fn(out["image_features"], out["text_features"], out["logit_scale"])
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        return loss.detach()
+
+
+def build_step(cfg: Config, model, loss_fn, autocast, scaler, world: World):
+    per_rank = cfg.train.batch_size // world.world_size
+    if cfg.train.chunk_size is None or cfg.train.chunk_size >= per_rank:
+        return PlainStep(model, loss_fn, autocast, scaler)
+    from clipscale.gradcache import GradCache
+
+    return GradCache(model, loss_fn, chunk_size=cfg.train.chunk_size, autocast=autocast, scaler=scaler)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class Preemption:
+    """SIGTERM / SIGUSR1 (what SLURM and torchrun send before stopping a job) ask the
+    loop to finish its current step, checkpoint and leave. Ranks agree on the step
+    to stop at, so they all write the same checkpoint."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.signum = 0
+        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def requested(self, device: torch.device) -> int:
+        """The signal number any rank received (0 for none)."""
+        return int(all_reduce_max(self.signum, device))
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+class Evaluator:
+    """Zero-shot classification on the held-out split, the same on every rank."""
+
+    def __init__(self, cfg: Config, data, towers, world: World, autocast):
+        self.cfg, self.data, self.towers, self.world, self.autocast = cfg, data, towers, world, autocast
+
+    def __call__(self, model) -> dict:
+        unwrapped = model.module if isinstance(model, DistributedDataParallel) else model
+        was_training = unwrapped.training
+        unwrapped.eval()
+        classifier = zeroshot_classifier(
+            unwrapped, self.towers.tokenizer, self.data.classnames, self.data.templates, self.world.device, autocast=self.autocast
+        )
+        loader = self.data.val_loader(self.towers.val_transform, self.world, self.cfg.eval.batch_size)
+        metrics = evaluate_zeroshot(unwrapped, classifier, loader, self.world.device, autocast=self.autocast, progress=False)
+        unwrapped.train(was_training)
+        return {f"zeroshot_{k}": v for k, v in metrics.items()}
+
+
+def train(cfg: Config) -> dict:
+    """Run (or resume) the configured job. Returns the last evaluation's results,
+    or {"preempted_by": signal number} when a signal stopped it after a checkpoint."""
+    world = init_distributed(cfg.run.device)
+    preemption = Preemption()
+    try:
+        return _train(cfg, world, preemption)
+    finally:
+        preemption.restore()
+        shutdown_distributed()
+
+
+def _train(cfg: Config, world: World, preemption: Preemption) -> dict:
+    check_world(cfg, world.world_size)
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    checkpoint_dir = run_dir / "checkpoints"
+    torch.manual_seed(cfg.run.seed)
+    data = prepare_data(cfg.data, world)
+    towers = build_model(cfg.model)
+    model = towers.model.to(world.device)
+    loss_fn = build_loss(cfg.loss.name, **cfg.loss.options)
+    optimizer = build_optimizer(model, cfg.optim, fused=world.device.type == "cuda")
+    scaler = torch.amp.GradScaler(world.device.type) if cfg.train.precision == "fp16" else None
+    autocast = autocast_factory(cfg.train.precision, world.device)
+
+    start_step, stream_state, nonfinite_total = 0, StreamState(), 0
+    resume_path = latest_checkpoint(checkpoint_dir) if cfg.run.resume else None
+    if resume_path is not None:
+        ckpt = load_checkpoint(resume_path)
+        model.load_state_dict(ckpt["state_dict"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if scaler is not None and ckpt.get("scaler"):
+            scaler.load_state_dict(ckpt["scaler"])
+        start_step, nonfinite_total = ckpt["step"], ckpt.get("nonfinite_steps", 0)
+        if len(ckpt["data"]) == world.world_size:
+            stream_state = StreamState(**ckpt["data"][world.rank])
+            set_rng_state(ckpt["rng"][world.rank], world.device)
+        elif world.is_main:
+            print(f"resuming on {world.world_size} processes from a run on {len(ckpt['data'])}: the data order restarts")
+
+    if world.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    logger = MetricsLogger(run_dir, cfg, enabled=world.is_main, resume_step=start_step)
+
+    if world.distributed:
+        model = DistributedDataParallel(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
+    step_fn = build_step(cfg, model, loss_fn, autocast, scaler, world)
+    evaluator = Evaluator(cfg, data, towers, world, autocast) if cfg.eval.zeroshot else None
+    unwrapped = model.module if world.distributed else model
+
+    per_rank_batch = cfg.train.batch_size // world.world_size
+    stream = ShardStream(
+        data.train_shards,
+        batch_size=per_rank_batch,
+        rank=world.rank,
+        world_size=world.world_size,
+        num_workers=cfg.data.workers,
+        seed=cfg.run.seed,
+        image_transform=towers.train_transform,
+        tokenizer=towers.tokenizer,
+        shuffle_buffer=cfg.data.shuffle_buffer,
+        state=stream_state,
+    )
+    loader = torch.utils.data.DataLoader(
+        stream,
+        batch_size=None,
+        num_workers=cfg.data.workers,
+        persistent_workers=cfg.data.workers > 0,
+        pin_memory=world.device.type == "cuda",
+    )
+
+    def checkpoint(step: int) -> None:
+        states = all_gather_objects(asdict(stream_state))
+        rngs = all_gather_objects(rng_state(world.device))
+        if world.is_main:
+            save_checkpoint(
+                checkpoint_dir,
+                step,
+                {
+                    "name": cfg.run.name,
+                    "epoch": step * cfg.train.batch_size // max(1, data.num_train),
+                    "step": step,
+                    "state_dict": unwrapped.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scaler": scaler.state_dict() if scaler is not None else None,
+                    "config": cfg.to_dict(),
+                    "data": states,
+                    "rng": [{k: v.cpu() for k, v in r.items()} for r in rngs],
+                    "nonfinite_steps": nonfinite_total,
+                },
+            )
+
+    def evaluate(step: int) -> dict:
+        results = evaluator(model)
+        logger.log(step, results)
+        logger.write_json(run_dir / "eval" / f"step_{step:08d}.json", {"step": step, **results})
+        return results
+
+    model.train()
+    progress = tqdm(total=cfg.train.steps, initial=start_step, disable=not world.is_main, desc=cfg.run.name, dynamic_ncols=True)
+    nonfinite_in_a_row, skipped_samples = 0, 0
+    window_start, window_samples = time.perf_counter(), 0
+    batches = iter(loader)
+    results: dict = {}
+    for step in range(start_step, cfg.train.steps):
+        batch = next(batches)
+        stream_state.update(batch)
+        skipped_samples += batch["skipped"]
+        images = batch["images"].to(world.device, non_blocking=True)
+        texts = batch["texts"].to(world.device, non_blocking=True)
+        lr = cosine_lr(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.train.steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        loss = step_fn(images, texts)
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(unwrapped.parameters(), max_norm)
+        finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
+        if scaler is not None:
+            scaler.step(optimizer)  # skips by itself on inf/nan gradients
+            scaler.update()
+        elif finite:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if finite:
+            nonfinite_in_a_row = 0
+        else:  # the weights were not touched
+            nonfinite_total += 1
+            nonfinite_in_a_row += 1
+            if nonfinite_in_a_row > cfg.train.max_nonfinite_steps and scaler is None:
+                raise RuntimeError(
+                    f"{nonfinite_in_a_row} steps in a row had a non-finite loss or gradient (last at step {step + 1}); "
+                    "stopping. Lower optim.lr, check the data, or use train.precision=bf16/fp32."
+                )
+        with torch.no_grad():
+            unwrapped.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
+
+        done = step + 1
+        window_samples += cfg.train.batch_size
+        progress.update(1)
+        if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+            elapsed = time.perf_counter() - window_start
+            record = {
+                "loss": loss.item(),
+                "lr": lr,
+                "logit_scale": unwrapped.logit_scale.exp().item(),
+                "grad_norm": grad_norm.item(),
+                "samples_per_s": window_samples / elapsed,
+                "peak_memory_gib": peak_memory_gib(world.device),
+                "skipped_samples": int(all_reduce_sum(skipped_samples, world.device)),
+                "nonfinite_steps": nonfinite_total,
+            }
+            logger.log(done, record)
+            progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}")
+            window_start, window_samples = time.perf_counter(), 0
+        if evaluator is not None and cfg.eval.every_n_steps and done % cfg.eval.every_n_steps == 0 and done < cfg.train.steps:
+            results = evaluate(done)
+        signum = preemption.requested(world.device)
+        if signum or done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
+            checkpoint(done)
+        if signum:
+            progress.close()
+            if world.is_main:
+                print(f"stopped by signal {signum} after step {done}; the same command resumes from the checkpoint")
+            logger.close()
+            return {"preempted_by": signum}
+    progress.close()
+
+    if evaluator is not None:
+        results = evaluate(cfg.train.steps)
+        if world.is_main:
+            print(f"zero-shot top-1 on the held-out split: {100 * results['zeroshot_acc1']:.2f}%")
+    logger.close()
+    return results

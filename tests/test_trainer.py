@@ -1,0 +1,208 @@
+"""The end-to-end trainer: config errors, digits shards, exact resumption, torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from clipscale.config import ConfigError, check_world, load_config
+from clipscale.data.digits import CAPTION_TEMPLATES, ZEROSHOT_TEMPLATES, write_digits_shards
+from clipscale.data.shards import ShardStream, StreamState
+from clipscale.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+DIGITS_YAML = str(REPO / "configs" / "digits.yaml")
+
+# A model small enough for a few seconds of CPU training.
+TINY_MODEL = (
+    "model.custom={embed_dim: 32, "
+    "vision_cfg: {image_size: 32, patch_size: 8, width: 64, layers: 2, head_width: 32, mlp_ratio: 2.0}, "
+    "text_cfg: {context_length: 16, vocab_size: 49408, width: 64, heads: 2, layers: 2, mlp_ratio: 2.0}}"
+)
+
+
+@pytest.fixture(scope="module")
+def digits_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("digits")
+    write_digits_shards(root, image_size=32)
+    return root
+
+
+def tiny_run(digits_root: Path, output_dir: Path, *extra: str) -> list[str]:
+    return [
+        TINY_MODEL,
+        f"data.root={digits_root}",
+        f"run.output_dir={output_dir}",
+        "run.name=tiny",
+        "train.batch_size=64",
+        "train.log_every=1",
+        "optim.warmup_steps=5",
+        "optim.lr=2e-3",
+        "eval.every_n_steps=0",
+        *extra,
+    ]
+
+
+def run_train(overrides: list[str], *, nproc: int = 1, timeout: float = 240) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    return subprocess.run(
+        [*launcher, str(REPO / "train.py"), "--config", DIGITS_YAML, *overrides],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+# --- configuration -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.stepz=3", "unknown key train.stepz; allowed keys in train: batch_size, chunk_size"),
+        ("trian.steps=3", "unknown key trian; allowed keys in the config: run, model, data"),
+        ("train.steps=many", "train.steps: got 'many', expected int"),
+        ("train.precision=fp8", "train.precision: got 'fp8', expected one of 'fp32', 'bf16', 'fp16'"),
+        ("loss.name=magic", "loss.name: got 'magic', expected one of"),
+        ("train.batch_size=0", "train.batch_size: must be positive"),
+        ("model.name=ViT-B-16", "set exactly one of model.name"),
+        ("model.pretrained=/nonexistent.pt", "model.pretrained: no file at"),
+        ("train.steps", "must look like section.key=value"),
+    ],
+)
+def test_config_errors_name_the_key(override, expected):
+    with pytest.raises(ConfigError, match=None) as err:
+        load_config(DIGITS_YAML, [override])
+    assert expected in str(err.value)
+
+
+def test_config_overrides_merge_with_the_file():
+    cfg = load_config(DIGITS_YAML, ["train.steps=7", "loss.options.chunk_size=128", "optim.lr=1"])
+    assert cfg.train.steps == 7
+    assert cfg.loss.options == {"chunk_size": 128}
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.model.custom["vision_cfg"]["patch_size"] == 8  # untouched keys keep the file's values
+
+
+def test_global_batch_must_split_over_the_world():
+    cfg = load_config(DIGITS_YAML, ["train.batch_size=256"])
+    check_world(cfg, 4)
+    with pytest.raises(ConfigError, match="must split evenly over 3 processes"):
+        check_world(cfg, 3)
+
+
+def test_train_py_stops_before_any_work_on_a_bad_key(tmp_path):
+    result = run_train([f"run.output_dir={tmp_path}", "optim.learning_rate=1"], timeout=120)
+    assert result.returncode != 0
+    assert "unknown key optim.learning_rate" in result.stderr
+    assert not any(tmp_path.iterdir())
+
+
+# --- data --------------------------------------------------------------------
+
+
+def test_digits_shards_split_and_captions(digits_root):
+    manifest = json.loads((digits_root / "manifest.json").read_text())
+    assert manifest["num_train"] + manifest["num_val"] == 1797
+    import webdataset as wds
+
+    train = list(wds.WebDataset([str(digits_root / s) for s in manifest["train_shards"]], shardshuffle=False, empty_check=False))
+    val = list(wds.WebDataset([str(digits_root / s) for s in manifest["val_shards"]], shardshuffle=False, empty_check=False))
+    assert len(train) == manifest["num_train"] and len(val) == manifest["num_val"]
+    assert not {s["__key__"] for s in train} & {s["__key__"] for s in val}, "validation images leaked into training"
+    assert all("txt" not in s for s in val)
+    captions = {s["txt"].decode() for s in train}
+    assert len(captions) > 50  # varied templates, every class
+    phrasing = {t.split("{")[0] for t in CAPTION_TEMPLATES}
+    assert not any(t.split("{")[0] in phrasing for t in ZEROSHOT_TEMPLATES if t.split("{")[0])
+
+
+def _stream(digits_root, workers, state=None):
+    manifest = json.loads((digits_root / "manifest.json").read_text())
+    import torchvision.transforms as T
+
+    return ShardStream(
+        [str(digits_root / s) for s in manifest["train_shards"]],
+        batch_size=50, rank=0, world_size=1, num_workers=workers, seed=3,
+        image_transform=T.Compose([T.RandomResizedCrop(32, scale=(0.5, 1.0)), T.ToTensor()]),
+        tokenizer=lambda captions: captions, shuffle_buffer=100, state=state,
+    )
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stream_resumes_exactly(digits_root, workers):
+    """Batches after a resume equal the uninterrupted stream's, crops and worker order included."""
+
+    def batches(state, count):
+        loader = torch.utils.data.DataLoader(_stream(digits_root, workers, state), batch_size=None, num_workers=workers)
+        out = []
+        for batch in loader:
+            out.append(batch)
+            if len(out) == count:
+                return out
+
+    uninterrupted = batches(StreamState(), 40)  # 40 x 50 samples: crosses an epoch boundary
+    state = StreamState()
+    for batch in uninterrupted[:23]:  # odd: the resumed loader must rotate its workers
+        state.update(batch)
+    resumed = batches(state, 17)
+    for a, b in zip(uninterrupted[23:], resumed):
+        assert a["cursor"] == b["cursor"]
+        assert a["texts"] == b["texts"]
+        assert torch.equal(a["images"], b["images"])
+
+
+# --- training ----------------------------------------------------------------
+
+
+def test_training_improves_and_resumes_on_the_same_curve(digits_root, tmp_path):
+    """Stop a run with SIGTERM mid-way, rerun the same command: every later step's
+    loss equals that of a run that was never interrupted."""
+    steps = "train.steps=30"
+    reference = run_train(tiny_run(digits_root, tmp_path / "a", steps, "train.checkpoint_every=100"))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    curve = {m["step"]: m["loss"] for m in read_metrics(tmp_path / "a" / "tiny" / "metrics.jsonl") if "loss" in m}
+    assert len(curve) == 30
+    assert curve[30] < curve[1] - 0.3, curve
+
+    overrides = tiny_run(digits_root, tmp_path / "b", steps, "train.checkpoint_every=100")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), "--config", DIGITS_YAML, *overrides], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "b" / "tiny" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.time() < deadline, "run ended before it could be interrupted"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    stopped_at = max(m["step"] for m in read_metrics(metrics))
+    assert stopped_at < 30
+
+    resumed = run_train(overrides)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed_curve = {m["step"]: m["loss"] for m in read_metrics(metrics) if "loss" in m}
+    assert sorted(resumed_curve) == list(range(1, 31))
+    for step in range(stopped_at + 1, 31):
+        assert resumed_curve[step] == pytest.approx(curve[step], rel=1e-6, abs=1e-6), step
+    evaluation = json.loads((tmp_path / "b" / "tiny" / "eval" / "step_00000030.json").read_text())
+    assert 0.0 <= evaluation["zeroshot_acc1"] <= 1.0
+
+
+def test_torchrun_two_processes(digits_root, tmp_path):
+    result = run_train(tiny_run(digits_root, tmp_path, "train.steps=12", "data.workers=1"), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "tiny"
+    losses = [m["loss"] for m in read_metrics(run_dir / "metrics.jsonl") if "loss" in m]
+    assert len(losses) == 12 and losses[-1] < losses[0]
+    ckpt = torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)
+    assert ckpt["step"] == 12 and len(ckpt["data"]) == 2  # both ranks' data cursors
+    assert (run_dir / "eval" / "step_00000012.json").exists()
