@@ -74,3 +74,14 @@ def ntxent_loss_float64(features: list[torch.Tensor], temperature: float) -> Ref
     positive = (rows // two_b) * two_b + (rows % two_b + two_b // 2) % two_b
     loss = (logits.logsumexp(1) - logits[rows, positive]).mean()
     return _with_gradients(loss, [f], [features])
+
+
+def block_logits_float64(image, text, scale, row_offset=0, col_offset=0, mask_diagonal=False) -> torch.Tensor:
+    """The logits of one block of the tile-primitive contract (clipscale.losses.infcl):
+    x_ij = scale * <image_i, text_j>, -inf where mask_diagonal and row_offset + i == col_offset + j."""
+    x = float(scale) * image.double() @ text.double().T
+    if mask_diagonal:
+        rows = torch.arange(len(image))[:, None] + row_offset
+        cols = torch.arange(len(text))[None, :] + col_offset
+        x = x.masked_fill(rows == cols, float("-inf"))
+    return x

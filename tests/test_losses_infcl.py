@@ -1,0 +1,117 @@
+"""Inf-CL beyond equality with the reference: memory, the tile primitives, the backend switch.
+
+- The reference never allocates anything of size b x b: at b = 8192 the largest
+  tensor any op produces (measured with a TorchDispatchMode) is one float32 tile.
+- The primitives meet the contract at its edges (fully masked rows, offsets).
+- `backend="auto"` picks the reference on CPU, the Triton kernels under
+  TRITON_INTERPRET=1, and falls back when the kernels cannot be imported.
+- The Triton kernels (run by Triton's interpreter) give the same losses and
+  gradients inside the 2-rank ring.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from clipscale.losses import build_loss
+from clipscale.losses.infcl import infcl_loss, reference
+from clipscale.losses.infcl.loss import select_backend
+from gloo_world import run_in_gloo_world
+from reference_math import block_logits_float64
+from test_losses_distributed import Case, assert_matches_reference, worker
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the size in bytes of the largest tensor any op produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.bytes = max(self.bytes, t.numel() * t.element_size())
+        return out
+
+
+def _forward_backward(loss_name: str, b: int, d: int, **options) -> int:
+    generator = torch.Generator().manual_seed(0)
+    image = F.normalize(torch.randn(b, d, generator=generator), dim=1).requires_grad_()
+    text = F.normalize(torch.randn(b, d, generator=generator), dim=1).requires_grad_()
+    scale = torch.tensor(10.0, requires_grad=True)
+    with LargestTensor() as probe:
+        build_loss(loss_name, **options)(image, text, scale).backward()
+    return probe.bytes
+
+
+@pytest.mark.timeout(120)
+def test_reference_never_allocates_a_b_by_b_tensor():
+    b, d, tile = 8192, 64, reference.TILE_SIZE  # features [b, d] are 2 MiB, below one tile
+    largest = _forward_backward("infcl", b, d, backend="reference")
+    assert largest <= tile * tile * 4, f"largest tensor {largest / 2**20:.1f} MiB exceeds one float32 tile"
+    assert b * b * 4 >= 64 * largest  # the b x b logits would be 256 MiB
+
+
+def test_the_probe_sees_the_vanilla_matrix():
+    b = 1024
+    assert _forward_backward("vanilla", b, 64) >= b * b * 4
+
+
+def test_fully_masked_rows_give_minus_inf_and_zero_gradient():
+    generator = torch.Generator().manual_seed(0)
+    image, text = torch.randn(5, 8, generator=generator), torch.randn(3, 8, generator=generator)
+    # Rows 2..4 meet columns 0..2 on the global diagonal (row_offset 0, col_offset 2).
+    options = dict(row_offset=0, col_offset=2, mask_diagonal=True, tile_size=2)
+    row_lse, col_lse = reference.lse_pass(image, text, 2.0, **options)
+    logits = block_logits_float64(image, text, 2.0, 0, 2, True)
+    torch.testing.assert_close(row_lse.double(), logits.logsumexp(1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(col_lse.double(), logits.logsumexp(0), rtol=1e-6, atol=1e-6)
+    # A 1 x 1 block on the diagonal: its only entry is masked.
+    diagonal = dict(row_offset=4, col_offset=4, mask_diagonal=True)
+    one, _ = reference.lse_pass(image[:1], text[:1], 2.0, **diagonal)
+    assert one.item() == float("-inf")
+    weights = torch.ones(1)
+    grad_image, grad_text = reference.grad_pass(image[:1], text[:1], 2.0, one, None, weights, None, **diagonal)
+    assert grad_image.abs().sum() == 0 and grad_text.abs().sum() == 0
+
+
+def test_auto_backend_is_the_reference_on_cpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert select_backend("auto", "cpu") is reference
+    assert select_backend("reference", "cpu", tile_size=7).lse_pass.keywords == {"tile_size": 7}
+
+
+def test_auto_backend_falls_back_when_the_kernels_are_missing(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setitem(sys.modules, "clipscale.losses.infcl.kernels", None)  # import raises
+    with pytest.warns(UserWarning, match="using the PyTorch reference"):
+        assert select_backend("auto", "cpu") is reference
+    with pytest.raises(ModuleNotFoundError):
+        select_backend("triton", "cpu")
+
+
+TRITON_CASES = [
+    Case("infcl", 7, 9, 64, options={"backend": "triton", "exact": True}),  # rectangular, odd
+    Case("infcl", 6, 6, 32, torch.bfloat16, options={"backend": "triton"}),
+    Case("ntxent", 10, 10, 32, options={"backend": "triton", "exact": True}),
+]
+
+
+@pytest.mark.timeout(240)
+def test_triton_kernels_in_the_ring(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # inherited by the spawned ranks
+    per_rank = run_in_gloo_world(worker, 2, (TRITON_CASES,), timeout=200)
+    for i, case in enumerate(TRITON_CASES):
+        # The kernels keep the backward's weights G in bf16 for bf16 inputs, and
+        # s dL/ds = sum <dI, I> is a cancelling sum: its error grows to a few %.
+        scale_grad_tol = 6e-2 if case.dtype == torch.bfloat16 else None
+        assert_matches_reference(case, 2, [results[i] for results in per_rank], scale_grad_tol)
