@@ -23,6 +23,7 @@ from PIL import Image
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from clipscale.data import offload
 from clipscale.data.offload import EncodedSamples, HostTensor
 from clipscale.gradcache import GradCache, encode
 from clipscale.losses import build_loss
@@ -212,8 +213,9 @@ def normalise(pixels: torch.Tensor) -> torch.Tensor:
     return (pixels.float() / 255 - 0.5) / 0.25
 
 
-def test_offload_gives_the_same_gradients():
+def test_offload_gives_the_same_gradients(monkeypatch):
     """Encoded PNG bytes decoded per chunk in both passes == the decoded batch kept whole."""
+    monkeypatch.setattr(offload, "ROWS_PER_JOB", 2)  # several decode jobs per chunk
     model, loss_fn = tiny_clip(), float64_clip_loss
     pixels = torch.randint(0, 256, (10, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     _, texts = make_batch(10, seed=0)

@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+ROWS_PER_JOB = 32
+
 DeviceTransform = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -77,10 +79,16 @@ class EncodedSamples:
         buffer = torch.empty((stop - start, *first.shape), dtype=first.dtype, pin_memory=pin)
         buffer[0] = first
 
-        def fill(row: int) -> None:
-            buffer[row] = self.decode(self.samples[start + row])
+        def fill(rows: range) -> None:
+            for row in rows:
+                buffer[row] = self.decode(self.samples[start + row])
 
-        futures = [pool.submit(fill, row) for row in range(1, stop - start)]
+        # A few dozen rows per job: a million per-sample futures would cost more Python
+        # time than the decoding they schedule.
+        futures = [
+            pool.submit(fill, range(row, min(row + ROWS_PER_JOB, stop - start)))
+            for row in range(1, stop - start, ROWS_PER_JOB)
+        ]
 
         def wait() -> torch.Tensor:
             for future in futures:
