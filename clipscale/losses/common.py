@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
+import torch.nn as nn
 
 
 def rank_and_world(group=None) -> tuple[int, int]:
@@ -68,7 +69,8 @@ def _local_problem(named: dict[str, torch.Tensor], logit_scale: torch.Tensor) ->
     (first_name, first), *others = named.items()
     for name, features in named.items():
         if not isinstance(features, torch.Tensor) or not features.is_floating_point():
-            return f"{name} must be a floating-point tensor, got {getattr(features, 'dtype', type(features).__name__)}"
+            kind = getattr(features, "dtype", type(features).__name__)
+            return f"{name} must be a floating-point tensor, got {kind}"
         if features.dim() != 2:
             return f"{name} must have shape [batch, dim], got {tuple(features.shape)}"
         if features.shape[0] == 0:
@@ -121,6 +123,21 @@ def check_clip_inputs(image_features, text_features, logit_scale, group=None) ->
     logit_scale = as_scale(logit_scale, image_features)
     named = {"image_features": image_features, "text_features": text_features}
     return check_inputs(named, logit_scale, group), logit_scale
+
+
+class ClipLoss(nn.Module):
+    """Base of the CLIP losses: validates all ranks' inputs, then calls `compute`."""
+
+    def __init__(self, group=None):
+        super().__init__()
+        self.group = group
+
+    def forward(self, image_features, text_features, logit_scale):
+        layout, logit_scale = check_clip_inputs(image_features, text_features, logit_scale, self.group)
+        return self.compute(image_features, text_features, logit_scale, layout)
+
+    def compute(self, image, text, logit_scale, layout: Layout) -> torch.Tensor:
+        raise NotImplementedError
 
 
 def gather_with_grad(tensor: torch.Tensor, group=None) -> torch.Tensor:

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from clipscale.losses import register_loss
-from clipscale.losses.common import check_clip_inputs, report_global_mean
+from clipscale.losses.common import ClipLoss, report_global_mean
 from clipscale.losses.local import local_rows_loss
 
 
@@ -44,16 +43,11 @@ class DisCoGather(torch.autograd.Function):
 
 
 @register_loss("disco")
-class DisCoLoss(nn.Module):
-    def __init__(self, group=None):
-        super().__init__()
-        self.group = group
-
-    def forward(self, image_features, text_features, logit_scale):
-        layout, logit_scale = check_clip_inputs(image_features, text_features, logit_scale, self.group)
+class DisCoLoss(ClipLoss):
+    def compute(self, image, text, logit_scale, layout):
         if layout.world == 1:
-            all_image, all_text = image_features, text_features
+            all_image, all_text = image, text
         else:
-            all_image, all_text = DisCoGather.apply(image_features, text_features, self.group)
-        local = local_rows_loss(image_features, text_features, all_image, all_text, logit_scale, layout)
+            all_image, all_text = DisCoGather.apply(image, text, self.group)
+        local = local_rows_loss(image, text, all_image, all_text, logit_scale, layout)
         return report_global_mean(local, self.group)

@@ -14,16 +14,9 @@ gradient every rank computed for rank r's features: world * dL/dfeatures_r.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from clipscale.losses import register_loss
-from clipscale.losses.common import (
-    Layout,
-    check_clip_inputs,
-    clip_cross_entropy,
-    gather_with_grad,
-    report_global_mean,
-)
+from clipscale.losses.common import ClipLoss, Layout, clip_cross_entropy, gather_with_grad, report_global_mean
 
 
 def local_rows_loss(image, text, all_image, all_text, logit_scale, layout: Layout) -> torch.Tensor:
@@ -36,14 +29,9 @@ def local_rows_loss(image, text, all_image, all_text, logit_scale, layout: Layou
 
 
 @register_loss("local")
-class LocalLoss(nn.Module):
-    def __init__(self, group=None):
-        super().__init__()
-        self.group = group
-
-    def forward(self, image_features, text_features, logit_scale):
-        layout, logit_scale = check_clip_inputs(image_features, text_features, logit_scale, self.group)
-        all_image = gather_with_grad(image_features, self.group)
-        all_text = gather_with_grad(text_features, self.group)
-        local = local_rows_loss(image_features, text_features, all_image, all_text, logit_scale, layout)
+class LocalLoss(ClipLoss):
+    def compute(self, image, text, logit_scale, layout):
+        all_image = gather_with_grad(image, self.group)
+        all_text = gather_with_grad(text, self.group)
+        local = local_rows_loss(image, text, all_image, all_text, logit_scale, layout)
         return report_global_mean(local, self.group)

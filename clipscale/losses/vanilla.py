@@ -12,22 +12,16 @@ sum over ranks) hands rank r world * dL/dfeatures_r.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from clipscale.losses import register_loss
-from clipscale.losses.common import check_clip_inputs, clip_cross_entropy, gather_with_grad
+from clipscale.losses.common import ClipLoss, clip_cross_entropy, gather_with_grad
 
 
 @register_loss("vanilla")
-class VanillaLoss(nn.Module):
-    def __init__(self, group=None):
-        super().__init__()
-        self.group = group
-
-    def forward(self, image_features, text_features, logit_scale):
-        layout, logit_scale = check_clip_inputs(image_features, text_features, logit_scale, self.group)
-        all_image = gather_with_grad(image_features, self.group)
-        all_text = gather_with_grad(text_features, self.group)
+class VanillaLoss(ClipLoss):
+    def compute(self, image, text, logit_scale, layout):
+        all_image = gather_with_grad(image, self.group)
+        all_text = gather_with_grad(text, self.group)
         logits = logit_scale * all_image @ all_text.T
         partner = layout.global_partners(logits.device)
         # Text->image runs over the paired texts only; extra texts are negatives of images.

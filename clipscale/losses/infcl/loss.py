@@ -151,8 +151,8 @@ class _TiledContrastiveLoss(torch.autograd.Function):
         positive_weight = scale * (plan.positive_weight * weigh)[:, None]
         grad_image -= positive_weight * text[plan.partner].float()
         grad_text.index_add_(0, plan.partner, -positive_weight * image.float())
-        grad_scale = (grad_image * image.float()).sum() / scale  # this rank's share of dL/ds
-        return grad_image.to(image.dtype), grad_text.to(text.dtype), grad_scale.to(scale.dtype).reshape(scale.shape), None
+        grad_scale = ((grad_image * image.float()).sum() / scale).to(scale.dtype).reshape(scale.shape)
+        return grad_image.to(image.dtype), grad_text.to(text.dtype), grad_scale, None  # scale: this rank's share
 
 
 def _full(n: int, value: float, device) -> torch.Tensor:
@@ -170,7 +170,8 @@ def infcl_loss(
     layout, logit_scale = check_clip_inputs(image_features, text_features, logit_scale, group)
     device = image_features.device
     half_mean = 1.0 / (2 * layout.global_images)
-    col_weight = torch.cat([_full(layout.images, half_mean, device), _full(layout.texts - layout.images, 0.0, device)])
+    extra_texts = layout.texts - layout.images
+    col_weight = torch.cat([_full(layout.images, half_mean, device), _full(extra_texts, 0.0, device)])
     plan = _Plan(
         layout, group, select_backend(backend, device, tile_size), exact, self_contrast=False,
         partner=torch.arange(layout.images, device=device),

@@ -60,12 +60,11 @@ class _Tiles:
                 yield (r0, r1), (c0, c1), image_tile, text_tile, logits, mask
 
     def _diagonal(self, r0, r1, c0, c1, device):
-        first, last = max(self.row_offset + r0, self.col_offset + c0), min(self.row_offset + r1, self.col_offset + c1)
-        if not self.mask_diagonal or first >= last:
+        rows = range(self.row_offset + r0, self.row_offset + r1)  # global indices
+        cols = range(self.col_offset + c0, self.col_offset + c1)
+        if not self.mask_diagonal or max(rows.start, cols.start) >= min(rows.stop, cols.stop):
             return None  # this tile does not touch the global diagonal
-        rows = torch.arange(self.row_offset + r0, self.row_offset + r1, device=device)
-        cols = torch.arange(self.col_offset + c0, self.col_offset + c1, device=device)
-        return rows[:, None] == cols[None, :]
+        return torch.tensor(rows, device=device)[:, None] == torch.tensor(cols, device=device)[None, :]
 
 
 def lse_pass(
