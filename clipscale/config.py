@@ -86,8 +86,12 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     every_n_steps: int = 0  # 0: evaluate only at the end of training
-    zeroshot: bool = True
+    zeroshot: bool = True  # the held-out digits (data.kind: digits)
+    # Further sets: built-in names (imagenet, imagenet-v2, coco, ...) with their fields,
+    # e.g. {task: imagenet, data: /data/imagenet/val}, or task files; see clipscale/eval/tasks.py.
+    sets: list = field(default_factory=list)
     batch_size: int = 256
+    workers: int = 2
 
 
 @dataclass
@@ -225,6 +229,21 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optim.lr: must be positive, got {cfg.optim.lr}")
     if cfg.data.workers < 0:
         raise ConfigError(f"data.workers: must be >= 0, got {cfg.data.workers}")
+    for i, entry in enumerate(cfg.eval.sets):
+        try:
+            eval_task(entry)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"eval.sets[{i}]: {err}") from None
+
+
+def eval_task(entry):
+    """An eval.sets entry ({task: name, field: value, ...}, a task name or a task file) as an EvalTask."""
+    from clipscale.eval.tasks import resolve_task
+
+    if isinstance(entry, dict):
+        fields = dict(entry)
+        return resolve_task(fields.pop("task", fields), **fields) if "task" in entry else resolve_task(fields)
+    return resolve_task(entry)
 
 
 def check_world(cfg: Config, world_size: int) -> None:

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from clipscale.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from clipscale.config import Config, check_world
+from clipscale.config import Config, check_world, eval_task
 from clipscale.data import prepare_data
 from clipscale.data.shards import ShardStream, StreamState
 from clipscale.distributed import (
@@ -40,6 +40,7 @@ from clipscale.distributed import (
     shutdown_distributed,
 )
 from clipscale.eval import evaluate_zeroshot, zeroshot_classifier
+from clipscale.eval.tasks import run_task
 from clipscale.losses import build_loss
 from clipscale.metrics import MetricsLogger
 from clipscale.models import build_model
@@ -121,22 +122,35 @@ class Preemption:
 
 
 class Evaluator:
-    """Zero-shot classification on the held-out split, the same on every rank."""
+    """Every configured evaluation, run by all ranks together (each on its part of the data).
+
+    Results are flat `<set>_<metric>` keys: `zeroshot_acc1` for the held-out
+    digits, `imagenet_acc1`, `coco_image_retrieval_recall@1`, ... for eval.sets.
+    """
 
     def __init__(self, cfg: Config, data, towers, world: World, autocast):
         self.cfg, self.data, self.towers, self.world, self.autocast = cfg, data, towers, world, autocast
+        self.tasks = [eval_task(entry) for entry in cfg.eval.sets]
 
     def __call__(self, model) -> dict:
         unwrapped = model.module if isinstance(model, DistributedDataParallel) else model
-        was_training = unwrapped.training
-        unwrapped.eval()
-        classifier = zeroshot_classifier(
-            unwrapped, self.towers.tokenizer, self.data.classnames, self.data.templates, self.world.device, autocast=self.autocast
-        )
-        loader = self.data.val_loader(self.towers.val_transform, self.world, self.cfg.eval.batch_size)
-        metrics = evaluate_zeroshot(unwrapped, classifier, loader, self.world.device, autocast=self.autocast, progress=False)
-        unwrapped.train(was_training)
-        return {f"zeroshot_{k}": v for k, v in metrics.items()}
+        results = {}
+        if self.cfg.eval.zeroshot and self.data.classnames:
+            classifier = zeroshot_classifier(
+                unwrapped, self.towers.tokenizer, self.data.classnames, self.data.templates, self.world.device,
+                batch_size=self.cfg.eval.batch_size, autocast=self.autocast,
+            )
+            loader = self.data.val_loader(self.towers.val_transform, self.world, self.cfg.eval.batch_size)
+            metrics = evaluate_zeroshot(unwrapped, classifier, loader, self.world.device, autocast=self.autocast, progress=False)
+            results.update({f"zeroshot_{k}": v for k, v in metrics.items()})
+        for task in self.tasks:
+            metrics = run_task(
+                task, unwrapped, self.towers.tokenizer, self.towers.val_transform, self.world.device,
+                batch_size=self.cfg.eval.batch_size, workers=self.cfg.eval.workers, autocast=self.autocast,
+                progress=self.world.is_main,
+            )
+            results.update({f"{task.name}_{k}": v for k, v in metrics.items()})
+        return results
 
 
 def train(cfg: Config) -> dict:
@@ -187,7 +201,7 @@ def _train(cfg: Config, world: World, preemption: Preemption) -> dict:
     if world.distributed:
         model = DistributedDataParallel(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
     step_fn = build_step(cfg, model, loss_fn, autocast, scaler, world)
-    evaluator = Evaluator(cfg, data, towers, world, autocast) if cfg.eval.zeroshot else None
+    evaluator = Evaluator(cfg, data, towers, world, autocast)
     unwrapped = model.module if world.distributed else model
 
     per_rank_batch = cfg.train.batch_size // world.world_size
@@ -234,6 +248,8 @@ def _train(cfg: Config, world: World, preemption: Preemption) -> dict:
 
     def evaluate(step: int) -> dict:
         results = evaluator(model)
+        if not results:  # nothing configured to evaluate
+            return results
         logger.log(step, results)
         logger.write_json(run_dir / "eval" / f"step_{step:08d}.json", {"step": step, **results})
         return results
@@ -297,7 +313,7 @@ def _train(cfg: Config, world: World, preemption: Preemption) -> dict:
             logger.log(done, record)
             progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}")
             window_start, window_samples = time.perf_counter(), 0
-        if evaluator is not None and cfg.eval.every_n_steps and done % cfg.eval.every_n_steps == 0 and done < cfg.train.steps:
+        if cfg.eval.every_n_steps and done % cfg.eval.every_n_steps == 0 and done < cfg.train.steps:
             results = evaluate(done)
         signum = preemption.requested(world.device)
         if signum or done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
@@ -310,9 +326,8 @@ def _train(cfg: Config, world: World, preemption: Preemption) -> dict:
             return {"preempted_by": signum}
     progress.close()
 
-    if evaluator is not None:
-        results = evaluate(cfg.train.steps)
-        if world.is_main:
-            print(f"zero-shot top-1 on the held-out split: {100 * results['zeroshot_acc1']:.2f}%")
+    results = evaluate(cfg.train.steps)
+    if world.is_main and "zeroshot_acc1" in results:
+        print(f"zero-shot top-1 on the held-out split: {100 * results['zeroshot_acc1']:.2f}%")
     logger.close()
     return results

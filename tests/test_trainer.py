@@ -196,6 +196,21 @@ def test_training_improves_and_resumes_on_the_same_curve(digits_root, tmp_path):
     evaluation = json.loads((tmp_path / "b" / "tiny" / "eval" / "step_00000030.json").read_text())
     assert 0.0 <= evaluation["zeroshot_acc1"] <= 1.0
 
+    # The standalone script on the final checkpoint agrees with the in-training hook.
+    manifest = json.loads((digits_root / "manifest.json").read_text())
+    script = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "eval_zeroshot.py"),
+         "--checkpoint", str(tmp_path / "b" / "tiny" / "checkpoints" / "latest.pt"), "--task", "wds",
+         "--data", str(digits_root / f"val-{{0000..{len(manifest['val_shards']) - 1:04d}}}.tar"),
+         "--classnames", str(digits_root / "classnames.txt"), "--templates", str(digits_root / "templates.txt"),
+         "--device", "cpu", "--workers", "0", "--no-progress", "--output", str(tmp_path / "script.json")],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+    )
+    assert script.returncode == 0, script.stderr[-3000:]
+    script_metrics = json.loads((tmp_path / "script.json").read_text())["metrics"]
+    assert script_metrics["acc1"] == pytest.approx(evaluation["zeroshot_acc1"], abs=1e-9)
+    assert script_metrics["acc5"] == pytest.approx(evaluation["zeroshot_acc5"], abs=1e-9)
+
 
 def test_torchrun_two_processes(digits_root, tmp_path):
     result = run_train(tiny_run(digits_root, tmp_path, "train.steps=12", "data.workers=1"), nproc=2)

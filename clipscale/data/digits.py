@@ -117,5 +117,8 @@ def write_digits_shards(root: str | Path, image_size: int) -> dict:
         "classnames": CLASSNAMES,
         "templates": ZEROSHOT_TEMPLATES,
     }
+    # So scripts/eval_zeroshot.py can evaluate the same split: --task wds --classnames ... --templates ...
+    (root / "classnames.txt").write_text("\n".join(CLASSNAMES) + "\n")
+    (root / "templates.txt").write_text("\n".join(ZEROSHOT_TEMPLATES) + "\n")
     manifest_path.write_text(json.dumps(manifest, indent=1))
     return manifest
