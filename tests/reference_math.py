@@ -21,6 +21,7 @@ class Reference:
     loss: float
     grads: list[list[torch.Tensor]]  # per input tensor, per rank: world * dL/dfeatures_r
     scale_grad: float
+    bias_grad: float = 0.0
 
 
 def _leaf(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -57,6 +58,26 @@ def clip_loss_float64(images: list[torch.Tensor], texts: list[torch.Tensor], sca
     text_to_image = (paired.logsumexp(0) - paired.diagonal()).mean()
     loss = (image_to_text + text_to_image) / 2
     return _with_gradients(loss, [image, text], [images, texts], s)
+
+
+def siglip_loss_float64(images: list[torch.Tensor], texts: list[torch.Tensor], scale: float, bias: float):
+    """SigLIP's sigmoid loss over all ranks (partners as in clip_loss_float64, all other pairs negative).
+
+        x = s * I @ T.T + b,  z = +1 for partners, -1 otherwise
+        L = -1/B sum_ij log sigmoid(z_ij x_ij)
+    """
+    m, n = len(images[0]), len(texts[0])
+    image, text = _leaf(images), _leaf(texts)
+    s = torch.tensor(float(scale), dtype=torch.float64, requires_grad=True)
+    b = torch.tensor(float(bias), dtype=torch.float64, requires_grad=True)
+    logits = s * image @ text.T + b
+    rows = torch.arange(len(image))
+    z = -torch.ones_like(logits)
+    z[rows, (rows // m) * n + rows % m] = 1.0
+    loss = -torch.nn.functional.logsigmoid(z * logits).sum() / len(image)
+    reference = _with_gradients(loss, [image, text], [images, texts], s)
+    reference.bias_grad = b.grad.item()
+    return reference
 
 
 def ntxent_loss_float64(features: list[torch.Tensor], temperature: float) -> Reference:

@@ -10,8 +10,8 @@ Tolerances, relative (gradients: max |error| / max |reference| per tensor):
   bfloat16 inputs: infcl/ntxent accumulate in float32, so the loss stays at
   1e-5 and gradients carry little more than their rounding to bf16 (unit
   roundoff 2^-8; tolerance 2^-7); vanilla, local and disco compute the logits
-  in bf16 like open_clip (logit errors up to 2^-8 * |logit|): 6e-2 (measured
-  up to 4.6e-2).
+  in bf16 like open_clip (logit errors up to 2^-8 * |logit|), as does siglip:
+  6e-2 (measured up to 4.6e-2).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from clipscale.losses import build_loss
 from gloo_world import run_in_gloo_world
-from reference_math import clip_loss_float64, ntxent_loss_float64
+from reference_math import clip_loss_float64, ntxent_loss_float64, siglip_loss_float64
 
 CLIP_LOSSES = {
     "vanilla": {},
@@ -33,8 +33,10 @@ CLIP_LOSSES = {
     "disco": {},
     # Tiles of 3 rows: 7 local rows span 3 tiles, the last one partial.
     "infcl": {"backend": "reference", "tile_size": 3},
+    "siglip": {},  # not the CLIP loss, but the same sharding contract; with a logit bias
 }
 SCALE = 10.0
+BIAS = -2.0
 TEMPERATURE = 0.2
 
 
@@ -75,6 +77,11 @@ def _ntxent_cases() -> list[Case]:
 CASES = _clip_cases() + _ntxent_cases()
 
 
+def scalar_inputs(case: Case) -> list[str]:
+    """The scalar tensors a loss takes after the features (ntxent's temperature is a float option)."""
+    return {"ntxent": [], "siglip": ["scale", "bias"]}.get(case.loss, ["scale"])
+
+
 def make_inputs(case: Case, world: int) -> list[list[torch.Tensor]]:
     """Per input tensor, per rank: normalised features, the same in every process.
 
@@ -103,17 +110,15 @@ def make_inputs(case: Case, world: int) -> list[list[torch.Tensor]]:
 def run_case(case: Case, rank: int, world: int) -> dict:
     """This rank's loss value, feature gradients and scale gradient, as float32 tensors."""
     inputs = [per_rank[rank].clone().requires_grad_() for per_rank in make_inputs(case, world)]
-    if case.loss == "ntxent":
-        scale = None
-        loss = build_loss("ntxent", temperature=TEMPERATURE, **case.options)(*inputs)
-    else:
-        scale = torch.tensor(SCALE, requires_grad=True)
-        loss = build_loss(case.loss, **case.options)(*inputs, scale)
+    scalars = {"scale": torch.tensor(SCALE, requires_grad=True), "bias": torch.tensor(BIAS, requires_grad=True)}
+    options = {"temperature": TEMPERATURE, **case.options} if case.loss == "ntxent" else case.options
+    loss = build_loss(case.loss, **options)(*inputs, *(scalars[name] for name in scalar_inputs(case)))
     loss.backward()
+    no_grad = torch.tensor(0.0)
     return {
         "loss": loss.detach().float(),
         "grads": [x.grad.float() for x in inputs],
-        "scale_grad": scale.grad.float() if scale is not None else torch.tensor(0.0),
+        **{f"{k}_grad": no_grad if v.grad is None else v.grad.float() for k, v in scalars.items()},
     }
 
 
@@ -136,6 +141,8 @@ def reference_for(case: Case, world: int):
     inputs = make_inputs(case, world)
     if case.loss == "ntxent":
         return ntxent_loss_float64(*inputs, TEMPERATURE)
+    if case.loss == "siglip":
+        return siglip_loss_float64(*inputs, SCALE, BIAS)
     return clip_loss_float64(*inputs, SCALE)
 
 
@@ -145,7 +152,7 @@ def tolerances(case: Case) -> tuple[float, float]:
         return 1e-5, 1e-5
     if case.loss in ("infcl", "ntxent"):
         return 1e-5, 2**-7
-    return 6e-2, 6e-2
+    return 6e-2, 6e-2  # vanilla, local, disco, siglip
 
 
 def relative_error(value, reference) -> float:
@@ -163,9 +170,9 @@ def assert_matches_reference(case: Case, world: int, per_rank: list[dict], scale
     for rank, result in enumerate(per_rank):
         for got, expected in zip(result["grads"], reference.grads):
             assert relative_error(got, expected[rank]) <= grad_tol, f"rank {rank} feature gradient"
-    if case.loss != "ntxent":  # its temperature is a plain float: no scale gradient
-        mean_scale_grad = sum(float(r["scale_grad"]) for r in per_rank) / world
-        assert relative_error(mean_scale_grad, reference.scale_grad) <= scale_grad_tol, "scale gradient"
+    for name in scalar_inputs(case):
+        mean_grad = sum(float(r[f"{name}_grad"]) for r in per_rank) / world
+        assert relative_error(mean_grad, getattr(reference, f"{name}_grad")) <= scale_grad_tol, f"{name} gradient"
 
 
 @pytest.mark.timeout(300)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from clipscale.losses import available_losses, build_loss
 from gloo_world import run_in_gloo_world
 
-CLIP_LOSSES = ["vanilla", "local", "disco", "infcl"]
+CLIP_LOSSES = ["vanilla", "local", "disco", "infcl", "siglip"]
 
 
 def unit(*shape, dtype=torch.float32):
@@ -34,7 +34,7 @@ BAD_CLIP_INPUTS = {
     "integers": ((torch.ones(4, 8, dtype=torch.long), unit(4, 8), SCALE), "must be a floating-point tensor"),
     "fewer texts": ((unit(4, 8), unit(3, 8), SCALE), r"text_features has fewer rows \(3\) than"),
     "nan": ((with_value(unit(4, 8), float("nan")), unit(4, 8), SCALE), "image_features contains NaN"),
-    "inf scale": ((unit(4, 8), unit(4, 8), torch.tensor(float("inf"))), "the logit scale contains NaN or infinite"),
+    "inf scale": ((unit(4, 8), unit(4, 8), torch.tensor(float("inf"))), "the logit scale contains NaN or inf"),
     "negative scale": ((unit(4, 8), unit(4, 8), torch.tensor(-1.0)), "the logit scale must be positive"),
     "vector scale": ((unit(4, 8), unit(4, 8), torch.ones(2)), "the logit scale must be a single number"),
 }
@@ -72,6 +72,11 @@ def test_ntxent_rejects_bad_inputs(features, temperature, message):
 def test_infcl_rejects_bad_options_when_built(options, message):
     with pytest.raises(ValueError, match=message):
         build_loss("infcl", **options)
+
+
+def test_siglip_rejects_a_bad_bias():
+    with pytest.raises(ValueError, match="logit_bias must be one finite number"):
+        build_loss("siglip")(unit(4, 8), unit(4, 8), SCALE, torch.tensor(float("nan")))
 
 
 def test_unknown_loss_names_the_available_ones():
