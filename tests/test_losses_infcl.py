@@ -23,8 +23,8 @@ from clipscale.losses import build_loss
 from clipscale.losses.infcl import infcl_loss, reference
 from clipscale.losses.infcl.loss import select_backend
 from gloo_world import run_in_gloo_world
-from reference_math import block_logits_float64
-from test_losses_distributed import Case, assert_matches_reference, worker
+from reference_math import block_logits_float64, clip_loss_float64
+from test_losses_distributed import Case, assert_matches_reference, relative_error, worker
 
 
 class LargestTensor(TorchDispatchMode):
@@ -63,6 +63,19 @@ def test_reference_never_allocates_a_b_by_b_tensor():
 def test_the_probe_sees_the_vanilla_matrix():
     b = 1024
     assert _forward_backward("vanilla", b, 64) >= b * b * 4
+
+
+def test_autocast_does_not_lower_the_precision():
+    """Under autocast (as in the trainer) float32 features keep float32 tiles."""
+    generator = torch.Generator().manual_seed(0)
+    image = F.normalize(torch.randn(64, 32, generator=generator), dim=1).requires_grad_()
+    text = F.normalize(image.detach() + 3 * torch.randn(64, 32, generator=generator), dim=1).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = infcl_loss(image, text, 10.0, backend="reference", tile_size=16)
+    loss.backward()
+    expected = clip_loss_float64([image], [text], 10.0)
+    assert relative_error(loss.item(), expected.loss) <= 1e-5
+    assert relative_error(image.grad, expected.grads[0][0]) <= 1e-5
 
 
 def test_fully_masked_rows_give_minus_inf_and_zero_gradient():

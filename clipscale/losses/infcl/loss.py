@@ -29,11 +29,11 @@ scale gradients average to dL/ds.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import warnings
 from dataclasses import dataclass
-from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -71,8 +71,8 @@ def select_backend(backend: str = "auto", device: torch.device | str = "cpu", ti
     if tile_size is None:
         return reference
     return SimpleNamespace(
-        lse_pass=partial(reference.lse_pass, tile_size=tile_size),
-        grad_pass=partial(reference.grad_pass, tile_size=tile_size),
+        lse_pass=functools.partial(reference.lse_pass, tile_size=tile_size),
+        grad_pass=functools.partial(reference.grad_pass, tile_size=tile_size),
     )
 
 
@@ -101,8 +101,21 @@ class _Plan:
     positive_weight: torch.Tensor  # a_i + c_p(i): the weight of x_i,p(i)
 
 
+def _without_autocast(method):
+    """The inputs' dtype sets the precision (bf16 in, float32 accumulation), not an
+    enclosing autocast, which would run the reference's float32 tiles in bf16."""
+
+    @functools.wraps(method)
+    def run(ctx, first_tensor, *args):
+        with torch.autocast(first_tensor.device.type, enabled=False):
+            return method(ctx, first_tensor, *args)
+
+    return run
+
+
 class _TiledContrastiveLoss(torch.autograd.Function):
     @staticmethod
+    @_without_autocast
     def forward(ctx, image, text, scale, plan: _Plan):
         row_offset = plan.layout.rank * len(image)
         row_lse = torch.full((len(image),), float("-inf"), device=image.device)
@@ -128,6 +141,7 @@ class _TiledContrastiveLoss(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @_without_autocast
     def backward(ctx, grad_loss):
         image, text, scale, row_lse, col_lse = ctx.saved_tensors
         plan = ctx.plan
