@@ -8,8 +8,11 @@ the host as what the shards hold -- encoded JPEG bytes and caption strings
 pinned memory and copies it on a side CUDA stream while the model computes on chunk i.
 
 GradCache walks the batch twice, so every chunk is decoded twice: decoding must be a
-pure function of the sample. Random augmentation belongs in the sample (e.g. draw a
-seed or a crop box when the loader reads it), not in `decode`.
+pure function of the sample, and it runs in threads beside the model, so it must not
+touch the global RNG either (that would race, and shift the dropout masks GradCache
+replays). Random augmentation belongs in the sample: the loader draws the crop box
+(e.g. `RandomResizedCrop.get_params` from the JPEG header) and `decode` applies it
+with `torchvision.transforms.functional.resized_crop`.
 """
 
 from __future__ import annotations
