@@ -76,7 +76,7 @@ def ours(exact: bool, via_loss: bool):
     if via_loss:
         from clipscale.losses.infcl import infcl_loss
 
-        return lambda I, T, s: infcl_loss(I, T, torch.tensor(s, device=I.device))
+        return lambda I, T, s: infcl_loss(I, T, torch.tensor(s, device=I.device), exact=exact)
     return lambda I, T, s: _OursSymmetric.apply(I, T, s, exact)
 
 
@@ -96,6 +96,7 @@ def infcl_pkg(I, T, s):
 METHODS = {
     "ours_bf16": (torch.bfloat16, lambda a: ours(False, a.via_loss)),
     "ours_exact": (torch.float32, lambda a: ours(True, a.via_loss)),
+    "harness_bf16": (torch.bfloat16, lambda a: ours(False, False)),  # always this file's harness
     "torch_bf16": (torch.bfloat16, lambda a: torch_loss),
     "torch_fp32": (torch.float32, lambda a: torch_loss),
     "inf_cl": (torch.float32, lambda a: infcl_pkg),
@@ -171,6 +172,34 @@ def accuracy(methods, args, b, s):
                 results=out)
 
 
+def breakdown(b, d):
+    """ms of the forward primitive and of the backward primitive alone (bf16)."""
+    I, T = features(b, d, torch.bfloat16, 5), features(b, d, torch.bfloat16, 6)
+    s = 100.0
+    w = torch.full((b,), 0.5 / b, device="cuda")
+    row, col = K.lse_pass(I, T, s)
+
+    def med(fn, n=5):
+        fn()
+        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ts = []
+        for _ in range(n):
+            st.record()
+            fn()
+            en.record()
+            torch.cuda.synchronize()
+            ts.append(st.elapsed_time(en))
+        return statistics.median(ts)
+
+    f = med(lambda: K.lse_pass(I, T, s))
+    g = med(lambda: K.grad_pass(I, T, s, row, col, w, w))
+    flop = 2 * b * b * d
+    r = dict(b=b, lse_pass_ms=f, lse_pass_tflops=flop / f / 1e9, grad_pass_ms=g, grad_pass_tflops=3 * flop / g / 1e9,
+             fwd_config=str(K._lse_fwd_kernel.best_config), weights_config=str(K._weights_kernel.best_config))
+    print("breakdown", r, flush=True)
+    return r
+
+
 def gpu_selfcheck():
     """The interpreter tests' cases on CUDA (masks, offsets, odd/rectangular
     sizes, dtypes, several super-tiles) against float64; returns max errors."""
@@ -216,12 +245,15 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--b", default="8192,16384,32768,65536,131072,262144,524288,1048576")
     p.add_argument("--d", type=int, default=512)
-    p.add_argument("--methods", default="ours_bf16,ours_exact,torch_bf16,torch_fp32,inf_cl")
+    p.add_argument("--methods", default="ours_bf16,ours_exact,harness_bf16,torch_bf16,torch_fp32,inf_cl")
     p.add_argument("--out", default="results/bench_loss.json")
     p.add_argument("--acc-b", type=int, default=4096)
     p.add_argument("--acc-scales", default="14.2857,100")
     p.add_argument("--cap-s", type=float, default=6.0, help="skip a size whose projected time exceeds this (peers)")
     p.add_argument("--cap-ours-s", type=float, default=15.0)
+    p.add_argument("--cap-exact-s", type=float, default=4.0)
+    p.add_argument("--cap-harness-s", type=float, default=1.0)
+    p.add_argument("--breakdown", default="8192,65536", help="b list: time lse_pass and grad_pass alone (bf16)")
     p.add_argument("--budget-ms", type=float, default=1500.0, help="timed repeats per point ~ budget / time")
     p.add_argument("--selfcheck", action="store_true")
     p.add_argument("--via-loss", action="store_true", help="time clipscale.losses.infcl.infcl_loss instead")
@@ -247,6 +279,8 @@ def main():
     if args.selfcheck:
         result["selfcheck"] = gpu_selfcheck()
         save()
+    result["breakdown"] = [breakdown(int(b), args.d) for b in args.breakdown.split(",") if b]
+    save()
     for s in [float(x) for x in args.acc_scales.split(",") if x]:
         if args.acc_b:
             result["accuracy"].append(accuracy(methods, args, args.acc_b, s))
@@ -256,7 +290,7 @@ def main():
         dtype, make = METHODS[name]
         fn = make(args)
         last = None
-        cap = args.cap_ours_s if name.startswith("ours") else args.cap_s
+        cap = dict(ours_bf16=args.cap_ours_s, ours_exact=args.cap_exact_s, harness_bf16=args.cap_harness_s).get(name, args.cap_s)
         dead = None
         for b in sizes:
             entry = dict(method=name, b=b)

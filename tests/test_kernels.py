@@ -247,3 +247,26 @@ def test_bad_inputs():
         K.lse_pass(feats(3, 4), feats(3, 5), 1.0)
     with pytest.raises(ValueError):
         K.lse_pass(feats(3, 4), feats(3, 4, torch.bfloat16), 1.0)
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_far_apart_logits(mask):
+    """Logits spread over hundreds of units (unnormalised features of very different
+    norms): the kernels' one-exp fast paths must fall back to the direct path.
+    Logits reach ~10^3 here, so float32 evaluation itself costs |x| * 2^-24 ~ 1e-4
+    relative in exp(x - lse): the gradient tolerance is 2e-4 for this case."""
+    m, n, d, s = 45, 38, 16, 40.0
+    g = torch.Generator().manual_seed(22)
+    image = feats(m, d, seed=23) * (torch.rand(m, 1, generator=g) * 12 + 0.1)
+    text = feats(n, d, seed=24) * (torch.rand(n, 1, generator=g) * 12 + 0.1)
+    if mask:
+        text = image[:n].clone()
+    row, col = K.lse_pass(image, text, s, mask_diagonal=mask, exact=True)
+    r64, c64 = ref_lse(image, text, s, mask=mask)
+    assert (r64.max() - r64.min()) > 300  # really far apart
+    assert_lse(row, r64)
+    assert_lse(col, c64)
+    rw, cw = _weights(m, n, 25)
+    gi, gt = K.grad_pass(image, text, s, r64.float(), c64.float(), rw, cw, mask_diagonal=mask, exact=True)
+    ri, rt = ref_grad(image, text, s, r64.float(), c64.float(), rw, cw, mask=mask)
+    assert rel(gi, ri) <= 2e-4 and rel(gt, rt) <= 2e-4, (rel(gi, ri), rel(gt, rt))

@@ -112,6 +112,7 @@ def _configs_mma():
     return [
         triton.Config({"BM": 128, "BN": 128, "BK": 64}, num_warps=8, num_stages=3),
         triton.Config({"BM": 128, "BN": 256, "BK": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BM": 128, "BN": 256, "BK": 32}, num_warps=8, num_stages=4),
         triton.Config({"BM": 128, "BN": 128, "BK": 64}, num_warps=4, num_stages=4),
         triton.Config({"BM": 64, "BN": 128, "BK": 64}, num_warps=4, num_stages=4),
         triton.Config({"BM": 64, "BN": 64, "BK": 32}, num_warps=4, num_stages=2),
@@ -214,15 +215,30 @@ def _lse_fwd_kernel(I, T, PART_ROW, PART_COL, m, n, d, stride_i, stride_t, qk_sc
                         BM, BN, BK, EVEN_D, PREC)
             s = tl.where(_valid(rows, cols, m, n, row_off, col_off, MASK_DIAG), s, NEG_INF)
             # -- rows: online max / rescaled sum (flash-attention style)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            r_max = tl.max(s, 1)
+            m_new = tl.maximum(m_i, r_max)
             m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
-            l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+            e = tl.exp2(s - m_safe[:, None])  # <= 1; the only exp2 per logit on the fast path
+            l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(e, 1)
             m_i = m_new
             if NEED_COL:
-                # -- columns: this tile's LSE, merged into the program's slot
-                c_max = tl.max(s, 0)
-                c_safe = tl.where(c_max == NEG_INF, 0.0, c_max)
-                t_lse = c_max + tl.log2(tl.sum(tl.exp2(s - c_safe[None, :]), 0))
+                # -- columns: this tile's LSE, merged into the program's slot.
+                # Fast path reuses e: exp2(s_ij - M) = e_ij * exp2(m_new_i - M), M the
+                # tile max, a weighted column sum instead of a second exp2 per logit.
+                # Exact while no row's running max exceeds M by > 50 and every column's
+                # sum is >= 2^-50 (then every significant term is a normal float);
+                # otherwise (rare: far-apart logits, masked edges) the direct path.
+                t_max = tl.max(r_max, 0)
+                t_safe = tl.where(t_max == NEG_INF, 0.0, t_max)
+                c_sum = tl.sum(e * tl.exp2(m_new - t_safe)[:, None], 0)
+                fast = (tl.max(m_new, 0) - t_max <= 50.0) & (
+                    tl.min(tl.where(cols < n, c_sum, 1.0), 0) >= 8.881784197001252e-16)
+                if fast:
+                    t_lse = t_max + tl.log2(c_sum)
+                else:
+                    c_max = tl.max(s, 0)
+                    c_safe = tl.where(c_max == NEG_INF, 0.0, c_max)
+                    t_lse = c_max + tl.log2(tl.sum(tl.exp2(s - c_safe[None, :]), 0))
                 p_ptrs = PART_COL + pr * n + cols
                 # the first row block of the program overwrites (idempotent launches)
                 old = tl.load(p_ptrs, mask=(cols < n) & (rb != pr), other=NEG_INF)
@@ -272,15 +288,30 @@ def _weights_kernel(I, T, RL, CL, RW, CW, G, m, n, d, stride_i, stride_t, stride
                 BM, BN, BK, EVEN_D, PREC)
     rmask = rows < m
     cmask = cols < n
-    g = tl.zeros([BM, BN], dtype=tl.float32)
-    if HAS_ROW:
+    if HAS_ROW and HAS_COL:
+        rl = tl.load(RL + rows, mask=rmask, other=float("-inf")) * 1.4426950408889634
+        rw = tl.load(RW + rows, mask=rmask, other=0.0)
+        cl = tl.load(CL + cols, mask=cmask, other=float("inf")) * 1.4426950408889634
+        cw = tl.load(CW + cols, mask=cmask, other=0.0)
+        # Fast path, one exp2 per logit: exp2(s - cl_j) = exp2(s - rl_i) * 2^(rl_i - c0) * 2^(c0 - cl_j)
+        # with c0 = max_i rl_i. Exact while max rl - min cl <= 80 (no overflow, and every
+        # term that matters stays a normal float); else both exp2s directly.
+        rl_max = tl.max(rl, 0)
+        if rl_max - tl.min(cl, 0) <= 80.0:
+            c0 = tl.where(rl_max == float("-inf"), 0.0, rl_max)
+            e = tl.exp2(s - rl[:, None])
+            cwb = cw * tl.exp2(c0 - cl)
+            g = e * (rw[:, None] + cwb[None, :] * tl.exp2(rl - c0)[:, None])
+        else:
+            g = rw[:, None] * tl.exp2(s - rl[:, None]) + cw[None, :] * tl.exp2(s - cl[None, :])
+    elif HAS_ROW:
         rl = tl.load(RL + rows, mask=rmask, other=0.0) * 1.4426950408889634
         rw = tl.load(RW + rows, mask=rmask, other=0.0)
-        g += rw[:, None] * tl.exp2(s - rl[:, None])
-    if HAS_COL:
+        g = rw[:, None] * tl.exp2(s - rl[:, None])
+    else:
         cl = tl.load(CL + cols, mask=cmask, other=0.0) * 1.4426950408889634
         cw = tl.load(CW + cols, mask=cmask, other=0.0)
-        g += cw[None, :] * tl.exp2(s - cl[None, :])
+        g = cw[None, :] * tl.exp2(s - cl[None, :])
     g = tl.where(_valid(rows, cols, m, n, row_off, col_off, MASK_DIAG), g * g_scale, 0.0)
     g_ptrs = G + rows[:, None].to(tl.int64) * stride_g + cols[None, :]
     tl.store(g_ptrs, g.to(G.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
