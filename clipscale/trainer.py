@@ -42,6 +42,7 @@ from clipscale.distributed import (
 from clipscale.eval import evaluate_zeroshot, zeroshot_classifier
 from clipscale.eval.tasks import run_task
 from clipscale.losses import build_loss
+from clipscale.losses.common import NonFiniteError
 from clipscale.metrics import MetricsLogger
 from clipscale.models import build_model
 from clipscale.optim import build_optimizer, cosine_lr
@@ -65,7 +66,8 @@ class PlainStep:
     def __call__(self, images: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
         with self.autocast():
             out = self.model(images, texts)
-            loss = self.loss_fn(out["image_features"], out["text_features"], out["logit_scale"])
+            bias = [out["logit_bias"]] if "logit_bias" in out else []  # SigLIP models
+            loss = self.loss_fn(out["image_features"], out["text_features"], out["logit_scale"], *bias)
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         return loss.detach()
 
@@ -270,24 +272,28 @@ def _train(cfg: Config, world: World, preemption: Preemption) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        loss = step_fn(images, texts)
+        try:
+            loss = step_fn(images, texts)
+        except NonFiniteError:  # raised on every rank alike, before any backward
+            loss = torch.tensor(math.nan)
         if scaler is not None:
             scaler.unscale_(optimizer)
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(unwrapped.parameters(), max_norm)
         finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
-        if scaler is not None:
-            scaler.step(optimizer)  # skips by itself on inf/nan gradients
-            scaler.update()
+        if finite and scaler is not None:
+            scaler.step(optimizer)
         elif finite:
             optimizer.step()
+        if scaler is not None:
+            scaler.update()  # after an fp16 overflow this lowers the loss scale
         optimizer.zero_grad(set_to_none=True)
         if finite:
             nonfinite_in_a_row = 0
         else:  # the weights were not touched
             nonfinite_total += 1
             nonfinite_in_a_row += 1
-            if nonfinite_in_a_row > cfg.train.max_nonfinite_steps and scaler is None:
+            if nonfinite_in_a_row > cfg.train.max_nonfinite_steps:
                 raise RuntimeError(
                     f"{nonfinite_in_a_row} steps in a row had a non-finite loss or gradient (last at step {step + 1}); "
                     "stopping. Lower optim.lr, check the data, or use train.precision=bf16/fp32."

@@ -11,10 +11,13 @@ traceback; a world that does not finish within `timeout` seconds is killed.
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
 import traceback
+
+import torch
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -33,7 +36,11 @@ def _entry(rank, world_size, port, worker, args, results):
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
         out = worker(rank, world_size, *args)
-        results.put((rank, "ok", out))
+        # Tensors put on a queue live in shared memory that vanishes with this
+        # process; serialised bytes outlive it.
+        buffer = io.BytesIO()
+        torch.save(out, buffer)
+        results.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - the traceback travels to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -60,7 +67,7 @@ def run_in_gloo_world(worker, world_size: int, args: tuple = (), timeout: float 
                 raise TimeoutError(f"gloo world of {world_size} did not finish within {timeout}s") from None
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            collected[rank] = payload
+            collected[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=10)

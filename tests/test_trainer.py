@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -221,3 +222,51 @@ def test_torchrun_two_processes(digits_root, tmp_path):
     ckpt = torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)
     assert ckpt["step"] == 12 and len(ckpt["data"]) == 2  # both ranks' data cursors
     assert (run_dir / "eval" / "step_00000012.json").exists()
+
+
+# --- non-finite steps --------------------------------------------------------
+
+from clipscale.losses import build_loss, register_loss  # noqa: E402
+
+NAN_LOSSES: list = []  # every NanOnCalls the trainer built, to read what it saw
+
+
+@register_loss("nan_on_calls")
+class NanOnCalls(torch.nn.Module):
+    """vanilla, except that the listed calls get NaN features; records the scale it saw."""
+
+    def __init__(self, calls=()):
+        super().__init__()
+        self.calls, self.count, self.scales = set(calls), 0, []
+        self.inner = build_loss("vanilla")
+        NAN_LOSSES.append(self)
+
+    def forward(self, image, text, logit_scale):
+        self.count += 1
+        self.scales.append(float(logit_scale.detach()))
+        if self.count in self.calls:
+            image = image * math.nan
+        return self.inner(image, text, logit_scale)
+
+
+def _train_in_process(digits_root, tmp_path, *extra):
+    from clipscale.trainer import train
+
+    overrides = tiny_run(digits_root, tmp_path, "data.workers=0", "eval.zeroshot=false", "loss.name=nan_on_calls", *extra)
+    return train(load_config(DIGITS_YAML, overrides))
+
+
+def test_nonfinite_steps_are_skipped_without_touching_weights(digits_root, tmp_path):
+    _train_in_process(digits_root, tmp_path, "loss.options={calls: [3, 4]}", "train.steps=6")
+    scales = NAN_LOSSES[-1].scales
+    assert scales[2] == scales[3] == scales[4], scales  # steps 3 and 4 skipped: the weights did not move
+    assert scales[1] != scales[2] and scales[4] != scales[5]  # the others stepped
+    metrics = read_metrics(tmp_path / "tiny" / "metrics.jsonl")
+    assert [m["nonfinite_steps"] for m in metrics] == [0, 0, 1, 2, 2, 2]
+    assert math.isnan(metrics[2]["loss"]) and math.isfinite(metrics[5]["loss"])
+
+
+def test_a_run_that_keeps_failing_stops_with_a_clear_message(digits_root, tmp_path):
+    with pytest.raises(RuntimeError, match="3 steps in a row had a non-finite loss"):
+        _train_in_process(digits_root, tmp_path, f"loss.options={{calls: {list(range(1, 7))}}}", "train.steps=6",
+                          "train.max_nonfinite_steps=2")

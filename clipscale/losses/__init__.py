@@ -41,11 +41,12 @@ def register_loss(name: str):
 
 
 def available_losses() -> list[str]:
-    return sorted(_LOSS_MODULES)
+    """The built-in losses and any registered by user code with @register_loss."""
+    return sorted(set(_LOSS_MODULES) | set(_REGISTRY))
 
 
 def build_loss(name: str, **options) -> nn.Module:
-    if name not in _LOSS_MODULES:
+    if name not in available_losses():
         raise ValueError(f"unknown loss {name!r}; available: {', '.join(available_losses())}")
     if name not in _REGISTRY:
         importlib.import_module(_LOSS_MODULES[name])

@@ -64,6 +64,14 @@ def as_scale(logit_scale, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(float(logit_scale), dtype=torch.float32, device=like.device)
 
 
+class NonFiniteError(ValueError):
+    """The features or the scale hold NaN or infinity. A trainer skips such a step
+    (the weights stay untouched) instead of stopping; see clipscale.trainer."""
+
+
+NON_FINITE = "contains NaN or infinite values"
+
+
 def _local_problem(named: dict[str, torch.Tensor], logit_scale: torch.Tensor) -> str | None:
     """The first thing wrong with this rank's inputs, in words, or None."""
     (first_name, first), *others = named.items()
@@ -86,7 +94,7 @@ def _local_problem(named: dict[str, torch.Tensor], logit_scale: torch.Tensor) ->
         return f"the logit scale must be a single number, got shape {tuple(logit_scale.shape)}"
     for name, tensor in (*named.items(), ("the logit scale", logit_scale)):
         if not bool(torch.isfinite(tensor.detach()).all()):
-            return f"{name} contains NaN or infinite values"
+            return f"{name} {NON_FINITE}"
     if not float(logit_scale.detach()) > 0:
         return f"the logit scale must be positive (it is exp(log-scale)), got {float(logit_scale.detach())}"
     return None
@@ -109,7 +117,8 @@ def check_inputs(named: dict[str, torch.Tensor], logit_scale: torch.Tensor, grou
         dist.all_gather_object(reports, (problem, shape), group=group)
     for r, (p, _) in enumerate(reports):
         if p is not None:
-            raise ValueError(f"rank {r}: {p}" if world > 1 else p)
+            error = NonFiniteError if p.endswith(NON_FINITE) else ValueError
+            raise error(f"rank {r}: {p}" if world > 1 else p)
     shapes = [s for _, s in reports]
     if any(s != shapes[0] for s in shapes):
         fields = f"({', '.join(named)} rows, dim, dtype)"
