@@ -10,7 +10,6 @@ import json
 import math
 
 import pytest
-import torch
 import webdataset as wds
 from PIL import Image
 from torchvision.transforms import ToTensor

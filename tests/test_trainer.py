@@ -9,56 +9,16 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from clipscale.config import ConfigError, check_world, load_config
-from clipscale.data.digits import CAPTION_TEMPLATES, ZEROSHOT_TEMPLATES, write_digits_shards
+from clipscale.data.digits import CAPTION_TEMPLATES, ZEROSHOT_TEMPLATES
 from clipscale.data.shards import ShardStream, StreamState
 from clipscale.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parents[1]
-DIGITS_YAML = str(REPO / "configs" / "digits.yaml")
-
-# A model small enough for a few seconds of CPU training.
-TINY_MODEL = (
-    "model.custom={embed_dim: 32, "
-    "vision_cfg: {image_size: 32, patch_size: 8, width: 64, layers: 2, head_width: 32, mlp_ratio: 2.0}, "
-    "text_cfg: {context_length: 16, vocab_size: 49408, width: 64, heads: 2, layers: 2, mlp_ratio: 2.0}}"
-)
-
-
-@pytest.fixture(scope="module")
-def digits_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("digits")
-    write_digits_shards(root, image_size=32)
-    return root
-
-
-def tiny_run(digits_root: Path, output_dir: Path, *extra: str) -> list[str]:
-    return [
-        TINY_MODEL,
-        f"data.root={digits_root}",
-        f"run.output_dir={output_dir}",
-        "run.name=tiny",
-        "train.batch_size=64",
-        "train.log_every=1",
-        "optim.warmup_steps=5",
-        "optim.lr=2e-3",
-        "eval.every_n_steps=0",
-        *extra,
-    ]
-
-
-def run_train(overrides: list[str], *, nproc: int = 1, timeout: float = 240) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    return subprocess.run(
-        [*launcher, str(REPO / "train.py"), "--config", DIGITS_YAML, *overrides],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
-    )
+from tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
 
 
 # --- configuration -----------------------------------------------------------
