@@ -30,6 +30,7 @@ from tqdm import tqdm
 from clipscale.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from clipscale.config import Config, check_world, eval_task
 from clipscale.data import prepare_data
+from clipscale.data.offload import HostTensor
 from clipscale.data.shards import ShardStream, StreamState
 from clipscale.distributed import (
     World,
@@ -41,6 +42,7 @@ from clipscale.distributed import (
 )
 from clipscale.eval import evaluate_zeroshot, zeroshot_classifier
 from clipscale.eval.tasks import run_task
+from clipscale.gradcache import GradCache
 from clipscale.losses import build_loss
 from clipscale.losses.common import NonFiniteError
 from clipscale.metrics import MetricsLogger
@@ -57,28 +59,12 @@ def autocast_factory(precision: str, device: torch.device):
     return lambda: torch.autocast(device.type, dtype=dtype)
 
 
-class PlainStep:
-    """One forward and backward over the whole per-rank batch."""
-
-    def __init__(self, model, loss_fn, autocast, scaler):
-        self.model, self.loss_fn, self.autocast, self.scaler = model, loss_fn, autocast, scaler
-
-    def __call__(self, images: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
-        with self.autocast():
-            out = self.model(images, texts)
-            bias = [out["logit_bias"]] if "logit_bias" in out else []  # SigLIP models
-            loss = self.loss_fn(out["image_features"], out["text_features"], out["logit_scale"], *bias)
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-        return loss.detach()
-
-
-def build_step(cfg: Config, model, loss_fn, autocast, scaler, world: World):
+def build_step(cfg: Config, model, loss_fn, autocast, scaler, world: World) -> GradCache:
+    """The step strategy. A rank's batch that fits in one chunk is one plain forward and
+    backward; a larger one is a Gradient Cache step over chunks of train.chunk_size."""
     per_rank = cfg.train.batch_size // world.world_size
-    if cfg.train.chunk_size is None or cfg.train.chunk_size >= per_rank:
-        return PlainStep(model, loss_fn, autocast, scaler)
-    from clipscale.gradcache import GradCache
-
-    return GradCache(model, loss_fn, chunk_size=cfg.train.chunk_size, autocast=autocast, scaler=scaler)
+    return GradCache(model, loss_fn, chunk_size=cfg.train.chunk_size or per_rank, offload=cfg.train.offload,
+                     autocast=autocast, scaler=scaler)
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -266,8 +252,11 @@ def _train(cfg: Config, world: World, preemption: Preemption) -> dict:
         batch = next(batches)
         stream_state.update(batch)
         skipped_samples += batch["skipped"]
-        images = batch["images"].to(world.device, non_blocking=True)
-        texts = batch["texts"].to(world.device, non_blocking=True)
+        if cfg.train.offload:  # stays on the host; GradCache streams one chunk at a time to the device
+            images, texts = HostTensor(batch["images"]), HostTensor(batch["texts"])
+        else:
+            images = batch["images"].to(world.device, non_blocking=True)
+            texts = batch["texts"].to(world.device, non_blocking=True)
         lr = cosine_lr(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.train.steps)
         for group in optimizer.param_groups:
             group["lr"] = lr

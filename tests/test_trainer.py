@@ -230,3 +230,28 @@ def test_a_run_that_keeps_failing_stops_with_a_clear_message(digits_root, tmp_pa
     with pytest.raises(RuntimeError, match="3 steps in a row had a non-finite loss"):
         _train_in_process(digits_root, tmp_path, f"loss.options={{calls: {list(range(1, 7))}}}", "train.steps=6",
                           "train.max_nonfinite_steps=2")
+
+
+def test_wandb_logs_offline_without_a_key(digits_root, tmp_path, monkeypatch):
+    from clipscale.trainer import train
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc from a `wandb login`
+    overrides = tiny_run(digits_root, tmp_path, "data.workers=0", "eval.zeroshot=false", "train.steps=2", "wandb.enabled=true")
+    train(load_config(DIGITS_YAML, overrides))
+    runs = list((tmp_path / "tiny" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+def test_gradient_cache_and_offload_follow_the_plain_curve(digits_root, tmp_path):
+    """train.chunk_size splits each step into Gradient Cache chunks; the training is the same."""
+    from clipscale.trainer import train
+
+    curves = {}
+    for name, extra in {"plain": [], "chunked": ["train.chunk_size=24"], "offload": ["train.chunk_size=24", "train.offload=true"]}.items():
+        overrides = tiny_run(digits_root, tmp_path, f"run.name={name}", "data.workers=0", "eval.zeroshot=false", "train.steps=5", *extra)
+        train(load_config(DIGITS_YAML, overrides))
+        curves[name] = [m["loss"] for m in read_metrics(tmp_path / name / "metrics.jsonl")]
+    assert curves["chunked"] == pytest.approx(curves["plain"], rel=1e-5)
+    assert curves["offload"] == pytest.approx(curves["plain"], rel=1e-5)
