@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import math
 import os
 
@@ -249,10 +250,17 @@ def _lse_fwd_kernel(I, T, PART_ROW, PART_COL, m, n, d, stride_i, stride_t, qk_sc
         tl.store(PART_ROW + pc * m + rows, m_i + tl.log2(l_i), mask=rows < m)
 
 
-@triton.jit
-def _merge_kernel(P, OUT, K, n, BLOCK: tl.constexpr):
-    """OUT[j] = ln2 * log2 sum_k exp2(P[k, j])   (P: [K, n] base-2 LSEs)."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+@triton.jit(do_not_specialize=["KA", "na", "KB", "nb"])  # both branches must see i32s
+def _merge_kernel(PA, OUTA, KA, na, PB, OUTB, KB, nb, BLOCK: tl.constexpr):
+    """OUT[j] = ln2 * log2 sum_k exp2(P[k, j])   (P: [K, n] base-2 LSEs), for two
+    (P, OUT) pairs in one launch: the first cdiv(na, BLOCK) programs do A."""
+    pid = tl.program_id(0)
+    nblk_a = tl.cdiv(na, BLOCK)
+    if pid < nblk_a:
+        P, OUT, K, n, blk = PA, OUTA, KA, na, pid
+    else:
+        P, OUT, K, n, blk = PB, OUTB, KB, nb, pid - nblk_a
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     NEG_INF: tl.constexpr = float("-inf")
     mx = tl.full([BLOCK], NEG_INF, tl.float32)
@@ -344,12 +352,18 @@ def _prec(dtype: torch.dtype, exact: bool) -> str:
     return "ieee" if (dtype == torch.float32 and exact) or INTERPRET else "tf32"
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _n_programs(device: torch.device) -> int:
     if device.type != "cuda":
         return 6
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.lru_cache(maxsize=4096)
 def _split(m: int, n: int, programs: int, tile: int = 128) -> tuple[int, int]:
     """(RS, CS) with RS * CS <= programs minimising the busiest program's
     nominal tile count, ties broken by the partials' size (RS * n + CS * m)."""
@@ -393,17 +407,13 @@ def lse_pass(image, text, scale, *, row_offset=0, col_offset=0, mask_diagonal=Fa
         int(row_offset), int(col_offset), rs, cs, _bucket(max(m, n)),
         MASK_DIAG=bool(mask_diagonal), NEED_COL=bool(need_col), PREC=_prec(image.dtype, exact))
     launch_counts["lse_fwd"] += 1
-    row_lse = _merge(part_row, m)
-    col_lse = _merge(part_col, n) if need_col else None
-    return row_lse, col_lse
-
-
-def _merge(part: torch.Tensor, n: int) -> torch.Tensor:
-    out = torch.empty((n,), dtype=torch.float32, device=part.device)
+    row_lse = torch.empty((m,), dtype=torch.float32, device=dev)
+    col_lse = torch.empty((n if need_col else 0,), dtype=torch.float32, device=dev)
     BLOCK = 256 if INTERPRET else 1024
-    _merge_kernel[(triton.cdiv(n, BLOCK),)](part, out, part.shape[0], n, BLOCK=BLOCK)
+    grid = (triton.cdiv(m, BLOCK) + (triton.cdiv(n, BLOCK) if need_col else 0),)
+    _merge_kernel[grid](part_row, row_lse, cs, m, part_col, col_lse, rs, n if need_col else 0, BLOCK=BLOCK)
     launch_counts["merge"] += 1
-    return out
+    return row_lse, (col_lse if need_col else None)
 
 
 def _as_weight(w, size: int, dev) -> torch.Tensor | None:
