@@ -20,7 +20,8 @@ import importlib
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
+_ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated (import)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -30,6 +31,13 @@ import clipscale.losses.infcl.kernels as K  # noqa: E402
 if not K.INTERPRET:  # imported earlier in this process without the interpreter
     K = importlib.reload(K)
 assert K.INTERPRET and type(K._lse_fwd_kernel.fn).__name__ != "JITFunction"
+
+# Leave the environment of the other test modules as it was (collection imports
+# every module first); this module's tests set it again themselves.
+if _ENV_BEFORE is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _ENV_BEFORE
 
 
 # ---------------------------------------------------------------- float64 math
@@ -83,7 +91,8 @@ def rel(a, b):
 
 
 @pytest.fixture(autouse=True)
-def _count():
+def _count(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     K.launch_counts.clear()
     yield
 
