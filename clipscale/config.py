@@ -34,12 +34,23 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    # An open_clip architecture name (ViT-B-16, ...) or, when `custom` is given,
-    # the open_clip.CLIP keyword arguments (embed_dim, vision_cfg, text_cfg, ...).
+    # An open_clip architecture name (ViT-B-16, ...) or, when `custom` is given, an open_clip
+    # model config: embed_dim, vision_cfg, text_cfg. vision_cfg.timm_model_name (with timm_pool,
+    # timm_proj) makes a timm image tower; text_cfg.hf_model_name, a local Hugging Face folder
+    # (with hf_tokenizer_name, hf_pooler_type, hf_proj_type), a Hugging Face text tower.
     name: Optional[str] = None
     custom: Optional[dict] = None
-    pretrained: Optional[str] = None  # local checkpoint path only; nothing is downloaded
-    grad_checkpointing: bool = False
+    pretrained: Optional[str] = None  # a whole-CLIP checkpoint (open_clip's or ours), local file only
+    pretrained_image: Optional[str] = None  # timm weights for a timm image tower's trunk, local file only
+    preprocess: Optional[dict] = None  # open_clip image preprocessing overrides: mean, std, interpolation, resize_mode
+    # LiT, with open_clip_train's names: lock the image tower, but its last N layer groups.
+    lock_image: bool = False
+    lock_image_unlocked_groups: int = 0
+    lock_image_freeze_bn_stats: bool = False  # BatchNorm running statistics of the locked groups stay put
+    # Speed
+    grad_checkpointing: bool = False  # recompute tower activations in the backward: larger chunks fit
+    compile: bool = False  # torch.compile the model's forward
+    channels_last: bool = False  # NHWC image tower: faster convolutions (timm convnets); no gain for ViTs
 
 
 @dataclass
@@ -197,15 +208,9 @@ def _merge(base: dict, extra: dict) -> dict:
 
 def validate(cfg: Config) -> None:
     """Checks that span keys; per-key types are checked while applying."""
-    if (cfg.model.name is None) == (cfg.model.custom is None):
-        raise ConfigError("model: set exactly one of model.name (an open_clip architecture) or model.custom (a CLIP config dict)")
-    if cfg.model.name is not None:
-        import open_clip
+    from clipscale.models import check_model_config
 
-        if cfg.model.name not in open_clip.list_models():
-            raise ConfigError(f"model.name: unknown open_clip architecture {cfg.model.name!r}; see open_clip.list_models()")
-    if cfg.model.pretrained is not None and not Path(cfg.model.pretrained).is_file():
-        raise ConfigError(f"model.pretrained: no file at {cfg.model.pretrained!r} (only local checkpoints are loaded)")
+    check_model_config(cfg.model)
     from clipscale.losses import available_losses
 
     if cfg.loss.name not in available_losses():

@@ -1,20 +1,47 @@
-"""Towers from open_clip: a named architecture or a custom CLIP config dict.
+"""Towers from open_clip: a named architecture or a custom config dict.
 
-Returns the model with open_clip's conventions untouched (`encode_image`,
-`encode_text`, `logit_scale` stored as a log, dict output), its train and
-validation image transforms and the matching tokenizer. Weights come only
-from local files.
+A custom dict is an open_clip model config (`embed_dim`, `vision_cfg`, `text_cfg`). Its
+`vision_cfg.timm_model_name` selects a timm image tower and its `text_cfg.hf_model_name`
+a Hugging Face text tower (a local directory), exactly as in open_clip's own JSON
+configs. The dict is registered with open_clip under a name derived from its content,
+so named and custom models take one path through open_clip's factory and tokenizer.
+
+The model keeps open_clip's conventions (`encode_image`, `encode_text`, `logit_scale`
+stored as a log, dict output). Weights come only from local files: a whole-CLIP
+checkpoint (open_clip's or ours), a timm checkpoint for a timm trunk, the Hugging Face
+directory for an HF text tower. Nothing is downloaded.
+
+LiT locks the image tower with open_clip's `lock_image_tower`. A locked tower builds no
+autograd graph by itself: its parameters do not require grad and neither do the images,
+so autograd records nothing until the first trainable layer (see `trainable_towers` in
+gradcache.py for the Gradient Cache side).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import open_clip
+import torch
 import torch.nn as nn
+from open_clip.factory import load_state_dict
+from open_clip.tokenizer import HFTokenizer
 
-from clipscale.config import ModelConfig
+from clipscale.config import ConfigError, ModelConfig
+
+OPEN_CLIP_CONFIG = "open_clip_config.json"  # what open_clip's `local-dir:` loader reads
+OPEN_CLIP_WEIGHTS = "open_clip_pytorch_model.bin"  # a weights file name that loader looks for
+MAX_KEYS_SHOWN = 8
+PREPROCESS_KEYS = ("mean", "std", "interpolation", "resize_mode")  # open_clip's image_<key> overrides
+
+
+class WeightsError(ValueError):
+    """A weights file that does not fit the model; the message names the keys that differ."""
 
 
 @dataclass
@@ -27,22 +54,153 @@ class Towers:
 
 
 def build_model(cfg: ModelConfig) -> Towers:
-    if cfg.name is not None:
-        model, train_transform, val_transform = open_clip.create_model_and_transforms(
-            cfg.name, pretrained=cfg.pretrained, output_dict=True, weights_only=True
-        )
-        tokenizer = open_clip.get_tokenizer(cfg.name)
-        model_cfg = open_clip.get_model_config(cfg.name)
-    else:
-        model_cfg = dict(cfg.custom)
-        model = open_clip.CLIP(**model_cfg, output_dict=True)
-        if cfg.pretrained is not None:
-            open_clip.load_checkpoint(model, cfg.pretrained, weights_only=True)
-        size = model.visual.image_size
-        train_transform = open_clip.image_transform(size, is_train=True)
-        val_transform = open_clip.image_transform(size, is_train=False)
-        context_length = model_cfg.get("text_cfg", {}).get("context_length", 77)
-        tokenizer = open_clip.SimpleTokenizer(context_length=context_length)
+    architecture = cfg.name if cfg.name is not None else register_custom(cfg.custom)
+    model, train_transform, val_transform = open_clip.create_model_and_transforms(
+        architecture,
+        output_dict=True,
+        # An HF text tower loads its weights from its directory, unless a whole-CLIP checkpoint replaces them.
+        pretrained_text=cfg.pretrained is None,
+        **{f"image_{key}": value for key, value in (cfg.preprocess or {}).items()},
+    )
+    if cfg.pretrained is not None:
+        load_clip_checkpoint(model, cfg.pretrained)
+    if cfg.pretrained_image is not None:
+        load_timm_trunk(model.visual, cfg.pretrained_image)
+    if cfg.lock_image:
+        model.lock_image_tower(cfg.lock_image_unlocked_groups, cfg.lock_image_freeze_bn_stats)
     if cfg.grad_checkpointing:
         model.set_grad_checkpointing(True)
-    return Towers(model, train_transform, val_transform, tokenizer, {"model_cfg": model_cfg})
+    if cfg.channels_last:  # convolutions then pick the NHWC kernels; the input need not be converted
+        model.visual.to(memory_format=torch.channels_last)
+    if cfg.compile:  # in place: the module and its state_dict keys stay open_clip's
+        model.compile()
+    open_clip_config = {
+        "model_cfg": open_clip.get_model_config(architecture),
+        "preprocess_cfg": open_clip.get_model_preprocess_cfg(model),
+    }
+    return Towers(model, train_transform, val_transform, open_clip.get_tokenizer(architecture), open_clip_config)
+
+
+def register_custom(custom: dict) -> str:
+    """Add a custom config to open_clip's registry (as open_clip_train users add JSON files)
+    and return its name. Local Hugging Face paths become absolute, so the config written
+    into the run folder still finds them from elsewhere."""
+    model_cfg = json.loads(json.dumps(custom))  # a deep copy, and proof that it is plain JSON
+    text_cfg = model_cfg.get("text_cfg", {})
+    for key in ("hf_model_name", "hf_tokenizer_name"):
+        if key in text_cfg:
+            text_cfg[key] = str(Path(text_cfg[key]).resolve())
+    text = json.dumps(model_cfg, sort_keys=True)
+    name = "clipscale-custom-" + hashlib.sha1(text.encode()).hexdigest()[:12]
+    if name not in open_clip.list_models():
+        with tempfile.TemporaryDirectory() as folder:  # open_clip reads it once, when registering
+            path = Path(folder) / f"{name}.json"
+            path.write_text(text)
+            open_clip.add_model_config(path)
+    return name
+
+
+def check_model_config(cfg: ModelConfig) -> None:
+    """Model checks that span keys or touch the file system, before any work starts."""
+    if (cfg.name is None) == (cfg.custom is None):
+        raise ConfigError("model: set exactly one of model.name (an open_clip architecture) or model.custom (a CLIP config dict)")
+    if cfg.name is not None and cfg.name not in open_clip.list_models():
+        raise ConfigError(f"model.name: unknown open_clip architecture {cfg.name!r}; see open_clip.list_models()")
+    vision_cfg, text_cfg = {}, {}
+    if cfg.custom is not None:
+        missing = [key for key in ("embed_dim", "vision_cfg", "text_cfg") if key not in cfg.custom]
+        if missing:
+            raise ConfigError(f"model.custom: missing {', '.join(missing)} (an open_clip model config needs embed_dim, vision_cfg, text_cfg)")
+        vision_cfg, text_cfg = cfg.custom["vision_cfg"], cfg.custom["text_cfg"]
+    if vision_cfg.get("timm_model_pretrained"):
+        raise ConfigError("model.custom.vision_cfg.timm_model_pretrained: weights are never downloaded; "
+                          "give a local timm checkpoint as model.pretrained_image")
+    for key in ("hf_model_name", "hf_tokenizer_name"):
+        if key in text_cfg and not Path(text_cfg[key]).is_dir():
+            raise ConfigError(f"model.custom.text_cfg.{key}: no directory at {text_cfg[key]!r} "
+                              "(Hugging Face towers load from a local save_pretrained folder only)")
+    for key in ("pretrained", "pretrained_image"):
+        path = getattr(cfg, key)
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"model.{key}: no file at {path!r} (only local checkpoints are loaded)")
+    if cfg.pretrained_image is not None and "timm_model_name" not in vision_cfg:
+        raise ConfigError("model.pretrained_image: only for a timm image tower (model.custom.vision_cfg.timm_model_name); "
+                          "open_clip towers load from a whole-CLIP checkpoint, model.pretrained")
+    unknown = set(cfg.preprocess or {}) - set(PREPROCESS_KEYS)
+    if unknown:
+        raise ConfigError(f"model.preprocess: unknown keys {', '.join(sorted(unknown))}; allowed: {', '.join(PREPROCESS_KEYS)}")
+    if cfg.lock_image_unlocked_groups < 0:
+        raise ConfigError(f"model.lock_image_unlocked_groups: must be >= 0, got {cfg.lock_image_unlocked_groups}")
+    if not cfg.lock_image and (cfg.lock_image_unlocked_groups or cfg.lock_image_freeze_bn_stats):
+        raise ConfigError("model.lock_image_unlocked_groups / lock_image_freeze_bn_stats need model.lock_image: true")
+
+
+def load_clip_checkpoint(model: nn.Module, path: str) -> None:
+    """A whole-CLIP checkpoint through open_clip's loader, which strips DDP's `module.`,
+    takes `state_dict` out of a training checkpoint and resizes position embeddings;
+    when it refuses the file, say which keys do not fit."""
+    require_file(path, "model.pretrained")
+    try:
+        open_clip.load_checkpoint(model, path, weights_only=True)
+    except RuntimeError:
+        report = mismatch_report(model, load_state_dict(path))
+        if not report:
+            raise
+        raise WeightsError(f"model.pretrained {path} does not fit the model: {report}") from None
+
+
+def load_timm_trunk(visual: nn.Module, path: str) -> None:
+    """timm weights (a file saved by timm or torch, safetensors or not) into a timm tower's trunk.
+    The checkpoint's classifier is dropped where open_clip replaced it by the CLIP projection,
+    as timm does when the number of classes differs."""
+    import timm.models
+
+    require_file(path, "model.pretrained_image")
+    if not hasattr(visual, "trunk"):
+        raise WeightsError("model.pretrained_image: the image tower is not a timm model")
+    trunk = visual.trunk
+    state_dict = timm.models.load_state_dict(path, weights_only=True)  # unwraps `state_dict`/`model`, strips `module.`
+    classifier = trunk.pretrained_cfg.get("classifier")
+    ours = trunk.state_dict()
+    for prefixes in [classifier] if isinstance(classifier, str) else classifier or []:
+        for key in [k for k in state_dict if k.startswith(prefixes + ".")]:
+            if key not in ours or ours[key].shape != state_dict[key].shape:
+                del state_dict[key]
+    report = mismatch_report(trunk, state_dict)
+    if report:
+        raise WeightsError(f"model.pretrained_image {path} does not fit {visual.trunk.__class__.__name__}: {report}")
+    trunk.load_state_dict(state_dict)
+
+
+def require_file(path: str, key: str) -> None:
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{key}: no file at {path!r} (only local checkpoints are loaded)")
+
+
+def mismatch_report(module: nn.Module, state_dict: dict) -> str:
+    """The keys that differ between a module and a state dict, a few of each kind; '' if none."""
+    expected = module.state_dict()
+    kinds = {
+        "shape mismatch": [
+            f"{key} (file {tuple(value.shape)}, model {tuple(expected[key].shape)})"
+            for key, value in state_dict.items() if key in expected and value.shape != expected[key].shape
+        ],
+        "missing from the file": [key for key in expected if key not in state_dict],
+        "not in the model": [key for key in state_dict if key not in expected],
+    }
+    parts = []
+    for kind, keys in kinds.items():
+        if keys:
+            shown = ", ".join(keys[:MAX_KEYS_SHOWN]) + (f", ... ({len(keys) - MAX_KEYS_SHOWN} more)" if len(keys) > MAX_KEYS_SHOWN else "")
+            parts.append(f"{len(keys)} {kind}: {shown}")
+    return "; ".join(parts)
+
+
+def write_open_clip_folder(folder: Path, towers: Towers) -> None:
+    """Make a run folder loadable by `open_clip.create_model("local-dir:<folder>")` once
+    OPEN_CLIP_WEIGHTS is written there: the model and preprocess config, and for an HF
+    text tower its tokenizer files (open_clip reads an HF tokenizer from that folder)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / OPEN_CLIP_CONFIG).write_text(json.dumps(towers.open_clip_config, indent=2))
+    if isinstance(towers.tokenizer, HFTokenizer):
+        towers.tokenizer.save_pretrained(folder)

@@ -27,7 +27,7 @@ import yaml
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from clipscale.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from clipscale.checkpoint import latest_checkpoint, load_checkpoint, save_atomic, save_checkpoint
 from clipscale.config import Config, check_world, eval_task
 from clipscale.data import prepare_data
 from clipscale.data.offload import HostTensor
@@ -46,7 +46,7 @@ from clipscale.gradcache import GradCache
 from clipscale.losses import build_loss
 from clipscale.losses.common import NonFiniteError
 from clipscale.metrics import MetricsLogger
-from clipscale.models import build_model
+from clipscale.models import OPEN_CLIP_WEIGHTS, build_model, write_open_clip_folder
 from clipscale.optim import build_optimizer, cosine_lr
 
 MAX_LOGIT_SCALE = math.log(100)  # open_clip clamps the learnable temperature at 100
@@ -184,6 +184,7 @@ def _train(cfg: Config, world: World, preemption: Preemption) -> dict:
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        write_open_clip_folder(run_dir, towers)  # with OPEN_CLIP_WEIGHTS, open_clip's `local-dir:` loads the run
     logger = MetricsLogger(run_dir, cfg, enabled=world.is_main, resume_step=start_step)
 
     if world.distributed:
@@ -320,6 +321,8 @@ def _train(cfg: Config, world: World, preemption: Preemption) -> dict:
             logger.close()
             return {"preempted_by": signum}
     progress.close()
+    if world.is_main:
+        save_atomic(unwrapped.state_dict(), run_dir / OPEN_CLIP_WEIGHTS)
 
     results = evaluate(cfg.train.steps)
     if world.is_main and "zeroshot_acc1" in results:
