@@ -21,7 +21,7 @@ from clipscale.gradcache import GradCache
 from clipscale.losses import build_loss
 from clipscale.models import OPEN_CLIP_WEIGHTS, WeightsError, build_model
 
-from tiny_runs import DIGITS_YAML, tiny_run
+from tiny_runs import DIGITS_YAML, REPO, tiny_run
 
 pytestmark = pytest.mark.timeout(180)
 os.environ["HF_HUB_OFFLINE"] = "1"  # a hub lookup would fail the test rather than download
@@ -257,3 +257,16 @@ def test_training_starts_from_an_open_clip_checkpoint_with_lit(digits_root, tmp_
         if key.startswith("visual."):
             assert torch.equal(value, pretrained[key]), key
     assert not torch.equal(trained["text_projection"], pretrained["text_projection"])
+
+
+@pytest.mark.parametrize("name", ["vit_b16_infcl", "lit_vit_b16", "timm_hf_example"])
+def test_example_configs_are_valid(name, hf_folder, tmp_path):
+    """The example configs' keys and values pass validation once their local files exist."""
+    (tmp_path / "weights.pt").write_bytes(b"")
+    local_files = {
+        "lit_vit_b16": [f"model.pretrained={tmp_path / 'weights.pt'}"],
+        "timm_hf_example": [f"model.pretrained_image={tmp_path / 'weights.pt'}",
+                            f"model.custom.text_cfg.hf_model_name={hf_folder}",
+                            f"model.custom.text_cfg.hf_tokenizer_name={hf_folder}"],
+    }
+    load_config(str(REPO / "configs" / f"{name}.yaml"), local_files.get(name, []))
