@@ -162,8 +162,8 @@ def load_timm_trunk(visual: nn.Module, path: str) -> None:
     state_dict = timm.models.load_state_dict(path, weights_only=True)  # unwraps `state_dict`/`model`, strips `module.`
     classifier = trunk.pretrained_cfg.get("classifier")
     ours = trunk.state_dict()
-    for prefixes in [classifier] if isinstance(classifier, str) else classifier or []:
-        for key in [k for k in state_dict if k.startswith(prefixes + ".")]:
+    for prefix in [classifier] if isinstance(classifier, str) else classifier or []:  # a name or a tuple of names
+        for key in [k for k in state_dict if k.startswith(prefix + ".")]:
             if key not in ours or ours[key].shape != state_dict[key].shape:
                 del state_dict[key]
     report = mismatch_report(trunk, state_dict)
