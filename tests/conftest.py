@@ -1,10 +1,24 @@
-"""Fixtures shared by the test modules."""
+"""Session setup and fixtures shared by the test modules."""
 
+import os
 from pathlib import Path
 
-import pytest
+# Triton decides when it is first imported whether its own @jit library functions
+# are interpreted, and torch, timm or open_clip may import it before the kernel
+# tests set TRITON_INTERPRET=1; kernels run later would then fail. Import it here,
+# before any test module, in interpreter mode (CPU tests never run compiled kernels).
+_interpret_before = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+import triton.language  # noqa: E402, F401
 
-from clipscale.data.digits import write_digits_shards
+if _interpret_before is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _interpret_before
+
+import pytest  # noqa: E402
+
+from clipscale.data.digits import write_digits_shards  # noqa: E402
 
 
 @pytest.fixture(scope="session")
