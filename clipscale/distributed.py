@@ -3,8 +3,8 @@
 torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT.
 Under `srun` (one task per GPU) SLURM sets SLURM_PROCID / SLURM_NTASKS /
 SLURM_LOCALID instead; MASTER_ADDR / MASTER_PORT must then come from the
-sbatch script. A plain `python train.py` is a world of one and needs no
-process group.
+sbatch script (slurm/common.sh). A plain `python train.py` is a world of one
+and needs no process group.
 """
 
 from __future__ import annotations
@@ -32,17 +32,24 @@ class World:
         return self.world_size > 1
 
 
-def _env_int(*names: str, default: int) -> int:
-    for name in names:
-        if name in os.environ:
-            return int(os.environ[name])
-    return default
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def launcher_ranks() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun or srun set them; (0, 1, 0) otherwise.
+
+    SLURM's task variables count only inside a job step (`srun`): the batch
+    script itself also sees SLURM_PROCID=0 and the job's SLURM_NTASKS, and a
+    `python train.py` started there directly must not wait for ranks that
+    will never come."""
+    if "RANK" in os.environ or "SLURM_STEP_ID" not in os.environ:
+        return _env_int("RANK", default=0), _env_int("WORLD_SIZE", default=1), _env_int("LOCAL_RANK", default=0)
+    return _env_int("SLURM_PROCID", default=0), _env_int("SLURM_NTASKS", default=1), _env_int("SLURM_LOCALID", default=0)
 
 
 def init_distributed(device: str = "auto") -> World:
-    rank = _env_int("RANK", "SLURM_PROCID", default=0)
-    world_size = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
-    local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    rank, world_size, local_rank = launcher_ranks()
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise RuntimeError("run.device is 'cuda' but no CUDA device is available")
@@ -52,8 +59,13 @@ def init_distributed(device: str = "auto") -> World:
     else:
         torch_device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size))
+        # torchrun's agent keeps one store across elastic restarts. Without a prefix per
+        # attempt, a restarted worker reads the address of the peer that died and fails to connect.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo",
+            store=dist.PrefixStore(f"attempt_{attempt}", store),
             rank=rank,
             world_size=world_size,
             device_id=torch_device if use_cuda else None,
@@ -74,12 +86,22 @@ def _all_reduce(value: float, device: torch.device, op) -> float:
     return tensor.item()
 
 
-def all_reduce_sum(value: float, device: torch.device) -> float:
-    return _all_reduce(value, device, dist.ReduceOp.SUM)
-
-
 def all_reduce_max(value: float, device: torch.device) -> float:
     return _all_reduce(value, device, dist.ReduceOp.MAX)
+
+
+def all_reduce_sum_list(values: list[int], device: torch.device) -> list[int]:
+    """Element-wise sum of integer counters over ranks, in one collective."""
+    if not dist.is_initialized():
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def all_gather_objects(obj) -> list:

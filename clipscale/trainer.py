@@ -36,7 +36,8 @@ from clipscale.distributed import (
     World,
     all_gather_objects,
     all_reduce_max,
-    all_reduce_sum,
+    all_reduce_sum_list,
+    barrier,
     init_distributed,
     shutdown_distributed,
 )
@@ -245,14 +246,14 @@ def _train(cfg: Config, world: World, preemption: Preemption) -> dict:
 
     model.train()
     progress = tqdm(total=cfg.train.steps, initial=start_step, disable=not world.is_main, desc=cfg.run.name, dynamic_ncols=True)
-    nonfinite_in_a_row, skipped_samples = 0, 0
+    nonfinite_in_a_row = 0
+    data_errors_logged = all_reduce_sum_list([stream_state.skipped_samples, stream_state.shard_errors], world.device)
     window_start, window_samples = time.perf_counter(), 0
     batches = iter(loader)
     results: dict = {}
     for step in range(start_step, cfg.train.steps):
         batch = next(batches)
         stream_state.update(batch)
-        skipped_samples += batch["skipped"]
         if cfg.train.offload:  # stays on the host; GradCache streams one chunk at a time to the device
             images, texts = HostTensor(batch["images"]), HostTensor(batch["texts"])
         else:
@@ -296,6 +297,8 @@ def _train(cfg: Config, world: World, preemption: Preemption) -> dict:
         progress.update(1)
         if done % cfg.train.log_every == 0 or done == cfg.train.steps:
             elapsed = time.perf_counter() - window_start
+            # Data errors over all ranks: since the previous record, and since the run began.
+            data_errors = all_reduce_sum_list([stream_state.skipped_samples, stream_state.shard_errors], world.device)
             record = {
                 "loss": loss.item(),
                 "lr": lr,
@@ -303,18 +306,24 @@ def _train(cfg: Config, world: World, preemption: Preemption) -> dict:
                 "grad_norm": grad_norm.item(),
                 "samples_per_s": window_samples / elapsed,
                 "peak_memory_gib": peak_memory_gib(world.device),
-                "skipped_samples": int(all_reduce_sum(skipped_samples, world.device)),
+                "skipped_samples": data_errors[0] - data_errors_logged[0],
+                "skipped_samples_total": data_errors[0],
+                "shard_errors": data_errors[1] - data_errors_logged[1],
+                "shard_errors_total": data_errors[1],
                 "nonfinite_steps": nonfinite_total,
             }
             logger.log(done, record)
             progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}")
-            window_start, window_samples = time.perf_counter(), 0
+            window_start, window_samples, data_errors_logged = time.perf_counter(), 0, data_errors
         if cfg.eval.every_n_steps and done % cfg.eval.every_n_steps == 0 and done < cfg.train.steps:
             results = evaluate(done)
         signum = preemption.requested(world.device)
         if signum or done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
             checkpoint(done)
         if signum:
+            # No rank leaves before rank 0 has written the checkpoint: srun --kill-on-bad-exit
+            # would end the step at the first rank's exit status 128+signal.
+            barrier()
             progress.close()
             if world.is_main:
                 print(f"stopped by signal {signum} after step {done}; the same command resumes from the checkpoint")

@@ -14,17 +14,22 @@ epochs for free and replays only the current epoch's raw samples without
 decoding them. DataLoader hands out batches round-robin over its workers, so
 a resumed loader also rotates which logical worker its first slot serves.
 
-Samples that cannot be decoded (corrupt image bytes, no caption) are skipped
-and counted; the count travels with the batch.
+Nothing in the data stops a run or shrinks a batch. Samples that cannot be
+decoded (corrupt image bytes, no caption) are skipped and counted; a shard
+that cannot be read to its end (a truncated or missing tar file) gives the
+samples before the damage, the rest is skipped and the event counted. Both
+counts travel with the batch; StreamState keeps this rank's totals, so they
+survive a resume (replayed samples are not counted twice).
 """
 
 from __future__ import annotations
 
 import io
 import random
+import warnings
 import zlib
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import chain
 from typing import Callable, Optional
 
 import torch
@@ -41,11 +46,38 @@ class StreamState:
 
     cursors: dict = field(default_factory=dict)
     batches: int = 0  # batches consumed by the trainer; decides the worker rotation on resume
+    skipped_samples: int = 0  # undecodable samples in those batches' stretch of the stream
+    shard_errors: int = 0  # shards that could not be read to their end
 
     def update(self, batch: dict) -> None:
         worker, epoch, position = batch["cursor"]
         self.cursors[worker] = (epoch, position)
         self.batches += 1
+        self.skipped_samples += batch["skipped_samples"]
+        self.shard_errors += batch["shard_errors"]
+
+
+class ShardErrors:
+    """webdataset error handler that warns, counts and carries on with the next shard.
+
+    It counts shards, not exceptions: webdataset reports a tar file cut short
+    once or twice (from the member read and again from the archive iterator)."""
+
+    def __init__(self):
+        self.count = 0
+        self.current_shard_failed = False
+
+    def __call__(self, exn: Exception) -> bool:
+        if not self.current_shard_failed:
+            self.count += 1
+            self.current_shard_failed = True
+            warnings.warn(f"skipping the rest of a shard: {exn!r}")
+        return True
+
+    def read(self, url: str):
+        """The samples of one shard, up to the first error."""
+        self.current_shard_failed = False
+        yield from wds.tarfile_to_samples(handler=self)(iter([{"url": url}]))
 
 
 def decode_sample(raw: dict, image_transform: Callable) -> Optional[tuple]:
@@ -93,14 +125,14 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.cursors = dict(state.cursors)
         self.first_worker = state.batches % self.num_workers
 
-    def _raw_samples(self, epoch: int, consumer: int, consumers: int):
+    def _raw_samples(self, epoch: int, consumer: int, consumers: int, errors: ShardErrors):
         order = list(self.shards)
         random.Random(f"{self.seed}/shards/{epoch}").shuffle(order)
         if len(order) >= consumers:
             mine, keep = order[consumer::consumers], None
         else:
             mine, keep = order, consumer
-        samples = wds.tarfile_to_samples(handler=wds.warn_and_continue)(iter({"url": url} for url in mine))
+        samples = chain.from_iterable(errors.read(url) for url in mine)
         if keep is not None:
             samples = (s for i, s in enumerate(samples) if i % consumers == keep)
         return wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, seed=f"{self.seed}/{epoch}/{consumer}")(samples)
@@ -112,10 +144,15 @@ class ShardStream(torch.utils.data.IterableDataset):
         consumer = self.rank * self.num_workers + worker
         consumers = self.world_size * self.num_workers
         epoch, position = self.cursors.get(worker, (0, 0))
-        images, captions, skipped = [], [], 0
+        images, captions, skipped, errors = [], [], 0, ShardErrors()
+        epochs_without_a_sample = 0
         while True:
-            for raw in islice(self._raw_samples(epoch, consumer, consumers), position, None):
-                position += 1
+            usable = 0
+            for index, raw in enumerate(self._raw_samples(epoch, consumer, consumers, errors)):
+                if index < position:  # consumed before a resume: its errors were counted then
+                    errors.count = 0
+                    continue
+                position = index + 1
                 # Augmentation randomness is a function of the sample's place in the
                 # stream, so a resumed run draws the same crops as an uninterrupted one.
                 with torch.random.fork_rng(devices=[]):
@@ -124,6 +161,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                 if decoded is None:
                     skipped += 1
                     continue
+                usable += 1
                 images.append(decoded[0])
                 captions.append(decoded[1])
                 if len(images) == self.batch_size:
@@ -131,9 +169,15 @@ class ShardStream(torch.utils.data.IterableDataset):
                         "images": torch.stack(images),
                         "texts": self.tokenizer(captions),
                         "cursor": (worker, epoch, position),
-                        "skipped": skipped,
+                        "skipped_samples": skipped,
+                        "shard_errors": errors.count,
                     }
-                    images, captions, skipped = [], [], 0
+                    images, captions, skipped, errors.count = [], [], 0, 0
             if position == 0:
                 raise RuntimeError(f"consumer {consumer} found no samples in its shards: {self.shards}")
+            # Shards move between consumers every epoch, so one bad pass can be bad luck;
+            # several in a row mean the data itself is broken, and waiting would hang the run.
+            epochs_without_a_sample = 0 if usable else epochs_without_a_sample + 1
+            if epochs_without_a_sample == 3:
+                raise RuntimeError(f"consumer {consumer} decoded no sample in 3 passes over its shards ({skipped} skipped)")
             epoch, position = epoch + 1, 0

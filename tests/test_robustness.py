@@ -1,0 +1,157 @@
+"""Runs that survive: broken data is skipped and counted, a killed worker is restarted by torchrun."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from itertools import islice
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision.transforms as T
+import webdataset as wds
+from PIL import Image
+
+from clipscale.config import load_config
+from clipscale.data.shards import ShardErrors, ShardStream, StreamState
+from clipscale.metrics import read_metrics
+
+from tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
+
+SAMPLES_PER_SHARD = 40
+CORRUPT = {f"corrupt-{i:03d}" for i in range(0, SAMPLES_PER_SHARD, 5)}  # 8 images of garbage bytes
+
+
+def _png(seed: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.effect_noise((32, 32), 40 + seed % 50).convert("RGB").save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def broken_shards(tmp_path_factory) -> list[str]:
+    """Four shards: clean; 8 corrupt images; 6 samples without a caption and 2 with an empty one;
+    and one cut off in the middle of a sample (a copy that died half-way)."""
+    root = tmp_path_factory.mktemp("broken")
+    shards = {name: str(root / f"{name}.tar") for name in ("clean", "corrupt", "uncaptioned", "truncated")}
+    for name, path in shards.items():
+        with wds.TarWriter(path) as sink:
+            for i in range(SAMPLES_PER_SHARD):
+                key = f"{name}-{i:03d}"
+                sample = {"__key__": key, "png": _png(i), "txt": b"a handwritten digit"}
+                if key in CORRUPT:
+                    sample["png"] = sample["png"][:20] + bytes(200)  # a PNG header, then zeros
+                if name == "uncaptioned" and i < 8:
+                    sample["txt"] = b"  " if i < 2 else None
+                sink.write({k: v for k, v in sample.items() if v is not None})
+    whole = Path(shards["truncated"]).read_bytes()
+    Path(shards["truncated"]).write_bytes(whole[: len(whole) * 3 // 5 + 700])  # mid-member, not on a header
+    return list(shards.values())
+
+
+def _stream(shards, state=None, shuffle_buffer=30):
+    return ShardStream(
+        shards, batch_size=16, rank=0, world_size=1, num_workers=0, seed=5, image_transform=T.ToTensor(),
+        tokenizer=lambda captions: captions, shuffle_buffer=shuffle_buffer, state=state,
+    )
+
+
+def _unusable(raw: dict) -> bool:
+    caption = raw.get("txt", b"").strip()
+    return raw["__key__"] in CORRUPT or not caption
+
+
+def _consume(batches, state: StreamState) -> StreamState:
+    for batch in batches:
+        assert len(batch["images"]) == len(batch["texts"]) == 16, "a batch lost samples"
+        state.update(batch)
+    return state
+
+
+def test_broken_samples_and_shards_are_skipped_and_counted(broken_shards):
+    stream = _stream(broken_shards)
+    state = _consume(islice(stream, 30), StreamState())  # ~4 epochs of ~130 usable samples
+    (epoch, position), = state.cursors.values()
+    # Every sample the stream consumed, in its order, judged by what the fixture broke.
+    consumed = [raw for e in range(epoch) for raw in stream._raw_samples(e, 0, 1, ShardErrors())]
+    consumed += list(islice(stream._raw_samples(epoch, 0, 1, ShardErrors()), position))
+    assert state.skipped_samples == sum(map(_unusable, consumed)) >= 3 * 16
+    # The truncated shard fails once per pass; the shuffle buffer reads a little ahead of the batches.
+    assert epoch <= state.shard_errors <= epoch + 1
+
+
+def test_a_resumed_stream_counts_on_without_counting_replayed_samples(broken_shards):
+    uninterrupted = _consume(islice(_stream(broken_shards), 30), StreamState())
+    checkpointed = _consume(islice(_stream(broken_shards), 11), StreamState())
+    resumed = _consume(islice(_stream(broken_shards, StreamState(**vars(checkpointed))), 19), checkpointed)
+    assert resumed == uninterrupted
+
+
+def test_a_stream_without_one_usable_sample_stops_with_a_clear_message(tmp_path):
+    shard = str(tmp_path / "uncaptioned.tar")
+    with wds.TarWriter(shard) as sink:
+        for i in range(5):
+            sink.write({"__key__": f"s{i}", "png": _png(i)})
+    with pytest.raises(RuntimeError, match="decoded no sample in 3 passes"):
+        next(iter(_stream([shard])))
+
+
+def test_training_on_broken_shards_runs_to_the_end_and_logs_the_counts(broken_shards, tmp_path):
+    """In a loader worker process, as in a real run: nothing kills the worker or hangs."""
+    from clipscale.trainer import train
+
+    pattern = str(Path(broken_shards[0]).parent / "{clean,corrupt,uncaptioned,truncated}.tar")
+    overrides = tiny_run(tmp_path, tmp_path, "data.kind=webdataset", f"data.train_shards={pattern}", "data.workers=1",
+                         "data.shuffle_buffer=30", "eval.zeroshot=false", "train.steps=5")
+    train(load_config(DIGITS_YAML, overrides))
+    metrics = read_metrics(tmp_path / "tiny" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+    last = metrics[-1]
+    assert sum(m["skipped_samples"] for m in metrics) == last["skipped_samples_total"] >= 2 * 16
+    assert sum(m["shard_errors"] for m in metrics) == last["shard_errors_total"] >= 2  # 320 samples: 2+ epochs
+    checkpoint = torch.load(tmp_path / "tiny" / "checkpoints" / "latest.pt", weights_only=True)
+    assert checkpoint["data"][0]["skipped_samples"] == last["skipped_samples_total"]
+
+
+# --- torchrun elastic restarts ---------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_a_worker_killed_mid_run_is_restarted_from_the_latest_checkpoint(digits_root, tmp_path):
+    """SIGKILL one of two torchrun workers after a checkpoint: with --max-restarts 1 the world
+    restarts, resumes from latest.pt and ends with the weights of a run never interrupted."""
+    def overrides(name):
+        return tiny_run(digits_root, tmp_path, f"run.name={name}", "train.steps=40", "train.checkpoint_every=10",
+                        "data.workers=0", "eval.zeroshot=false")
+
+    reference = run_train(overrides("reference"), nproc=2)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+         str(REPO / "train.py"), "--config", DIGITS_YAML, *overrides("killed")],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    checkpoints, metrics = tmp_path / "killed" / "checkpoints", tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while not ((checkpoints / "step_00000010.pt").exists() and len(metrics.read_text().splitlines()) >= 14):
+        assert agent.poll() is None and time.time() < deadline, "the run ended before a worker could be killed"
+        time.sleep(0.05)
+    os.kill(_children(agent.pid)[-1], signal.SIGKILL)
+    _, stderr = agent.communicate(timeout=240)
+    assert agent.returncode == 0, stderr[-3000:]
+    assert "exitcode: -9" in stderr  # the agent saw the kill, and the restarted world finished
+
+    final = {name: torch.load(tmp_path / name / "checkpoints" / "latest.pt", weights_only=True) for name in ("reference", "killed")}
+    assert final["killed"]["step"] == 40
+    for key, tensor in final["reference"]["state_dict"].items():
+        assert torch.equal(final["killed"]["state_dict"][key], tensor), key
