@@ -236,15 +236,21 @@ def _train(cfg: Config, world: World, preemption: Preemption) -> dict:
                 },
             )
 
+    def enter_train_mode() -> None:
+        model.train()
+        if cfg.model.lock_image and cfg.model.lock_image_unlocked_groups == 0:
+            unwrapped.visual.eval()  # LiT: a frozen tower is a fixed feature extractor, no dropout
+
     def evaluate(step: int) -> dict:
         results = evaluator(model)
+        enter_train_mode()  # evaluation leaves the whole model in train mode
         if not results:  # nothing configured to evaluate
             return results
         logger.log(step, results)
         logger.write_json(run_dir / "eval" / f"step_{step:08d}.json", {"step": step, **results})
         return results
 
-    model.train()
+    enter_train_mode()
     progress = tqdm(total=cfg.train.steps, initial=start_step, disable=not world.is_main, desc=cfg.run.name, dynamic_ncols=True)
     nonfinite_in_a_row = 0
     data_errors_logged = all_reduce_sum_list([stream_state.skipped_samples, stream_state.shard_errors], world.device)

@@ -255,3 +255,26 @@ def test_gradient_cache_and_offload_follow_the_plain_curve(digits_root, tmp_path
         curves[name] = [m["loss"] for m in read_metrics(tmp_path / name / "metrics.jsonl")]
     assert curves["chunked"] == pytest.approx(curves["plain"], rel=1e-5)
     assert curves["offload"] == pytest.approx(curves["plain"], rel=1e-5)
+
+
+def test_lit_keeps_the_locked_tower_in_eval_mode(digits_root, tmp_path, monkeypatch):
+    """A fully locked image tower is a fixed feature extractor: eval mode at every step,
+    also after an evaluation put the model back to training."""
+    import clipscale.trainer as trainer
+
+    modes = []
+    real_build_step = trainer.build_step
+
+    def recording_build_step(cfg, model, *args):
+        step = real_build_step(cfg, model, *args)
+
+        def run(images, texts):
+            modes.append((model.visual.training, model.transformer.training))
+            return step(images, texts)
+
+        return run
+
+    monkeypatch.setattr(trainer, "build_step", recording_build_step)
+    overrides = tiny_run(digits_root, tmp_path, "data.workers=0", "train.steps=4", "eval.every_n_steps=2", "model.lock_image=true")
+    trainer.train(load_config(DIGITS_YAML, overrides))
+    assert modes == [(False, True)] * 4
