@@ -29,6 +29,10 @@ DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "scancel", "sinfo", "srun")
 SBIN_PATH = f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"
 STEPS = 30
+TWO_PROCESSES = {  # sbatch options for a 2-process job on one node
+    "train_torchrun.sbatch": ("--ntasks-per-node=1", "--cpus-per-task=2"),  # one torchrun, NPROC_PER_NODE workers
+    "train_srun.sbatch": ("--ntasks-per-node=2", "--cpus-per-task=1"),
+}
 
 
 def _missing_programs() -> list[str]:
@@ -61,7 +65,8 @@ def _free_port() -> int:
 def _slurm_conf(root: Path, node: str) -> str:
     # proctrack/linuxproc and task/none: no cgroups, which containers often lack. The node offers
     # 4 CPUs whatever the machine has (config_overrides) so that the 2-process jobs always fit.
-    # cred_expire is also how long a requeued job waits before it starts again (default 120 s).
+    # cred_expire is also how long a requeued job waits before it starts again (default 120 s),
+    # and sched_interval how often the scheduler looks again (default 60 s).
     return f"""\
 ClusterName=clipscale-test
 SlurmctldHost={node}(127.0.0.1)
@@ -86,6 +91,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
 MpiDefault=none
 ReturnToService=2
 MinJobAge=600
@@ -101,7 +107,7 @@ class Cluster:
         self.root = root
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # not this job's, if any
         self.env.update(SLURM_CONF=str(root / "slurm.conf"), PATH=SBIN_PATH, PYTHON=sys.executable,
-                        OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+                        OMP_NUM_THREADS="1", WANDB_MODE="disabled", NPROC_PER_NODE="2")  # torchrun: 2 CPU workers
 
     def run(self, *command: str) -> str:
         result = subprocess.run(command, env=self.env, cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -209,9 +215,8 @@ def uninterrupted(cluster, digits_root, tmp_path_factory) -> Path:
     """The digits job through the torchrun template (one node, 2 processes on gloo), then the
     evaluation template on its final checkpoint once it has succeeded."""
     output_dir = tmp_path_factory.mktemp("torchrun")
-    cluster.env["NPROC_PER_NODE"] = "2"
     train = cluster.submit("train_torchrun.sbatch", "--config", "configs/digits.yaml", *_overrides(digits_root, output_dir),
-                           options=("--ntasks-per-node=1", "--cpus-per-task=2"))
+                           options=TWO_PROCESSES["train_torchrun.sbatch"])
     manifest = json.loads((digits_root / "manifest.json").read_text())
     evaluation = cluster.submit(
         "eval.sbatch", "--checkpoint", str(output_dir / "tiny" / "checkpoints" / "latest.pt"), "--task", "wds",
@@ -235,11 +240,12 @@ def test_digits_job_trains_and_evaluates(uninterrupted):
     assert script["acc1"] > 0.1  # better than chance (ten classes) after 30 tiny steps
 
 
-def test_preempted_job_is_requeued_and_resumes_on_the_same_curve(cluster, uninterrupted, digits_root, tmp_path):
-    """The srun template (2 tasks): a preemption notice mid-run checkpoints, requeues the job,
-    and the requeued job continues the loss curve of the uninterrupted torchrun job."""
-    job_id = cluster.submit("train_srun.sbatch", "--config", "configs/digits.yaml", *_overrides(digits_root, tmp_path),
-                            options=("--ntasks-per-node=2", "--cpus-per-task=1"))
+@pytest.mark.parametrize("template", sorted(TWO_PROCESSES))
+def test_preempted_job_is_requeued_and_resumes_on_the_same_curve(cluster, uninterrupted, digits_root, tmp_path, template):
+    """A preemption notice mid-run checkpoints and requeues the job; the requeued job continues
+    the loss curve of the uninterrupted job (same world size, so the same data and steps)."""
+    job_id = cluster.submit(template, "--config", "configs/digits.yaml", *_overrides(digits_root, tmp_path),
+                            options=TWO_PROCESSES[template])
     metrics = tmp_path / "tiny" / "metrics.jsonl"
     deadline = time.time() + 180
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
