@@ -278,3 +278,18 @@ def test_lit_keeps_the_locked_tower_in_eval_mode(digits_root, tmp_path, monkeypa
     overrides = tiny_run(digits_root, tmp_path, "data.workers=0", "train.steps=4", "eval.every_n_steps=2", "model.lock_image=true")
     trainer.train(load_config(DIGITS_YAML, overrides))
     assert modes == [(False, True)] * 4
+
+
+def test_trains_on_webdataset_shards_from_the_synthetic_writer(tmp_path):
+    """data.kind=webdataset with a brace pattern, on shards written by scripts/make_synthetic_shards.py."""
+    from clipscale.trainer import train
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import make_synthetic_shards
+
+    make_synthetic_shards.main(["--out", str(tmp_path / "shards"), "--shards", "2", "--per-shard", "24", "--size", "32"])
+    overrides = tiny_run(tmp_path, tmp_path, "data.kind=webdataset", f"data.train_shards={tmp_path}/shards/synthetic-{{0000..0001}}.tar",
+                         "data.workers=0", "eval.zeroshot=false", "train.batch_size=16", "train.steps=4")
+    train(load_config(DIGITS_YAML, overrides))
+    metrics = read_metrics(tmp_path / "tiny" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4] and all(math.isfinite(m["loss"]) for m in metrics)
