@@ -1,0 +1,77 @@
+"""What every reproduction script shares: the provenance block of its JSON, and its output files."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "docs" / "results"
+
+
+def provenance(argv: list[str] | None) -> dict:
+    """Device, versions, date and command, so a JSON file says where its numbers come from."""
+    import torch
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for package in ("open_clip", "triton"):
+        try:
+            versions[package] = __import__(package).__version__
+        except ImportError:
+            pass
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or platform.machine()
+    if torch.cuda.is_available() and torch.distributed.is_initialized():
+        device = f"{torch.distributed.get_world_size()} x {device}"
+    return {
+        "device": device,
+        "versions": versions,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(["python", sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+    }
+
+
+def write_json(record: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {path}", flush=True)
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display on the machines that run this)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def log_log(ax, batches) -> None:
+    """Log-log axes labelled in plain numbers: powers of two over the batches on x, '%g' values on y."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    powers = [2**k for k in range(math.floor(math.log2(min(batches))), math.ceil(math.log2(max(batches))) + 1)]
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(powers, [f"{b:,}" if b < 10_000 else f"{b // 1024:,}k" for b in powers], rotation=45 if len(powers) > 7 else 0)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.grid(alpha=0.3, which="both")
+
+
+def save_figure(fig, path: Path, dpi: int = 110) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    print(f"wrote {path}", flush=True)
+
+
+def publish(record: dict, json_path: Path, plot) -> None:
+    """The JSON, and its picture beside it: plot(record, <json_path>.png)."""
+    write_json(record, json_path)
+    plot(record, json_path.with_suffix(".png"))

@@ -1,0 +1,159 @@
+"""Full training steps at a chosen batch, for the memory and speed tables (Tables 1, 2, 4, S1).
+
+One step = GradCache forward/backward at `chunk` samples per encoder pass, the contrastive
+loss over the global batch, and a fused AdamW update, under bf16 autocast (the paper's
+setting: AMP, AdamW, Gradient Cache at its accumulation size). Data is synthetic: random
+pixels and tokens, either on the GPU ("offload off") or as pinned uint8 on the host,
+streamed a chunk at a time ("offload on"). Under torchrun every rank runs its share of
+the global batch and the losses run across ranks (the Inf-CL ring, DisCo, ...).
+
+An out-of-memory error is a result, not a failure: the probe frees what it allocated and
+reports it, agreed over ranks, so a search can go on with a smaller batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_step import SMOKE_MODEL
+from bench_train import build_model
+
+from clipscale.data.offload import HostTensor
+from clipscale.distributed import World, init_distributed
+from clipscale.gradcache import GradCache
+from clipscale.losses import build_loss
+from clipscale.models import register_custom
+
+GIB = 2**30
+
+
+def smoke_model_name() -> str:
+    """bench_step's tiny model (32 px, 2 layers): a step takes milliseconds on a CPU."""
+    return register_custom(SMOKE_MODEL)
+
+
+def start(device: str = "auto") -> World:
+    """torchrun's ranks (NCCL on GPUs, gloo on CPU), or a single process."""
+    return init_distributed(device)
+
+
+@dataclass
+class Workload:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    image_size: int
+    context_length: int
+    vocab_size: int
+    feature_dim: int
+
+
+def load_workload(model_name: str, world: World, lock_image: bool = False) -> Workload:
+    model, optimizer = build_model(model_name, world.device)
+    if lock_image:  # LiT: the image tower runs forward only; rebuild the optimizer without it
+        model.lock_image_tower()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
+                                      weight_decay=0.2, fused=world.device.type == "cuda")
+    if world.distributed:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[world.device] if world.device.type == "cuda" else None)
+    module = model.module if world.distributed else model
+    image_size = module.visual.image_size
+    return Workload(model, optimizer, image_size[0] if isinstance(image_size, tuple) else image_size,
+                    module.context_length, module.vocab_size, module.visual.output_dim)
+
+
+def synthetic_batch(work: Workload, local_batch: int, device: torch.device, offload: bool):
+    """Random images and tokens: pinned uint8 on the host (offload), or float images on the device."""
+    mean = torch.tensor(OPENAI_DATASET_MEAN, device=device).view(1, 3, 1, 1) * 255
+    std = torch.tensor(OPENAI_DATASET_STD, device=device).view(1, 3, 1, 1) * 255
+    normalise = lambda pixels: (pixels.float() - mean) / std
+    shape = (local_batch, 3, work.image_size, work.image_size)
+    tokens = torch.randint(1, work.vocab_size, (local_batch, work.context_length), dtype=torch.int32)
+    if offload:
+        return HostTensor(torch.randint(0, 256, shape, dtype=torch.uint8), normalise), HostTensor(tokens)
+    return normalise(torch.randint(0, 256, shape, dtype=torch.uint8, device=device)), tokens.to(device)
+
+
+def agree(failed: bool, device: torch.device) -> bool:
+    """True on every rank if the probe failed on any."""
+    if not dist.is_initialized():
+        return failed
+    flag = torch.tensor([float(failed)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+
+
+def training_step(work: Workload, world: World, loss_name: str, global_batch: int, chunk: int, offload: bool,
+                  loss_options: dict | None = None) -> dict:
+    """One full step at `global_batch`: {"step_s", "peak_gib", "loss"} or {"error": "out of memory"}."""
+    local_batch = global_batch // world.world_size
+    release(world.device)
+    result = {}
+    try:
+        images, texts = synthetic_batch(work, local_batch, world.device, offload)
+        step = GradCache(work.model, build_loss(loss_name, **(loss_options or {})), chunk, offload=offload,
+                         autocast=torch.bfloat16 if world.device.type == "cuda" else None)
+        if world.device.type == "cuda":
+            torch.cuda.synchronize(world.device)
+        started = time.perf_counter()
+        loss = step(images, texts)
+        work.optimizer.step()
+        work.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            (work.model.module if world.distributed else work.model).logit_scale.clamp_(0, math.log(100))
+        result = {"loss": float(loss)}  # float() waits for the device
+        result["step_s"] = time.perf_counter() - started
+        result["peak_gib"] = peak_gib(world.device)
+    except torch.OutOfMemoryError:
+        result = {"error": "out of memory"}
+    finally:
+        images = texts = step = None  # drop the batch before the allocator is emptied
+        work.optimizer.zero_grad(set_to_none=True)
+        release(world.device)
+    if agree("error" in result, world.device):
+        return {"error": "out of memory"}
+    return result
+
+
+def loss_memory_gib(loss_name: str, world: World, global_batch: int, feature_dim: int,
+                    loss_options: dict | None = None) -> float | None:
+    """Peak memory that the loss alone adds, forward and backward, on this rank's bf16 features
+    (the paper's "loss memory"); None on a CPU, "out of memory" when it does not fit."""
+    local_batch = global_batch // world.world_size
+    release(world.device)
+    failed = False
+    try:
+        features = torch.nn.functional.normalize(torch.randn(2, local_batch, feature_dim, device=world.device), dim=-1)
+        image, text = (f.to(torch.bfloat16).requires_grad_() for f in features)
+        del features
+        scale = torch.tensor(1 / 0.07, device=world.device, requires_grad=True)
+        before = torch.cuda.memory_allocated(world.device) if world.device.type == "cuda" else 0
+        release(world.device)
+        build_loss(loss_name, **(loss_options or {}))(image, text, scale).backward()
+        extra = (peak_gib(world.device) - before / GIB) if world.device.type == "cuda" else None
+    except torch.OutOfMemoryError:
+        failed = True
+    finally:
+        image = text = None
+        release(world.device)
+    return "out of memory" if agree(failed, world.device) else extra
