@@ -14,6 +14,7 @@ sys.path.insert(0, str(REPO / "scripts" / "reproduce"))
 import ablation_tiling
 import max_batch
 import step_time
+import training_step
 
 LOSSES = {"vanilla", "local", "disco", "infcl"}
 
@@ -61,3 +62,12 @@ def test_step_time_times_every_loss_at_every_batch(tmp_path):
     rows = saved(out)["rows"]
     assert {(r["loss"], r["batch"]) for r in rows} == {(loss, b) for loss in LOSSES for b in (16, 32)}
     assert all(r["step_s"] > 0 and r["epoch_h"] > 0 for r in rows)
+
+
+def test_an_offloaded_batch_beyond_host_memory_counts_as_not_fitting(monkeypatch):
+    world = training_step.start("cpu")
+    work = training_step.load_workload(training_step.smoke_model_name(), world)
+    monkeypatch.setattr(training_step, "HOST_MEMORY_FRACTION", 1e-12)
+    result = training_step.training_step(work, world, "infcl", 16, 8, offload=True)
+    assert result["error"].startswith("host memory")
+    assert "step_s" in training_step.training_step(work, world, "infcl", 16, 8, offload=False)

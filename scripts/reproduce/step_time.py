@@ -45,7 +45,7 @@ def measure(work, world, loss: str, batch: int, args, seconds_per_sample: float 
         return row | {"skipped": f"estimated {estimate:.0f} s, past the --budget deadline"}
     steps = [training_step(work, world, loss, batch, args.chunk, offload=True) for _ in range(args.repeats + 1)]
     if any("error" in s for s in steps):
-        return row | {"error": "out of memory"}
+        return row | {"error": next(s["error"] for s in steps if "error" in s)}
     step_s = statistics.median(s["step_s"] for s in steps[1:])
     return row | {"step_s": step_s, "samples_per_s": batch / step_s, "peak_gib": max(s["peak_gib"] or 0 for s in steps) or None,
                   "epoch_h": math.ceil(args.epoch_samples / batch) * step_s / 3600}

@@ -35,6 +35,9 @@ from clipscale.losses import build_loss
 from clipscale.models import register_custom
 
 GIB = 2**30
+# Offloaded batches are pinned uint8 on the host; past this share of the machine's memory the
+# process would be killed rather than raise, so such a batch counts as not fitting.
+HOST_MEMORY_FRACTION = 0.6
 
 
 def smoke_model_name() -> str:
@@ -105,8 +108,11 @@ def peak_gib(device: torch.device) -> float | None:
 
 def training_step(work: Workload, world: World, loss_name: str, global_batch: int, chunk: int, offload: bool,
                   loss_options: dict | None = None) -> dict:
-    """One full step at `global_batch`: {"step_s", "peak_gib", "loss"} or {"error": "out of memory"}."""
+    """One full step at `global_batch`: {"step_s", "peak_gib", "loss"} or {"error": ...}."""
     local_batch = global_batch // world.world_size
+    host_bytes = global_batch * (3 * work.image_size**2 + 4 * work.context_length)  # all ranks of one machine
+    if offload and host_bytes > HOST_MEMORY_FRACTION * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
+        return {"error": f"host memory: the offloaded batch would take {host_bytes / GIB:.0f} GiB"}
     release(world.device)
     result = {}
     try:
