@@ -12,7 +12,9 @@ sample on its own. So one step is:
      through it: dL/dtheta = sum over chunks of (dL/dfeatures_chunk) . dfeatures_chunk/dtheta.
 
 The parameter gradients are those of one forward/backward over the whole batch; the
-price is one extra encoder forward. A batch of a single chunk takes the plain step. See DESIGN.md, "Gradient Cache and offload".
+price is one extra encoder forward. Pass 1 keeps the graph of its last chunk and
+backpropagates it as soon as the loss has its gradient, so pass 2 re-encodes all chunks
+but that one (`reuse_last_chunk`). A batch of a single chunk takes the plain step. See DESIGN.md, "Gradient Cache and offload".
 
     step = GradCache(model, loss_fn, chunk_size=512, autocast=torch.bfloat16)
     loss = step(images, texts)   # gradients accumulated into model parameters
@@ -122,6 +124,11 @@ class GradCache:
     offload:    inputs that live on the host (a CPU tensor or `EncodedSamples`) are streamed
                 to the device a chunk at a time in both passes, instead of being kept on the
                 device between the passes. GPU memory then depends on chunk_size alone.
+    reuse_last_chunk: pass 1 encodes the last chunk with its graph and backpropagates it
+                right after the loss, so pass 2 re-encodes one chunk fewer (a batch of two
+                chunks costs 1.5 forwards instead of 2). Its activations are then held while
+                the loss runs: turn it off where the loss's own memory is the limit (the
+                b x b losses at their largest batches).
     """
 
     def __init__(
@@ -133,6 +140,7 @@ class GradCache:
         autocast=None,
         scaler: torch.amp.GradScaler | None = None,
         decode_workers: int = 8,
+        reuse_last_chunk: bool = True,
     ):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -144,6 +152,7 @@ class GradCache:
         self.device = next(self.module.parameters()).device
         self.autocast = autocast_factory(autocast, self.device)
         self.scaler = scaler
+        self.reuse_last_chunk = reuse_last_chunk
         self.pool = ThreadPoolExecutor(decode_workers, thread_name_prefix="clipscale-decode")
 
     def __call__(self, images: Batch, texts: Batch) -> torch.Tensor:
@@ -155,34 +164,51 @@ class GradCache:
         if len(bounds) == 1:  # the batch is one chunk: a plain step, no second forward needed
             return self.plain_step(next(self.chunks(images, bounds)), next(self.chunks(texts, bounds)))
         train_image, train_text = trainable_towers(self.module)
+        # With reuse_last_chunk, pass 1 encodes the last chunk with its graph and pass 2
+        # re-encodes only the chunks before it.
+        reencoded = bounds[:-1] if self.reuse_last_chunk else bounds
 
         # Without offload, pass 1's device chunks are kept for pass 2 instead of loaded twice.
         kept_images, kept_texts = [], []
         image_chunks = remember(self.chunks(images, bounds), None if self.offload else kept_images)
         text_chunks = remember(self.chunks(texts, bounds), None if self.offload else kept_texts)
-        features, scalars, image_states, text_states = self.encode_without_graph(image_chunks, text_chunks)
+        features, scalars, image_states, text_states, last_chunk = self.first_pass(image_chunks, text_chunks, len(bounds))
 
         loss, feature_grads, scalar_grads = self.loss_and_feature_grads(features, scalars)
         del features
+        if last_chunk is not None:  # its graph is still there: backpropagate it first, then free it
+            start, stop = bounds[-1]
+            with self.no_sync():
+                self.backward(last_chunk, feature_grads, start, stop, train_image, train_text)
+            del last_chunk
 
-        image_chunks = self.pass2_chunks(images, bounds, kept_images) if train_image else repeat(None)
-        text_chunks = self.pass2_chunks(texts, bounds, kept_texts) if train_text else repeat(None)
+        image_chunks = self.pass2_chunks(images, reencoded, kept_images) if train_image else repeat(None)
+        text_chunks = self.pass2_chunks(texts, reencoded, kept_texts) if train_text else repeat(None)
         states = image_states if train_image else text_states
-        last = len(bounds) - 1
-        for k, ((start, stop), image, text) in enumerate(zip(bounds, image_chunks, text_chunks)):
-            sync = contextlib.nullcontext() if k == last or self.model is self.module else self.model.no_sync()
-            with sync:
+        final = len(reencoded) - 1
+        for k, ((start, stop), image, text) in enumerate(zip(reencoded, image_chunks, text_chunks)):
+            # DDP all-reduces in the final backward of the step only.
+            with self.no_sync() if k < final else contextlib.nullcontext():
                 with states[k].replay(), self.autocast():
                     out = encode(self.model, image, text)
-                outputs = [f for f, train in ((out.image, train_image), (out.text, train_text)) if train]
-                grads = [g[start:stop] for g, train in zip(feature_grads, (train_image, train_text)) if train]
-                if k == last:  # the scalars' gradient is a whole-batch quantity: add it once
-                    trainable = [(s, g) for s, g in zip(out.scalars, scalar_grads) if s.requires_grad]
-                    outputs += [s for s, _ in trainable]
-                    grads += [g for _, g in trainable]
-                if outputs:
-                    torch.autograd.backward(outputs, grads)
+                # the scalars' gradient is a whole-batch quantity: added once
+                self.backward(out, feature_grads, start, stop, train_image, train_text, scalar_grads if k == final else None)
         return loss.detach()
+
+    def no_sync(self) -> ContextManager:
+        return self.model.no_sync() if self.model is not self.module else contextlib.nullcontext()
+
+    @staticmethod
+    def backward(out: Encoded, feature_grads, start, stop, train_image, train_text, scalar_grads=None) -> None:
+        """Backpropagate the cached feature gradients of samples [start, stop) through `out`."""
+        outputs = [f for f, train in ((out.image, train_image), (out.text, train_text)) if train]
+        grads = [g[start:stop] for g, train in zip(feature_grads, (train_image, train_text)) if train]
+        if scalar_grads is not None:
+            trainable = [(s, g) for s, g in zip(out.scalars, scalar_grads) if s.requires_grad]
+            outputs += [s for s, _ in trainable]
+            grads += [g for _, g in trainable]
+        if outputs:
+            torch.autograd.backward(outputs, grads)
 
     def plain_step(self, images: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
         with self.autocast():
@@ -202,21 +228,30 @@ class GradCache:
     def pass2_chunks(self, batch: Batch, bounds, kept: list[torch.Tensor]) -> Iterator[torch.Tensor]:
         return self.chunks(batch, bounds) if self.offload else iter(kept)
 
-    @torch.no_grad()
-    def encode_without_graph(self, image_chunks, text_chunks):
-        """Pass 1. The towers run separately so that each has its own RNG state: a locked
-        tower is skipped in pass 2, and the other must still replay its own masks."""
+    def first_pass(self, image_chunks, text_chunks, count: int):
+        """Pass 1: every chunk's features, and the RNG state before each tower's call. The
+        towers run separately so that each has its own RNG state: a locked tower is skipped
+        in pass 2, and the other must still replay its own masks. With reuse_last_chunk the
+        last chunk runs with its graph (through DDP, unsynchronised), returned as `last_chunk`."""
         image_features, text_features, image_states, text_states = [], [], [], []
-        for image, text in zip(image_chunks, text_chunks):
-            image_states.append(RandomState(self.device))
-            with self.autocast():
-                image_features.append(encode(self.module, image, None).image)
-            text_states.append(RandomState(self.device))
-            with self.autocast():
-                out = encode(self.module, None, text)
-            text_features.append(out.text)
+        last_chunk = None
+        for k, (image, text) in enumerate(zip(image_chunks, text_chunks)):
+            if k == count - 1 and self.reuse_last_chunk:
+                with self.no_sync(), self.autocast():
+                    out = last_chunk = encode(self.model, image, text)
+                image_features.append(out.image.detach())
+                text_features.append(out.text.detach())
+                break
+            with torch.no_grad():
+                image_states.append(RandomState(self.device))
+                with self.autocast():
+                    image_features.append(encode(self.module, image, None).image)
+                text_states.append(RandomState(self.device))
+                with self.autocast():
+                    out = encode(self.module, None, text)
+                text_features.append(out.text)
         features = (torch.cat(image_features), torch.cat(text_features))
-        return features, out.scalars, image_states, text_states
+        return features, tuple(s.detach() for s in out.scalars), image_states, text_states, last_chunk
 
     def loss_and_feature_grads(self, features, scalars):
         """Pass 1's loss on detached features: its gradient w.r.t. features and scalars."""

@@ -140,6 +140,26 @@ def test_matches_plain_step_with_dropout(loss_name, precision):
     assert relative_error(grads, want) < 1e-5
 
 
+@pytest.mark.parametrize("reuse_last_chunk", [True, False])
+def test_both_pass_orders_match_plain_step(reuse_last_chunk):
+    """Keeping pass 1's last graph (the default) or re-encoding every chunk: same gradients."""
+    model, loss_fn = tiny_clip(), build_loss("infcl")
+    images, texts = make_batch(11, seed=0)
+    _, grads = gradcache_grads(model, loss_fn, images, texts, chunk_size=4, reuse_last_chunk=reuse_last_chunk)
+    _, want = plain_grads(model, loss_fn, images, texts, chunk_size=4)
+    assert relative_error(grads, want) < 1e-5
+
+
+@pytest.mark.parametrize("reuse_last_chunk, forwards", [(True, 5), (False, 6)])
+def test_reusing_the_last_chunk_saves_a_forward(reuse_last_chunk, forwards):
+    model, loss_fn = tiny_clip(), float64_clip_loss
+    calls = []
+    model.visual.register_forward_hook(lambda *_: calls.append(1))
+    images, texts = make_batch(10, seed=0)
+    gradcache_grads(model, loss_fn, images, texts, chunk_size=4, reuse_last_chunk=reuse_last_chunk)
+    assert len(calls) == forwards  # pass 1: 3 chunks; pass 2: 2 or 3
+
+
 def test_dropout_is_really_on():
     """Guards the test above: with another seed the masks, hence the gradients, differ."""
     model, loss_fn = tiny_clip(), float64_clip_loss
