@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
+from torchvision.io import decode_jpeg, encode_jpeg
 
 from clipscale.data import offload
-from clipscale.data.offload import EncodedSamples, HostTensor
+from clipscale.data.offload import EncodedSamples, HostTensor, JpegBytes
 from clipscale.gradcache import GradCache, encode
 from clipscale.losses import build_loss
 from tests.gloo_world import run_in_gloo_world
@@ -243,6 +244,29 @@ def test_offload_gives_the_same_gradients(monkeypatch):
     _, offloaded = gradcache_grads(model, loss_fn, encoded, HostTensor(texts), chunk_size=4, offload=True)
     _, kept = gradcache_grads(model, loss_fn, normalise(pixels), texts, chunk_size=4)
     assert relative_error(offloaded, kept) == 0.0
+
+
+def jpeg_bytes(pixels: torch.Tensor) -> list[bytes]:
+    return [encode_jpeg(p, quality=90).numpy().tobytes() for p in pixels]
+
+
+def test_jpeg_bytes_decoded_on_the_device_give_the_same_gradients():
+    """JpegBytes (decode_jpeg on the step's device, per chunk, both passes) == the decoded batch kept whole."""
+    model, loss_fn = tiny_clip(), float64_clip_loss
+    pixels = torch.randint(0, 256, (10, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    _, texts = make_batch(10, seed=0)
+    samples = jpeg_bytes(pixels)
+    decoded = torch.stack([decode_jpeg(torch.frombuffer(bytearray(b), dtype=torch.uint8)) for b in samples])
+    _, offloaded = gradcache_grads(model, loss_fn, JpegBytes(samples, normalise), HostTensor(texts), chunk_size=4, offload=True)
+    _, kept = gradcache_grads(model, loss_fn, normalise(decoded), texts, chunk_size=4)
+    assert relative_error(offloaded, kept) == 0.0
+
+
+def test_jpeg_bytes_of_different_sizes_are_refused():
+    samples = jpeg_bytes(torch.zeros(2, 3, 32, 32, dtype=torch.uint8)) + jpeg_bytes(torch.zeros(1, 3, 16, 16, dtype=torch.uint8))
+    step = GradCache(tiny_clip(), float64_clip_loss, chunk_size=3, offload=True)
+    with pytest.raises(ValueError, match="different shapes"):
+        step(JpegBytes(samples, normalise), HostTensor(make_batch(3, seed=0)[1]))
 
 
 # --- DistributedDataParallel in a 2-process gloo world -------------------------------------------
