@@ -71,3 +71,20 @@ def test_an_offloaded_batch_beyond_host_memory_counts_as_not_fitting(monkeypatch
     result = training_step.training_step(work, world, "infcl", 16, 8, offload=True)
     assert result["error"].startswith("host memory")
     assert "step_s" in training_step.training_step(work, world, "infcl", 16, 8, offload=False)
+
+
+@pytest.mark.parametrize("batch, real_image_calls", [(8, 1), (32, 3)])
+def test_the_memory_probe_runs_the_encoders_on_a_few_chunks_only(batch, real_image_calls):
+    """4 chunks: pass 1's first chunk and pass 2's first and final chunk run for real (a single
+    chunk is a plain step: one real call); the step still ends with a finite loss."""
+    world = training_step.start("cpu")
+    work = training_step.load_workload(training_step.smoke_model_name(), world)
+    calls = []
+    hook = work.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        result = training_step.training_step(work, world, "infcl", batch, 8, offload=True, memory_probe=True)
+    finally:
+        hook.remove()
+    assert len(calls) == real_image_calls
+    assert result["loss"] == result["loss"] and result["step_s"] > 0
+    assert "forward" not in vars(work.model)  # the real forward is back

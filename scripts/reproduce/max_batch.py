@@ -14,6 +14,15 @@ fit of its peak memory against batch reaches the GPU's memory (an estimate, as t
 Figure 1 estimates beyond 80 GB), since at the largest batches a single step takes longer
 than a command may run.
 
+`--probe memory` (the default) makes the largest batches reachable within minutes: each
+probe is a step whose encoders run for real on a few chunks only and return stand-in
+features on the others (`training_step.SampledEncoders`), so everything of batch size --
+the data, the features and their gradients, the loss over the global batch -- is allocated
+as in a full step, beside one chunk's activations, but the time is that of the loss.
+Each model's first batch is also run as a full step and both peaks are recorded
+(`probe_check`), so the JSON shows whether the probe sees the full step's peak.
+`--probe full` runs whole steps only.
+
     python scripts/reproduce/max_batch.py --models ViT-B-16 --out docs/results/max_batch_vit_b16_1xh100.json
     torchrun --nproc_per_node 2 scripts/reproduce/max_batch.py --models ViT-L-14 --out docs/results/max_batch_vit_l14_2xh200.json
     python scripts/reproduce/max_batch.py --smoke --out /tmp/max_batch.json     # tiny model, CPU, < 1 minute
@@ -114,9 +123,9 @@ def extrapolate(probes: list[dict], capacity_gib: float | None) -> int | None:
     return int(min(roots)) if roots else None
 
 
-def clipscale_probe(work, world, loss, chunk, offload):
+def clipscale_probe(work, world, loss, chunk, offload, memory_probe):
     def probe(batch: int) -> dict:
-        row = training_step(work, world, loss, batch, chunk, offload)
+        row = training_step(work, world, loss, batch, chunk, offload, memory_probe=memory_probe)
         row["loss_gib"] = loss_memory_gib(loss, world, batch, work.feature_dim)
         return row
 
@@ -192,6 +201,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--resolution", type=int, default=None, help="stop bisecting below this gap (default start/4)")
     parser.add_argument("--max-batch", type=int, default=2**23, help="never probe above this global batch")
     parser.add_argument("--budget", type=float, default=540, help="seconds for all searches together")
+    parser.add_argument("--probe", choices=["memory", "full"], default="memory",
+                        help="memory: steps whose encoders run on a few chunks only (training_step.SampledEncoders), "
+                             "checked against a full step at --start; full: every probe is a whole training step")
     parser.add_argument("--no-baseline", action="store_true", help="skip open_clip_train's search")
     parser.add_argument("--smoke", action="store_true", help="tiny model and batches on the CPU: checks the script")
     parser.add_argument("--out", default=str(RESULTS / "max_batch.json"))
@@ -209,14 +221,25 @@ def main(argv=None) -> dict:
               "precision": "bf16 autocast, fp32 master weights, fused AdamW" if world.device.type == "cuda" else "fp32 (CPU)",
               **provenance(argv), "searches": []}
     searches_left = len(args.models) * (len(args.offload) * len(args.losses) + baseline)
+    memory_probe = args.probe == "memory"
+    record["probe"] = args.probe
     for model_name in args.models:
         work = load_workload(model_name, world)
+        if memory_probe:  # does the probe see the peak of a full step? Both at the first batch, with Inf-CL.
+            offload = args.offload[0] == "on"
+            full, probed = (training_step(work, world, "infcl", args.start, args.chunk, offload, memory_probe=m) for m in (False, True))
+            record.setdefault("probe_check", []).append(
+                {"model": model_name, "batch": args.start, "offload": offload, "loss": "infcl",
+                 "full_step_peak_gib": full.get("peak_gib"), "memory_probe_peak_gib": probed.get("peak_gib"),
+                 "full_step_s": full.get("step_s"), "memory_probe_s": probed.get("step_s")})
+            if world.is_main:
+                print(f"  probe check: {record['probe_check'][-1]}", flush=True)
         for offload, loss in ((o == "on", loss) for o in args.offload for loss in args.losses):
             if world.is_main:
                 print(f"{model_name} {loss} offload {'on' if offload else 'off'}", flush=True)
             share = (deadline - time.monotonic()) / searches_left  # what earlier searches left over goes to later ones
             searches_left -= 1
-            search = Search(clipscale_probe(work, world, loss, args.chunk, offload), args.start, resolution,
+            search = Search(clipscale_probe(work, world, loss, args.chunk, offload, memory_probe), args.start, resolution,
                             world.world_size * args.chunk, time.monotonic() + share, args.max_batch, world)
             found = search.run()
             found["extrapolated_max_batch"] = extrapolate(found["probes"], capacity_gib)

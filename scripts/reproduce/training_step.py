@@ -13,6 +13,7 @@ reports it, agreed over ranks, so a search can go on with a smaller batch.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -75,15 +76,71 @@ def load_workload(model_name: str, world: World, lock_image: bool = False) -> Wo
 
 
 def synthetic_batch(work: Workload, local_batch: int, device: torch.device, offload: bool):
-    """Random images and tokens: pinned uint8 on the host (offload), or float images on the device."""
+    """Random images and tokens: pinned uint8 on the host (offload), or float images on the device.
+
+    The host images are shifted copies of one random block: filling hundreds of GB with
+    fresh random numbers would take minutes and measure nothing more."""
     mean = torch.tensor(OPENAI_DATASET_MEAN, device=device).view(1, 3, 1, 1) * 255
     std = torch.tensor(OPENAI_DATASET_STD, device=device).view(1, 3, 1, 1) * 255
     normalise = lambda pixels: (pixels.float() - mean) / std
     shape = (local_batch, 3, work.image_size, work.image_size)
     tokens = torch.randint(1, work.vocab_size, (local_batch, work.context_length), dtype=torch.int32)
     if offload:
-        return HostTensor(torch.randint(0, 256, shape, dtype=torch.uint8), normalise), HostTensor(tokens)
+        images = torch.empty(shape, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        block = torch.randint(0, 256, (min(local_batch, 1024), *shape[1:]), dtype=torch.uint8)
+        for start in range(0, local_batch, len(block)):
+            rows = images[start : start + len(block)]
+            torch.add(block[: len(rows)], start // len(block), out=rows)
+        return HostTensor(images, normalise), HostTensor(tokens)
     return normalise(torch.randint(0, 256, shape, dtype=torch.uint8, device=device)), tokens.to(device)
+
+
+class SampledEncoders:
+    """A memory probe: the model's forward runs for real on a few chunks of each Gradient Cache
+    pass and returns stand-in features on the others.
+
+    A step's peak memory is what is alive at its fullest moment: the batch (on the device, or
+    pinned on the host), the model and AdamW state, the full-batch features and their
+    gradients, the loss over the whole global batch, and one chunk's activations. None of it
+    depends on how many chunks the encoders actually run, because the chunks run one after
+    the other. So the probe runs, per step, the first chunk of pass 1 (no graph), and the first
+    and the final chunk of pass 2 (the final one is DDP's synchronised backward) for real, and
+    everything else at full size; a step at a million samples then takes seconds, not an
+    hour. `max_batch.py --probe memory` checks it against a full step at its first batch.
+    """
+
+    REAL_NO_GRAD_CALLS = 2  # pass 1's first chunk: an image-only and a text-only call
+
+    def __init__(self, model: torch.nn.Module, chunk: int, chunks: int, feature_dim: int, dtype: torch.dtype):
+        self.model, self.chunks = model, chunks
+        device = model.logit_scale.device
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        stand_in = torch.nn.functional.normalize(torch.randn(chunk, feature_dim, generator=generator), dim=-1)
+        self.stand_in = stand_in.to(device=device, dtype=dtype)
+        self.real_forward = model.forward
+        self.calls = {True: 0, False: 0}  # grad-enabled, no-grad calls so far in this step
+
+    def forward(self, image=None, text=None):
+        grad = torch.is_grad_enabled()
+        call = self.calls[grad]
+        self.calls[grad] += 1
+        real = call in (0, self.chunks - 1) if grad else call < self.REAL_NO_GRAD_CALLS
+        if real:
+            return self.real_forward(image, text)
+        scale = self.model.logit_scale
+        # Depending on a parameter gives the stand-ins a (tiny) graph for pass 2's backward.
+        stand_in = lambda inputs: None if inputs is None else self.stand_in[: len(inputs)] * (1 + 0 * scale)
+        out = {"image_features": stand_in(image), "text_features": stand_in(text), "logit_scale": scale.exp()}
+        if getattr(self.model, "logit_bias", None) is not None:
+            out["logit_bias"] = self.model.logit_bias
+        return out
+
+    def __enter__(self):
+        self.model.forward = self.forward  # nn.Module.__call__ (and DDP's) look forward up on the instance
+        return self
+
+    def __exit__(self, *exc):
+        del self.model.forward
 
 
 def agree(failed: bool, device: torch.device) -> bool:
@@ -107,33 +164,43 @@ def peak_gib(device: torch.device) -> float | None:
 
 
 def training_step(work: Workload, world: World, loss_name: str, global_batch: int, chunk: int, offload: bool,
-                  loss_options: dict | None = None) -> dict:
-    """One full step at `global_batch`: {"step_s", "peak_gib", "loss"} or {"error": ...}."""
+                  loss_options: dict | None = None, memory_probe: bool = False) -> dict:
+    """One full step at `global_batch`: {"step_s", "peak_gib", "loss"} or {"error": ...}.
+
+    memory_probe: the encoders run on a few chunks only (SampledEncoders); the step's peak
+    memory is measured, its time and loss mean nothing. Pass 2 then re-encodes every chunk
+    (reuse_last_chunk off), the memory-lean order for every loss."""
     local_batch = global_batch // world.world_size
     host_bytes = global_batch * (3 * work.image_size**2 + 4 * work.context_length)  # all ranks of one machine
     if offload and host_bytes > HOST_MEMORY_FRACTION * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
         return {"error": f"host memory: the offloaded batch would take {host_bytes / GIB:.0f} GiB"}
     release(world.device)
     result = {}
+    module = work.model.module if world.distributed else work.model
+    autocast = torch.bfloat16 if world.device.type == "cuda" else None
+    probe = contextlib.nullcontext()
+    if memory_probe:
+        probe = SampledEncoders(module, chunk, -(-local_batch // chunk), work.feature_dim, autocast or torch.float32)
     try:
         images, texts = synthetic_batch(work, local_batch, world.device, offload)
         step = GradCache(work.model, build_loss(loss_name, **(loss_options or {})), chunk, offload=offload,
-                         autocast=torch.bfloat16 if world.device.type == "cuda" else None)
+                         autocast=autocast, reuse_last_chunk=not memory_probe)
         if world.device.type == "cuda":
             torch.cuda.synchronize(world.device)
         started = time.perf_counter()
-        loss = step(images, texts)
+        with probe:
+            loss = step(images, texts)
         work.optimizer.step()
         work.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            (work.model.module if world.distributed else work.model).logit_scale.clamp_(0, math.log(100))
+            module.logit_scale.clamp_(0, math.log(100))
         result = {"loss": float(loss)}  # float() waits for the device
         result["step_s"] = time.perf_counter() - started
         result["peak_gib"] = peak_gib(world.device)
     except torch.OutOfMemoryError:
         result = {"error": "out of memory"}
     finally:
-        images = texts = step = None  # drop the batch before the allocator is emptied
+        images = texts = step = probe = None  # drop the batch before the allocator is emptied
         work.optimizer.zero_grad(set_to_none=True)
         release(world.device)
     if agree("error" in result, world.device):
