@@ -126,6 +126,7 @@ class Bench:
     def million(self):
         """ViT-B/32 at 2^20 from JPEG bytes; calibrated at 16k first to decide whether it fits."""
         chunk = 1024
+        self.record["jpeg_decode_samples_per_s"] = self.decode_rate(chunk)
         model, optimizer = build_model("ViT-B-32", self.device)
         calibration = self.case(model, optimizer, "ViT-B-32", 16384, chunk, "jpeg", repeats=1)
         if "samples_per_s" not in calibration or self.loss_name != "infcl":
@@ -134,6 +135,20 @@ class Bench:
         loss_s = self.loss_seconds(262144) * (MILLION / 262144) ** 2
         estimate = 1.1 * MILLION / calibration["samples_per_s"] + loss_s
         self.case(model, optimizer, "ViT-B-32", MILLION, chunk, "jpeg", repeats=1, estimate=estimate)
+
+    def decode_rate(self, chunk: int) -> float:
+        """JPEG chunks decoded on the device per second, alone (the step decodes each sample twice)."""
+        column = JpegBytes(jpeg_images(4 * chunk))
+        bounds = [(start, start + chunk) for start in range(0, 4 * chunk, chunk)]
+        column.to_device(column.submit(0, chunk, None, False)(), self.device, None)  # warm-up
+        self.synchronize()
+        started = time.perf_counter()
+        for start, stop in bounds:
+            column.to_device(column.submit(start, stop, None, False)(), self.device, None)
+        self.synchronize()
+        rate = 4 * chunk / (time.perf_counter() - started)
+        print(f"JPEG decode on {self.device}: {rate:,.0f} samples/s", flush=True)
+        return rate
 
     def case(self, model, optimizer, model_name, batch, chunk, data, repeats, estimate=None) -> dict:
         row = {"model": model_name, "batch": batch, "chunk": min(chunk, batch), "data": data,
