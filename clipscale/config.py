@@ -63,6 +63,7 @@ class DataConfig:
     image_size: int = 32
     workers: int = 2
     shuffle_buffer: int = 1000
+    decode_workers: int = 8  # threads per process decoding offloaded images, a chunk at a time (train.offload)
 
 
 @dataclass
@@ -234,6 +235,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optim.lr: must be positive, got {cfg.optim.lr}")
     if cfg.data.workers < 0:
         raise ConfigError(f"data.workers: must be >= 0, got {cfg.data.workers}")
+    if cfg.data.decode_workers < 1:
+        raise ConfigError(f"data.decode_workers: must be positive, got {cfg.data.decode_workers}")
     for i, entry in enumerate(cfg.eval.sets):
         try:
             eval_task(entry)

@@ -14,11 +14,11 @@ backward, or Gradient Cache).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import resource
 import signal
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -30,8 +30,8 @@ from tqdm import tqdm
 from clipscale.checkpoint import latest_checkpoint, load_checkpoint, save_atomic, save_checkpoint
 from clipscale.config import Config, check_world, eval_task
 from clipscale.data import prepare_data
-from clipscale.data.offload import HostTensor
-from clipscale.data.shards import ShardStream, StreamState
+from clipscale.data.offload import EncodedSamples, HostTensor
+from clipscale.data.shards import DeferredTransform, EncodedImages, ShardStream, StreamState
 from clipscale.distributed import (
     World,
     all_gather_objects,
@@ -42,8 +42,9 @@ from clipscale.distributed import (
     shutdown_distributed,
 )
 from clipscale.eval import evaluate_zeroshot, zeroshot_classifier
+from clipscale.eval.inference import unwrap
 from clipscale.eval.tasks import run_task
-from clipscale.gradcache import GradCache
+from clipscale.gradcache import GradCache, autocast_factory
 from clipscale.losses import build_loss
 from clipscale.losses.common import NonFiniteError
 from clipscale.metrics import MetricsLogger
@@ -51,13 +52,7 @@ from clipscale.models import OPEN_CLIP_WEIGHTS, build_model, write_open_clip_fol
 from clipscale.optim import build_optimizer, cosine_lr
 
 MAX_LOGIT_SCALE = math.log(100)  # open_clip clamps the learnable temperature at 100
-
-
-def autocast_factory(precision: str, device: torch.device):
-    if precision == "fp32":
-        return contextlib.nullcontext
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return lambda: torch.autocast(device.type, dtype=dtype)
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_step(cfg: Config, model, loss_fn, autocast, scaler, world: World) -> GradCache:
@@ -65,7 +60,31 @@ def build_step(cfg: Config, model, loss_fn, autocast, scaler, world: World) -> G
     backward; a larger one is a Gradient Cache step over chunks of train.chunk_size."""
     per_rank = cfg.train.batch_size // world.world_size
     return GradCache(model, loss_fn, chunk_size=cfg.train.chunk_size or per_rank, offload=cfg.train.offload,
-                     autocast=autocast, scaler=scaler)
+                     autocast=autocast, scaler=scaler, decode_workers=cfg.data.decode_workers)
+
+
+def deferred_transform(cfg: Config, transform, world: World) -> DeferredTransform | None:
+    """With offload, how the loader keeps images encoded and GradCache decodes them per chunk;
+    None without offload, or for a transform that cannot be split (then the batch is held
+    decoded, as float, which a large batch cannot afford: say so)."""
+    if not cfg.train.offload:
+        return None
+    deferred = DeferredTransform.split(transform)
+    if deferred is None and world.is_main:
+        warnings.warn(f"train.offload: the image transform {transform} cannot be deferred to the Gradient Cache passes; "
+                      "the offloaded batch is held decoded (float32) on the host")
+    return deferred
+
+
+def host_columns(batch: dict, deferred: DeferredTransform | None) -> tuple:
+    """An offloaded batch as GradCache's host columns: images still encoded (decoded a chunk
+    at a time in each pass, normalised on the device), tokens as one small tensor."""
+    images = batch["images"]
+    if isinstance(images, EncodedImages):
+        images = EncodedSamples(images, deferred.decode, deferred.device_transform)
+    else:
+        images = HostTensor(images)
+    return images, HostTensor(batch["texts"])
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -122,7 +141,7 @@ class Evaluator:
         self.tasks = [eval_task(entry) for entry in cfg.eval.sets]
 
     def __call__(self, model) -> dict:
-        unwrapped = model.module if isinstance(model, DistributedDataParallel) else model
+        unwrapped = unwrap(model)
         results = {}
         if self.cfg.eval.zeroshot and self.data.classnames:
             classifier = zeroshot_classifier(
@@ -165,7 +184,7 @@ def _train(cfg: Config, world: World, preemption: Preemption) -> dict:
     loss_fn = build_loss(cfg.loss.name, **cfg.loss.options)
     optimizer = build_optimizer(model, cfg.optim, fused=world.device.type == "cuda")
     scaler = torch.amp.GradScaler(world.device.type) if cfg.train.precision == "fp16" else None
-    autocast = autocast_factory(cfg.train.precision, world.device)
+    autocast = autocast_factory(AUTOCAST_DTYPES[cfg.train.precision], world.device)
 
     start_step, stream_state, nonfinite_total = 0, StreamState(), 0
     resume_path = latest_checkpoint(checkpoint_dir) if cfg.run.resume else None
@@ -192,9 +211,10 @@ def _train(cfg: Config, world: World, preemption: Preemption) -> dict:
         model = DistributedDataParallel(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
     step_fn = build_step(cfg, model, loss_fn, autocast, scaler, world)
     evaluator = Evaluator(cfg, data, towers, world, autocast)
-    unwrapped = model.module if world.distributed else model
+    unwrapped = unwrap(model)
 
     per_rank_batch = cfg.train.batch_size // world.world_size
+    deferred = deferred_transform(cfg, towers.train_transform, world)
     stream = ShardStream(
         data.train_shards,
         batch_size=per_rank_batch,
@@ -206,6 +226,7 @@ def _train(cfg: Config, world: World, preemption: Preemption) -> dict:
         tokenizer=towers.tokenizer,
         shuffle_buffer=cfg.data.shuffle_buffer,
         state=stream_state,
+        deferred=deferred,
     )
     loader = torch.utils.data.DataLoader(
         stream,
@@ -261,7 +282,7 @@ def _train(cfg: Config, world: World, preemption: Preemption) -> dict:
         batch = next(batches)
         stream_state.update(batch)
         if cfg.train.offload:  # stays on the host; GradCache streams one chunk at a time to the device
-            images, texts = HostTensor(batch["images"]), HostTensor(batch["texts"])
+            images, texts = host_columns(batch, deferred)
         else:
             images = batch["images"].to(world.device, non_blocking=True)
             texts = batch["texts"].to(world.device, non_blocking=True)

@@ -18,7 +18,7 @@ import webdataset as wds
 from PIL import Image
 
 from clipscale.config import load_config
-from clipscale.data.shards import ShardErrors, ShardStream, StreamState
+from clipscale.data.shards import DeferredTransform, ShardErrors, ShardStream, StreamState
 from clipscale.metrics import read_metrics
 
 from tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
@@ -54,10 +54,12 @@ def broken_shards(tmp_path_factory) -> list[str]:
     return list(shards.values())
 
 
-def _stream(shards, state=None, shuffle_buffer=30):
+def _stream(shards, state=None, shuffle_buffer=30, offload=False):
+    """offload: batches keep the encoded image bytes (train.offload), judged by the same decode."""
     return ShardStream(
         shards, batch_size=16, rank=0, world_size=1, num_workers=0, seed=5, image_transform=T.ToTensor(),
         tokenizer=lambda captions: captions, shuffle_buffer=shuffle_buffer, state=state,
+        deferred=DeferredTransform.split(T.ToTensor()) if offload else None,
     )
 
 
@@ -73,8 +75,9 @@ def _consume(batches, state: StreamState) -> StreamState:
     return state
 
 
-def test_broken_samples_and_shards_are_skipped_and_counted(broken_shards):
-    stream = _stream(broken_shards)
+@pytest.mark.parametrize("offload", [False, True], ids=["decoded", "offload"])
+def test_broken_samples_and_shards_are_skipped_and_counted(broken_shards, offload):
+    stream = _stream(broken_shards, offload=offload)
     state = _consume(islice(stream, 30), StreamState())  # ~4 epochs of ~130 usable samples
     (epoch, position), = state.cursors.values()
     # Every sample the stream consumed, in its order, judged by what the fixture broke.
@@ -83,12 +86,15 @@ def test_broken_samples_and_shards_are_skipped_and_counted(broken_shards):
     assert state.skipped_samples == sum(map(_unusable, consumed)) >= 3 * 16
     # The truncated shard fails once per pass; the shuffle buffer reads a little ahead of the batches.
     assert epoch <= state.shard_errors <= epoch + 1
+    if offload:  # the same samples skipped, the same cursors, as when the loader keeps pixels
+        assert state == _consume(islice(_stream(broken_shards), 30), StreamState())
 
 
-def test_a_resumed_stream_counts_on_without_counting_replayed_samples(broken_shards):
-    uninterrupted = _consume(islice(_stream(broken_shards), 30), StreamState())
-    checkpointed = _consume(islice(_stream(broken_shards), 11), StreamState())
-    resumed = _consume(islice(_stream(broken_shards, StreamState(**vars(checkpointed))), 19), checkpointed)
+@pytest.mark.parametrize("offload", [False, True], ids=["decoded", "offload"])
+def test_a_resumed_stream_counts_on_without_counting_replayed_samples(broken_shards, offload):
+    uninterrupted = _consume(islice(_stream(broken_shards, offload=offload), 30), StreamState())
+    checkpointed = _consume(islice(_stream(broken_shards, offload=offload), 11), StreamState())
+    resumed = _consume(islice(_stream(broken_shards, StreamState(**vars(checkpointed)), offload=offload), 19), checkpointed)
     assert resumed == uninterrupted
 
 
@@ -102,20 +108,25 @@ def test_a_stream_without_one_usable_sample_stops_with_a_clear_message(tmp_path)
 
 
 def test_training_on_broken_shards_runs_to_the_end_and_logs_the_counts(broken_shards, tmp_path):
-    """In a loader worker process, as in a real run: nothing kills the worker or hangs."""
+    """In a loader worker process, as in a real run: nothing kills the worker or hangs. With
+    train.offload the batch keeps encoded bytes, and the same samples are skipped and counted."""
     from clipscale.trainer import train
 
     pattern = str(Path(broken_shards[0]).parent / "{clean,corrupt,uncaptioned,truncated}.tar")
-    overrides = tiny_run(tmp_path, tmp_path, "data.kind=webdataset", f"data.train_shards={pattern}", "data.workers=1",
-                         "data.shuffle_buffer=30", "eval.zeroshot=false", "train.steps=5")
-    train(load_config(DIGITS_YAML, overrides))
-    metrics = read_metrics(tmp_path / "tiny" / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
-    last = metrics[-1]
-    assert sum(m["skipped_samples"] for m in metrics) == last["skipped_samples_total"] >= 2 * 16
-    assert sum(m["shard_errors"] for m in metrics) == last["shard_errors_total"] >= 2  # 320 samples: 2+ epochs
-    checkpoint = torch.load(tmp_path / "tiny" / "checkpoints" / "latest.pt", weights_only=True)
-    assert checkpoint["data"][0]["skipped_samples"] == last["skipped_samples_total"]
+    counts = {}
+    for name, extra in {"decoded": [], "offload": ["train.offload=true", "train.chunk_size=24"]}.items():
+        overrides = tiny_run(tmp_path, tmp_path, f"run.name={name}", "data.kind=webdataset", f"data.train_shards={pattern}",
+                             "data.workers=1", "data.shuffle_buffer=30", "eval.zeroshot=false", "train.steps=5", *extra)
+        train(load_config(DIGITS_YAML, overrides))
+        metrics = read_metrics(tmp_path / name / "metrics.jsonl")
+        assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+        last = metrics[-1]
+        assert sum(m["skipped_samples"] for m in metrics) == last["skipped_samples_total"] >= 2 * 16
+        assert sum(m["shard_errors"] for m in metrics) == last["shard_errors_total"] >= 2  # 320 samples: 2+ epochs
+        checkpoint = torch.load(tmp_path / name / "checkpoints" / "latest.pt", weights_only=True)
+        assert checkpoint["data"][0]["skipped_samples"] == last["skipped_samples_total"]
+        counts[name] = [(m["skipped_samples"], m["shard_errors"]) for m in metrics], checkpoint["data"]
+    assert counts["offload"] == counts["decoded"]
 
 
 # --- torchrun elastic restarts ---------------------------------------------------
