@@ -30,7 +30,7 @@ import open_clip
 import torch
 import torchvision
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
-from torchvision.io import encode_jpeg
+from torchvision.io import decode_jpeg, encode_jpeg
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from clipscale.data.offload import HostTensor, JpegBytes
@@ -147,7 +147,12 @@ class Bench:
             column.to_device(column.submit(start, stop, None, False)(), self.device, None)
         self.synchronize()
         rate = 4 * chunk / (time.perf_counter() - started)
-        print(f"JPEG decode on {self.device}: {rate:,.0f} samples/s", flush=True)
+        # nvJPEG and libjpeg-turbo round their IDCTs differently: a few levels apart, no more.
+        on_device = column.to_device(column.submit(0, 64, None, False)(), self.device, None).cpu()
+        on_host = torch.stack(decode_jpeg(column.submit(0, 64, None, False)()))
+        self.record["jpeg_device_vs_host_max_abs_diff"] = int((on_device.int() - on_host.int()).abs().max())
+        print(f"JPEG decode on {self.device}: {rate:,.0f} samples/s, "
+              f"max |device - host| = {self.record['jpeg_device_vs_host_max_abs_diff']}", flush=True)
         return rate
 
     def case(self, model, optimizer, model_name, batch, chunk, data, repeats, estimate=None) -> dict:

@@ -118,6 +118,7 @@ class JpegBytes:
     def __init__(self, samples: Sequence[bytes], device_transform: DeviceTransform | None = None):
         self.samples = samples
         self.device_transform = device_transform or _identity
+        self._decode_streams: dict = {}
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -127,7 +128,23 @@ class JpegBytes:
         return lambda: chunk
 
     def to_device(self, host: list[torch.Tensor], device: torch.device, copy_stream) -> torch.Tensor:
-        decoded = decode_jpeg(host, device=device)
+        if device.type != "cuda":
+            decoded = decode_jpeg(host, device=device)
+        else:
+            # nvJPEG's hardware engine writes its outputs without waiting for the work queued
+            # on its stream (pytorch/vision#9606, meta-pytorch/torchcodec#1634): on the compute
+            # stream it would overwrite blocks the caching allocator just recycled while queued
+            # kernels still read them (we saw NaN features). On a stream of its own nothing is
+            # queued before it (decode_jpeg drains that stream before returning), and the
+            # outputs are handed to the compute stream with record_stream, so their blocks are
+            # not recycled before the compute stream is done with them.
+            decode_stream = self._decode_streams.setdefault(device, torch.cuda.Stream(device))
+            with torch.cuda.stream(decode_stream):
+                decoded = decode_jpeg(host, device=device)
+            compute = torch.cuda.current_stream(device)
+            compute.wait_stream(decode_stream)
+            for image in decoded:
+                image.record_stream(compute)
         shapes = {tuple(image.shape) for image in decoded}
         if len(shapes) != 1:
             raise ValueError(f"JpegBytes: the images of a chunk decode to different shapes {sorted(shapes)[:4]}; "
