@@ -156,6 +156,9 @@ def release(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+        # Pinned host blocks are cached too: the offloaded batches of earlier probes would
+        # otherwise stay pinned, and the next large one fails to pin (cudaHostAlloc OOM).
+        torch._C._host_emptyCache()
         torch.cuda.reset_peak_memory_stats(device)
 
 
@@ -182,7 +185,12 @@ def training_step(work: Workload, world: World, loss_name: str, global_batch: in
     if memory_probe:
         probe = SampledEncoders(module, chunk, -(-local_batch // chunk), work.feature_dim, autocast or torch.float32)
     try:
-        images, texts = synthetic_batch(work, local_batch, world.device, offload)
+        try:
+            images, texts = synthetic_batch(work, local_batch, world.device, offload)
+        except RuntimeError as error:  # pinning a batch larger than the host can lock
+            if "out of memory" not in str(error):
+                raise
+            raise torch.OutOfMemoryError(f"host memory: pinning the offloaded batch failed ({error})") from error
         step = GradCache(work.model, build_loss(loss_name, **(loss_options or {})), chunk, offload=offload,
                          autocast=autocast, reuse_last_chunk=not memory_probe)
         if world.device.type == "cuda":
@@ -197,14 +205,14 @@ def training_step(work: Workload, world: World, loss_name: str, global_batch: in
         result = {"loss": float(loss)}  # float() waits for the device
         result["step_s"] = time.perf_counter() - started
         result["peak_gib"] = peak_gib(world.device)
-    except torch.OutOfMemoryError:
-        result = {"error": "out of memory"}
+    except torch.OutOfMemoryError as error:
+        result = {"error": "host memory: pinning failed" if str(error).startswith("host memory") else "out of memory"}
     finally:
         images = texts = step = probe = None  # drop the batch before the allocator is emptied
         work.optimizer.zero_grad(set_to_none=True)
         release(world.device)
     if agree("error" in result, world.device):
-        return {"error": "out of memory"}
+        return {"error": result.get("error", "out of memory")}
     return result
 
 
