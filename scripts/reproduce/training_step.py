@@ -188,7 +188,7 @@ def training_step(work: Workload, world: World, loss_name: str, global_batch: in
         try:
             images, texts = synthetic_batch(work, local_batch, world.device, offload)
         except RuntimeError as error:  # pinning a batch larger than the host can lock
-            if "out of memory" not in str(error):
+            if not offload or isinstance(error, torch.OutOfMemoryError) or "out of memory" not in str(error):
                 raise
             raise torch.OutOfMemoryError(f"host memory: pinning the offloaded batch failed ({error})") from error
         step = GradCache(work.model, build_loss(loss_name, **(loss_options or {})), chunk, offload=offload,
