@@ -72,11 +72,23 @@ class _OursSymmetric(torch.autograd.Function):
         return gi.to(image.dtype), gt.to(text.dtype), None, None
 
 
+_SCALES: dict = {}
+
+
+def scale_tensor(s: float, device) -> torch.Tensor:
+    """The logit scale as a device tensor made once (in training it is a parameter
+    already on the GPU), so the timed call includes no host-to-device copy."""
+    key = (s, str(device))
+    if key not in _SCALES:
+        _SCALES[key] = torch.full((), s, dtype=torch.float32, device=device)
+    return _SCALES[key]
+
+
 def ours(exact: bool, via_loss: bool):
     if via_loss:
         from clipscale.losses.infcl import infcl_loss
 
-        return lambda I, T, s: infcl_loss(I, T, torch.tensor(s, device=I.device), exact=exact)
+        return lambda I, T, s: infcl_loss(I, T, scale_tensor(s, I.device), exact=exact)
     return lambda I, T, s: _OursSymmetric.apply(I, T, s, exact)
 
 
@@ -143,9 +155,17 @@ def time_method(fn, b, d, dtype, budget_ms):
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     peak = torch.cuda.max_memory_allocated() - base
+    # Back to back: `reps` steps between two events, no synchronisation in between
+    # except the loss's own (host launch gaps overlap the previous step's kernels).
+    start.record()
+    for _ in range(reps):
+        run_once(fn, I, T, s)
+    end.record()
+    torch.cuda.synchronize()
+    back_to_back = start.elapsed_time(end) / reps
     del I, T
     return dict(ms=statistics.median(times), reps=reps, first_call_s=round(first_s, 2),
-                extra_gib=peak / GiB, all_ms=[round(t, 3) for t in times])
+                extra_gib=peak / GiB, all_ms=[round(t, 3) for t in times], ms_back_to_back=back_to_back)
 
 
 def accuracy(methods, args, b, s):
@@ -198,6 +218,60 @@ def breakdown(b, d):
              fwd_config=str(K._lse_fwd_kernel.best_config), weights_config=str(K._weights_kernel.best_config))
     print("breakdown", r, flush=True)
     return r
+
+
+def profile(b, d, steps=5):
+    """Kernel-level breakdown of infcl_loss forward+backward (bf16) from torch.profiler:
+    per kernel name, total device us per step and launches per step."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn = ours(False, True)
+    I = features(b, d, torch.bfloat16, 7).requires_grad_()
+    T = features(b, d, torch.bfloat16, 8).requires_grad_()
+    for _ in range(3):
+        run_once(fn, I, T, 100.0)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run_once(fn, I, T, 100.0)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(e, "self_cuda_time_total", 0)
+        if dev_us > 0:
+            rows.append(dict(name=e.key[:120], us_per_step=dev_us / steps, calls_per_step=e.count / steps))
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    print(f"profile b={b}: device time per step {total:.1f} us over {sum(r['calls_per_step'] for r in rows):.0f} launches",
+          flush=True)
+    for r in rows[:25]:
+        print(f"  {r['us_per_step']:9.1f} us  x{r['calls_per_step']:4.1f}  {r['name']}", flush=True)
+    return dict(b=b, d=d, device_us_per_step=total, kernels=rows)
+
+
+def sync_check(b, d):
+    """Host synchronisations in one infcl_loss forward+backward (CUDA's sync debug
+    mode warns once per synchronising call), after a warm-up step."""
+    import warnings
+
+    fn = ours(False, True)
+    I = features(b, d, torch.bfloat16, 9).requires_grad_()
+    T = features(b, d, torch.bfloat16, 10).requires_grad_()
+    run_once(fn, I, T, 100.0)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run_once(fn, I, T, 100.0)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0][:160] for w in caught if "synchroniz" in str(w.message).lower()]
+    print(f"sync check b={b}: {len(syncs)} synchronising call(s): {syncs}", flush=True)
+    return dict(b=b, syncs=len(syncs), messages=syncs)
 
 
 def gpu_selfcheck():
@@ -257,6 +331,8 @@ def main():
     p.add_argument("--budget-ms", type=float, default=1500.0, help="timed repeats per point ~ budget / time")
     p.add_argument("--selfcheck", action="store_true")
     p.add_argument("--via-loss", action="store_true", help="time clipscale.losses.infcl.infcl_loss instead")
+    p.add_argument("--profile", default="", help="b list: torch.profiler kernel breakdown of infcl_loss (bf16)")
+    p.add_argument("--sync-check", type=int, default=0, help="b: count host synchronisations of infcl_loss")
     args = p.parse_args()
     methods = [m for m in args.methods.split(",") if m]
     sizes = [int(x) for x in args.b.split(",") if x]
@@ -279,8 +355,14 @@ def main():
     if args.selfcheck:
         result["selfcheck"] = gpu_selfcheck()
         save()
+    if args.sync_check:
+        result["sync_check"] = sync_check(args.sync_check, args.d)
+        save()
     result["breakdown"] = [breakdown(int(b), args.d) for b in args.breakdown.split(",") if b]
     save()
+    if args.profile:
+        result["profile"] = [profile(int(b), args.d) for b in args.profile.split(",") if b]
+        save()
     for s in [float(x) for x in args.acc_scales.split(",") if x]:
         if args.acc_b:
             result["accuracy"].append(accuracy(methods, args, args.acc_b, s))

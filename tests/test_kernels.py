@@ -27,6 +27,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import clipscale.losses.infcl.kernels as K  # noqa: E402
+from clipscale.losses.infcl import reference  # noqa: E402
 
 if not K.INTERPRET:  # imported earlier in this process without the interpreter
     K = importlib.reload(K)
@@ -279,3 +280,78 @@ def test_far_apart_logits(mask):
     gi, gt = K.grad_pass(image, text, s, r64.float(), c64.float(), rw, cw, mask_diagonal=mask, exact=True)
     ri, rt = ref_grad(image, text, s, r64.float(), c64.float(), rw, cw, mask=mask)
     assert rel(gi, ri) <= 2e-4 and rel(gt, rt) <= 2e-4, (rel(gi, ri), rel(gt, rt))
+
+
+# ------------------------------------------------- scale as a tensor, positive, dL/ds
+def test_scale_tensor_is_read_on_the_device():
+    """A tensor scale goes to the kernels as a pointer (no .item()): same results as the
+    Python number, for both primitives, with any shape of one element and dtype."""
+    m, n, d, s = 37, 29, 24, 17.0
+    image, text = feats(m, d, seed=30), feats(n, d, seed=31)
+    rw, cw = _weights(m, n, 32)
+    row_f, col_f = K.lse_pass(image, text, s, exact=True)
+    gi_f, gt_f = K.grad_pass(image, text, s, row_f, col_f, rw, cw, exact=True)
+    for scale in (torch.tensor(s), torch.tensor([s], dtype=torch.float64), torch.tensor([[s]])):
+        row, col = K.lse_pass(image, text, scale, exact=True)
+        assert torch.equal(row, row_f) and torch.equal(col, col_f)
+        gi, gt = K.grad_pass(image, text, scale, row, col, rw, cw, exact=True)
+        assert rel(gi, gi_f.double()) <= 1e-6 and rel(gt, gt_f.double()) <= 1e-6
+
+
+def _ref_positive_and_scale_grad(image, text, s, rl, cl, rw, cw, partner, pw, ro=0, co=0, mask=False):
+    """float64: G with the positive folded in, the gradients and sum G_ij <I_i, T_j>."""
+    x = _logits64(image, text, s, ro, co, mask)
+    g = rw.double()[:, None] * torch.exp(x - rl.double()[:, None]) + cw.double()[None, :] * torch.exp(x - cl.double()[None, :])
+    if mask:
+        g = g.masked_fill(torch.isinf(x), 0.0)
+    g[torch.arange(len(image)), partner] -= pw.double()
+    dots = image.double() @ text.double().T
+    return s * g @ text.double(), s * g.T @ image.double(), (g * dots).sum()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 4e-3), (torch.float16, 1e-3)])
+@pytest.mark.parametrize("mask", [False, True])
+def test_grad_positive_and_scale_grad(dtype, tol, mask, monkeypatch):
+    """positive=(partner, pw) folds -pw_i at (i, partner_i) into G before rounding, and
+    scale_grad sums G_ij <I_i, T_j> in float32 from the unrounded G: accurate to
+    float32 rounding for every input dtype. Several super-tiles (the partner column of
+    a row may sit in another one), odd sizes, a rectangular block."""
+    monkeypatch.setattr(K, "MAX_H", 24)
+    monkeypatch.setattr(K, "WORKSPACE_ELEMS", 24 * 40)
+    m, n, d, s = 50, 61, 32, 20.0
+    image, text = feats(m, d, dtype, seed=33), feats(n, d, dtype, seed=34)
+    if mask:  # NT-Xent-like: the same rows on both sides, partner = the other half
+        n, text = m, image
+    rl, cl = ref_lse(image, text, s, mask=mask)
+    rw, cw = _weights(m, n, 35)
+    rw, cw = rw / m, cw / n
+    partner = (torch.arange(m) + m // 2) % n if mask else torch.randperm(n, generator=torch.Generator().manual_seed(36))[:m]
+    pw = rw + cw[partner]
+    sg = torch.zeros(1)
+    gi, gt = K.grad_pass(image, text, torch.tensor(s), rl.float(), cl.float(), rw, cw, mask_diagonal=mask,
+                         positive=(partner, pw), scale_grad=sg, exact=True)
+    ri, rt, rsg = _ref_positive_and_scale_grad(image, text, s, rl, cl, rw, cw, partner, pw, mask=mask)
+    assert rel(gi, ri) <= tol and rel(gt, rt) <= tol, (rel(gi, ri), rel(gt, rt))
+    assert abs(sg.item() - rsg.item()) <= 1e-5 * abs(rsg.item()), (sg.item(), rsg.item())
+    # the reference primitives meet the same contract
+    sg_ref = torch.zeros(1)
+    gi2, gt2 = reference.grad_pass(image, text, torch.tensor(s), rl.float(), cl.float(), rw, cw, mask_diagonal=mask,
+                                   positive=(partner, pw), scale_grad=sg_ref, tile_size=16)
+    assert rel(gi2, ri) <= tol and rel(gt2, rt) <= tol
+    assert abs(sg_ref.item() - rsg.item()) <= 1e-5 * abs(rsg.item())
+
+
+def test_grad_out_dtype_and_positive_logits():
+    m, n, d, s = 33, 40, 48, 12.0
+    image, text = feats(m, d, torch.bfloat16, seed=37), feats(n, d, torch.bfloat16, seed=38)
+    rl, cl = ref_lse(image, text, s)
+    rw, cw = _weights(m, n, 39)
+    gi32, gt32 = K.grad_pass(image, text, s, rl.float(), cl.float(), rw, cw)
+    gi, gt = K.grad_pass(image, text, s, rl.float(), cl.float(), rw, cw, out_dtype=torch.bfloat16)
+    assert gi.dtype == gt.dtype == torch.bfloat16
+    assert torch.equal(gi, gi32.to(torch.bfloat16)) and torch.equal(gt, gt32.to(torch.bfloat16))
+    partner = torch.arange(m).flip(0)
+    pos = K.positive_logits(image, text, partner)
+    expected = (image.double() * text.double()[partner]).sum(1)
+    assert pos.dtype == torch.float32 and (pos.double() - expected).abs().max() <= 1e-6
+    assert K.launch_counts["rowdot"] == 1

@@ -122,3 +122,47 @@ def test_rank_specific_problems_raise_on_every_rank():
             assert shapes in message, key
         else:
             assert message.startswith("rank 1: ") and "contains NaN or infinite values" in message, key
+
+
+def collective_worker(rank: int, world: int) -> dict[str, list[str]]:
+    """The collectives check_clip_inputs issues, per situation, on this rank."""
+    import torch.distributed as dist
+
+    from clipscale.losses.common import check_clip_inputs
+
+    calls: list[str] = []
+    for name in ("all_gather", "all_gather_object", "all_gather_into_tensor", "all_reduce", "broadcast",
+                 "broadcast_object_list", "gather", "scatter", "reduce_scatter", "barrier"):
+        original = getattr(dist, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    torch.manual_seed(rank)
+    situations = {
+        "fine": (unit(4, 8), unit(4, 8)),
+        "nan on rank 1": (unit(4, 8) + (float("nan") if rank == 1 else 0.0), unit(4, 8)),
+        "empty on rank 1": (unit(0 if rank == 1 else 4, 8), unit(4, 8)),
+    }
+    seen = {}
+    for situation, (image, text) in situations.items():
+        calls.clear()
+        try:
+            check_clip_inputs(image, text, SCALE)
+        except ValueError:
+            pass
+        seen[situation] = list(calls)
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_input_check_is_one_tensor_collective():
+    """Fine inputs (and non-finite ones) cost one all_gather of a small tensor, no
+    pickled objects; only a failed host-side check fetches its message (a second gather)."""
+    per_rank = run_in_gloo_world(collective_worker, 2, timeout=90)
+    for seen in per_rank:
+        assert seen["fine"] == ["all_gather"]
+        assert seen["nan on rank 1"] == ["all_gather"]
+        assert seen["empty on rank 1"] == ["all_gather", "all_gather_object"]

@@ -18,6 +18,7 @@ paired texts, so with m == n both directions are plain cross-entropies.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -61,7 +62,8 @@ def as_scale(logit_scale, like: torch.Tensor) -> torch.Tensor:
     """The exponentiated logit scale as a tensor (a Python number is accepted, without gradient)."""
     if isinstance(logit_scale, torch.Tensor):
         return logit_scale
-    return torch.tensor(float(logit_scale), dtype=torch.float32, device=like.device)
+    # torch.full, not torch.tensor: no host-to-device copy, so no synchronisation on CUDA
+    return torch.full((), float(logit_scale), dtype=torch.float32, device=like.device)
 
 
 class NonFiniteError(ValueError):
@@ -72,8 +74,9 @@ class NonFiniteError(ValueError):
 NON_FINITE = "contains NaN or infinite values"
 
 
-def _local_problem(named: dict[str, torch.Tensor], logit_scale: torch.Tensor) -> str | None:
-    """The first thing wrong with this rank's inputs, in words, or None."""
+def _host_problem(named: dict[str, torch.Tensor], logit_scale: torch.Tensor) -> str | None:
+    """The first thing wrong with this rank's inputs that the host sees without
+    reading device memory (types, shapes, dtypes), in words, or None."""
     (first_name, first), *others = named.items()
     for name, features in named.items():
         if not isinstance(features, torch.Tensor) or not features.is_floating_point():
@@ -92,34 +95,92 @@ def _local_problem(named: dict[str, torch.Tensor], logit_scale: torch.Tensor) ->
             return f"{name} has fewer rows ({features.shape[0]}) than {first_name} ({first.shape[0]})"
     if logit_scale.numel() != 1:
         return f"the logit scale must be a single number, got shape {tuple(logit_scale.shape)}"
-    for name, tensor in (*named.items(), ("the logit scale", logit_scale)):
-        if not bool(torch.isfinite(tensor.detach()).all()):
-            return f"{name} {NON_FINITE}"
-    if not float(logit_scale.detach()) > 0:
-        return f"the logit scale must be positive (it is exp(log-scale)), got {float(logit_scale.detach())}"
     return None
+
+
+# Floating dtypes by a code that is the same in every process (same torch build).
+_FLOAT_DTYPES = sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point}, key=str)
+
+
+def _device_values(named: dict[str, torch.Tensor], logit_scale: torch.Tensor, device) -> torch.Tensor:
+    """float64 [2 * len(named) + 1] on `device`: (min, max) of every feature tensor, then
+    the scale. NaN propagates through min/max, so a tensor is finite iff both are;
+    computed on the inputs' device without any host synchronisation."""
+    parts = [torch.stack(torch.aminmax(t.detach())).to(device=device, dtype=torch.float64) for t in named.values()]
+    parts.append(logit_scale.detach().reshape(1).to(device=device, dtype=torch.float64))
+    return torch.cat(parts)
+
+
+def _value_problem(names: list[str], values: list[float]) -> str | None:
+    """What the gathered (min, max, ..., scale) values of one rank say is wrong, or None."""
+    for k, name in enumerate(names):
+        if not (math.isfinite(values[2 * k]) and math.isfinite(values[2 * k + 1])):
+            return f"{name} {NON_FINITE}"
+    scale = values[2 * len(names)]
+    if not math.isfinite(scale):
+        return f"the logit scale {NON_FINITE}"
+    if not scale > 0:
+        return f"the logit scale must be positive (it is exp(log-scale)), got {scale}"
+    return None
+
+
+def _raise(rank: int, world: int, problem: str):
+    error = NonFiniteError if problem.endswith(NON_FINITE) else ValueError
+    raise error(f"rank {rank}: {problem}" if world > 1 else problem)
 
 
 def check_inputs(named: dict[str, torch.Tensor], logit_scale: torch.Tensor, group=None) -> Layout:
     """Validate the inputs of all ranks at once, so every rank raises the same ValueError.
 
-    A check that failed on one rank only would leave the others waiting in the
-    next collective, so problems and shapes are all_gathered first (one small
-    collective) and judged identically everywhere.
+    The host checks types and shapes; finiteness and the scale's sign are
+    judged from one small device tensor per rank ((min, max) of every feature
+    tensor and the scale; NaN propagates through min/max). One host read of that
+    tensor is the only synchronisation on the fast path. With several ranks the
+    tensor, extended by the rank's shapes, dtype and host verdict, is
+    all_gathered in one collective and judged identically everywhere (a check
+    that failed on one rank only would leave the others waiting in the next
+    collective); only when some rank's host check failed does a second gather
+    fetch its message.
     """
     rank, world = rank_and_world(group)
-    problem = _local_problem(named, logit_scale)
+    names = list(named)
     tensors = list(named.values())
-    shape = None if problem else (*(t.shape[0] for t in tensors), tensors[0].shape[1], str(tensors[0].dtype))
-    reports = [(problem, shape)]
-    if world > 1:
-        reports = [None] * world
-        dist.all_gather_object(reports, (problem, shape), group=group)
-    for r, (p, _) in enumerate(reports):
-        if p is not None:
-            error = NonFiniteError if p.endswith(NON_FINITE) else ValueError
-            raise error(f"rank {r}: {p}" if world > 1 else p)
-    shapes = [s for _, s in reports]
+    host_problem = _host_problem(named, logit_scale)
+    n_values = 2 * len(names) + 1
+    if world == 1:
+        if host_problem:
+            _raise(0, 1, host_problem)
+        problem = _value_problem(names, _device_values(named, logit_scale, tensors[0].device).tolist())
+        if problem:
+            _raise(0, 1, problem)
+        return Layout(0, 1, images=tensors[0].shape[0], texts=tensors[-1].shape[0])
+
+    # [host verdict, *values, *rows, dim, dtype code] per rank, float64 (exact for these integers)
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    if host_problem:
+        shape = [0.0] * (len(tensors) + 2)
+        values = torch.zeros(n_values, dtype=torch.float64, device=device)
+    else:
+        shape = [*(float(t.shape[0]) for t in tensors), float(tensors[0].shape[1]), float(_FLOAT_DTYPES.index(tensors[0].dtype))]
+        values = _device_values(named, logit_scale, device)
+    host = torch.tensor([float(host_problem is not None)], dtype=torch.float64)
+    shape = torch.tensor(shape, dtype=torch.float64)
+    mine = torch.cat([host.to(device, non_blocking=True), values, shape.to(device, non_blocking=True)])
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    reports = torch.stack(gathered).tolist()  # the one host read
+    messages = None
+    if any(r[0] for r in reports):  # some rank's host check failed: fetch its words
+        messages = [None] * world
+        dist.all_gather_object(messages, host_problem, group=group)
+    shapes = []
+    for r, report in enumerate(reports):
+        problem = messages[r] if report[0] else _value_problem(names, report[1:1 + n_values])
+        if problem:
+            _raise(r, world, problem)
+        rows_dim_dtype = report[1 + n_values:]
+        shapes.append((*(int(v) for v in rows_dim_dtype[:-1]), str(_FLOAT_DTYPES[int(rows_dim_dtype[-1])])))
     if any(s != shapes[0] for s in shapes):
         fields = f"({', '.join(named)} rows, dim, dtype)"
         raise ValueError(

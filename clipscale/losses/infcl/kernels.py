@@ -73,7 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["lse_pass", "grad_pass", "launch_counts"]
+__all__ = ["lse_pass", "grad_pass", "positive_logits", "launch_counts"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -109,28 +109,40 @@ def _bucket(x: int) -> int:
 # ----------------------------------------------------------------------------
 def _configs_mma():
     if INTERPRET:
-        return [triton.Config({"BM": 32, "BN": 16, "BK": 32}, num_warps=4, num_stages=1)]
-    return [
-        triton.Config({"BM": 128, "BN": 128, "BK": 64}, num_warps=8, num_stages=3),
-        triton.Config({"BM": 128, "BN": 256, "BK": 64}, num_warps=8, num_stages=3),
-        triton.Config({"BM": 128, "BN": 256, "BK": 32}, num_warps=8, num_stages=4),
-        triton.Config({"BM": 128, "BN": 128, "BK": 64}, num_warps=4, num_stages=4),
-        triton.Config({"BM": 64, "BN": 128, "BK": 64}, num_warps=4, num_stages=4),
-        triton.Config({"BM": 64, "BN": 64, "BK": 32}, num_warps=4, num_stages=2),
-        triton.Config({"BM": 32, "BN": 32, "BK": 32}, num_warps=4, num_stages=2),
+        return [triton.Config({"BM": 32, "BN": 16, "BK": 32, "OCC": 1}, num_warps=4, num_stages=1)]
+    cfg = [
+        # (BM, BN, BK, warps, stages, OCC): OCC = persistent programs per SM (forward only;
+        # 2 lets one program's softmax epilogue overlap the other's MMAs when both fit).
+        (128, 128, 64, 8, 3, 1),
+        (128, 256, 64, 8, 3, 1),
+        (128, 256, 32, 8, 4, 1),
+        (128, 128, 64, 4, 4, 1),
+        (64, 128, 64, 4, 4, 1),
+        (64, 64, 32, 4, 2, 1),
+        (32, 32, 32, 4, 2, 1),
+        (128, 128, 32, 4, 4, 2),
+        (128, 128, 64, 8, 2, 2),
+        (128, 128, 32, 8, 4, 2),
+        (64, 256, 32, 4, 4, 2),
     ]
+    return [triton.Config({"BM": bm, "BN": bn, "BK": bk, "OCC": occ}, num_warps=w, num_stages=st)
+            for bm, bn, bk, w, st, occ in cfg]
+
+
+_MIN_TILE = (min(c.kwargs["BM"] for c in _configs_mma()), min(c.kwargs["BN"] for c in _configs_mma()))
 
 
 def _prune(configs, named_args, **kwargs):
     """IEEE fp32 -> the FMA-sized tiles; MMA dtypes -> the big tiles (the small
-    ones stay only for tiny problems)."""
+    ones stay only for tiny problems). OCC > 1 only for the persistent forward."""
     if INTERPRET:
         return configs
-    if not TUNE:  # one sensible config, no autotuning (quick checks, CI-like runs)
-        ieee = named_args.get("PREC", kwargs.get("PREC")) == "ieee" and named_args["I"].dtype == torch.float32
-        want = (64, 64) if ieee else (128, 128)
-        return [c for c in configs if (c.kwargs["BM"], c.kwargs["BN"]) == want][:1]
+    persistent = "RS2" in named_args
+    configs = [c for c in configs if persistent or c.kwargs["OCC"] == 1]
     ieee = named_args.get("PREC", kwargs.get("PREC")) == "ieee" and named_args["I"].dtype == torch.float32
+    if not TUNE:  # one sensible config, no autotuning (quick checks, CI-like runs)
+        want = (64, 64) if ieee else (128, 128)
+        return [c for c in configs if (c.kwargs["BM"], c.kwargs["BN"]) == want and c.kwargs["OCC"] == 1][:1]
     small = [c for c in configs if c.kwargs["BM"] * c.kwargs["BN"] <= 64 * 64]
     big = [c for c in configs if c.kwargs["BM"] * c.kwargs["BN"] > 64 * 64]
     if ieee:
@@ -144,10 +156,10 @@ def _prune(configs, named_args, **kwargs):
 # Shared device helpers
 # ----------------------------------------------------------------------------
 @triton.jit
-def _scores(I, T, rows, cols, m, n, d, stride_i, stride_t, qk_scale,
+def _scores(I, T, rows, cols, m, n, d, stride_i, stride_t,
             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-            EVEN_D: tl.constexpr, PREC: tl.constexpr):
-    """One score tile in log2 units: (I[rows] @ T[cols]^T) * s * log2(e).
+            EVEN_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr):
+    """One tile of raw dot products I[rows] @ T[cols]^T (float32 accumulation).
     K-loop over d in chunks of BK; out-of-range rows/columns load zeros."""
     offs_k = tl.arange(0, BK)
     rmask = rows < m
@@ -157,8 +169,14 @@ def _scores(I, T, rows, cols, m, n, d, stride_i, stride_t, qk_scale,
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k in range(0, d, BK):
         if EVEN_D:
-            a = tl.load(i_ptrs, mask=rmask[:, None], other=0.0)
-            b = tl.load(t_ptrs, mask=cmask[:, None], other=0.0)
+            if EVEN_M:
+                a = tl.load(i_ptrs)
+            else:
+                a = tl.load(i_ptrs, mask=rmask[:, None], other=0.0)
+            if EVEN_N:
+                b = tl.load(t_ptrs)
+            else:
+                b = tl.load(t_ptrs, mask=cmask[:, None], other=0.0)
         else:
             kmask = (offs_k + k) < d
             a = tl.load(i_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
@@ -169,7 +187,7 @@ def _scores(I, T, rows, cols, m, n, d, stride_i, stride_t, qk_scale,
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
         i_ptrs += BK
         t_ptrs += BK
-    return acc * qk_scale
+    return acc
 
 
 @triton.jit
@@ -180,18 +198,35 @@ def _valid(rows, cols, m, n, row_off, col_off, MASK_DIAG: tl.constexpr):
     return ok
 
 
+_HEURISTICS = {
+    "EVEN_D": lambda a: a["d"] % a["BK"] == 0,
+    "EVEN_M": lambda a: a["m"] % a["BM"] == 0,
+    "EVEN_N": lambda a: a["n"] % a["BN"] == 0,
+}
+
+
 # ----------------------------------------------------------------------------
 # Forward: row and column LSE in one pass (persistent grid, partial LSEs)
 # ----------------------------------------------------------------------------
 @triton.autotune(configs=_configs_mma(), key=["d", "B_BUCKET"],
                  prune_configs_by={"early_config_prune": _prune})
-@triton.heuristics({"EVEN_D": lambda a: a["d"] % a["BK"] == 0})
+@triton.heuristics(_HEURISTICS)
 @triton.jit
-def _lse_fwd_kernel(I, T, PART_ROW, PART_COL, m, n, d, stride_i, stride_t, qk_scale,
-                    row_off, col_off, RS, CS, B_BUCKET,
+def _lse_fwd_kernel(I, T, PART_ROW, PART_COL, SC, m, n, d, stride_i, stride_t,
+                    row_off, col_off, RS1, CS1, RS2, CS2, B_BUCKET,
                     MASK_DIAG: tl.constexpr, NEED_COL: tl.constexpr, PREC: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_D: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, OCC: tl.constexpr,
+                    EVEN_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
     # PART_ROW[CS, m], PART_COL[RS, n]: base-2 LSEs of this program's share.
+    # (RS, CS) = (RS1, CS1) with one program per SM, (RS2, CS2) with OCC = 2 per SM.
+    if OCC == 2:
+        RS = RS2
+        CS = CS2
+    else:
+        RS = RS1
+        CS = CS1
+    qk_scale = tl.load(SC).to(tl.float32) * 1.4426950408889634  # s * log2(e), read on the device
+    NEED_MASK: tl.constexpr = MASK_DIAG or not (EVEN_M and EVEN_N)
     pid = tl.program_id(0)
     pr = pid // CS
     pc = pid % CS
@@ -212,9 +247,10 @@ def _lse_fwd_kernel(I, T, PART_ROW, PART_COL, m, n, d, stride_i, stride_t, qk_sc
         l_i = tl.zeros([BM], dtype=tl.float32)      # running row sum of exp2(s - m_i)
         for cb in range(pc, CB, CS):
             cols = cb * BN + offs_n
-            s = _scores(I, T, rows, cols, m, n, d, stride_i, stride_t, qk_scale,
-                        BM, BN, BK, EVEN_D, PREC)
-            s = tl.where(_valid(rows, cols, m, n, row_off, col_off, MASK_DIAG), s, NEG_INF)
+            s = _scores(I, T, rows, cols, m, n, d, stride_i, stride_t,
+                        BM, BN, BK, EVEN_D, EVEN_M, EVEN_N, PREC) * qk_scale
+            if NEED_MASK:
+                s = tl.where(_valid(rows, cols, m, n, row_off, col_off, MASK_DIAG), s, NEG_INF)
             # -- rows: online max / rescaled sum (flash-attention style)
             r_max = tl.max(s, 1)
             m_new = tl.maximum(m_i, r_max)
@@ -232,8 +268,11 @@ def _lse_fwd_kernel(I, T, PART_ROW, PART_COL, m, n, d, stride_i, stride_t, qk_sc
                 t_max = tl.max(r_max, 0)
                 t_safe = tl.where(t_max == NEG_INF, 0.0, t_max)
                 c_sum = tl.sum(e * tl.exp2(m_new - t_safe)[:, None], 0)
-                fast = (tl.max(m_new, 0) - t_max <= 50.0) & (
-                    tl.min(tl.where(cols < n, c_sum, 1.0), 0) >= 8.881784197001252e-16)
+                if EVEN_N:
+                    c_min = tl.min(c_sum, 0)
+                else:
+                    c_min = tl.min(tl.where(cols < n, c_sum, 1.0), 0)
+                fast = (tl.max(m_new, 0) - t_max <= 50.0) & (c_min >= 8.881784197001252e-16)
                 if fast:
                     t_lse = t_max + tl.log2(c_sum)
                 else:
@@ -278,22 +317,28 @@ def _merge_kernel(PA, OUTA, KA, na, PB, OUTB, KB, nb, BLOCK: tl.constexpr):
 # ----------------------------------------------------------------------------
 @triton.autotune(configs=_configs_mma(), key=["d", "B_BUCKET"],
                  prune_configs_by={"early_config_prune": _prune})
-@triton.heuristics({"EVEN_D": lambda a: a["d"] % a["BK"] == 0})
+@triton.heuristics(_HEURISTICS)
 @triton.jit
-def _weights_kernel(I, T, RL, CL, RW, CW, G, m, n, d, stride_i, stride_t, stride_g,
-                    qk_scale, g_scale, row_off, col_off, B_BUCKET,
+def _weights_kernel(I, T, RL, CL, RW, CW, PARTNER, PW, G, SC, GMAX, SG,
+                    m, n, d, stride_i, stride_t, stride_g, row_off, col_off, pos_off, B_BUCKET,
                     MASK_DIAG: tl.constexpr, HAS_ROW: tl.constexpr, HAS_COL: tl.constexpr,
-                    PREC: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_D: tl.constexpr):
-    # G[i, j] = g_scale * (rw_i exp2(s_ij - rl_i) + cw_j exp2(s_ij - cl_j)), 0 where masked.
+                    HAS_POS: tl.constexpr, NEED_SG: tl.constexpr, HALF: tl.constexpr,
+                    PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    OCC: tl.constexpr, EVEN_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+    # G'[i, j] = rw_i exp2(s_ij - rl_i) + cw_j exp2(s_ij - cl_j) - pw_i [pos_off + j == partner_i],
+    # 0 where masked; stored as s * G' (s the logit scale, read on the device), and for
+    # fp16 as s * G' / gmax. SG[pid] = sum over the tile of G'_ij <I_i, T_j> (float32,
+    # before rounding): the tile's share of dL/ds.
     # 1-D grid, column blocks fastest: neighbouring programs share the row block
     # of I and sweep the (L2-resident) column super-block of T.
     pid = tl.program_id(0)
     CB = tl.cdiv(n, BN)
     rows = (pid // CB) * BM + tl.arange(0, BM)
     cols = (pid % CB) * BN + tl.arange(0, BN)
-    s = _scores(I, T, rows, cols, m, n, d, stride_i, stride_t, qk_scale,
-                BM, BN, BK, EVEN_D, PREC)
+    sc = tl.load(SC).to(tl.float32)
+    raw = _scores(I, T, rows, cols, m, n, d, stride_i, stride_t,
+                  BM, BN, BK, EVEN_D, EVEN_M, EVEN_N, PREC)
+    s = raw * (sc * 1.4426950408889634)
     rmask = rows < m
     cmask = cols < n
     if HAS_ROW and HAS_COL:
@@ -320,9 +365,38 @@ def _weights_kernel(I, T, RL, CL, RW, CW, G, m, n, d, stride_i, stride_t, stride
         cl = tl.load(CL + cols, mask=cmask, other=0.0) * 1.4426950408889634
         cw = tl.load(CW + cols, mask=cmask, other=0.0)
         g = cw[None, :] * tl.exp2(s - cl[None, :])
-    g = tl.where(_valid(rows, cols, m, n, row_off, col_off, MASK_DIAG), g * g_scale, 0.0)
+    if HAS_POS:  # the positive logit's -(a_i + c_p(i)), folded in before any rounding
+        p = tl.load(PARTNER + rows, mask=rmask, other=-1).to(tl.int64)
+        pw = tl.load(PW + rows, mask=rmask, other=0.0)
+        g = g - tl.where((cols[None, :] + pos_off) == p[:, None], pw[:, None], 0.0)
+    if MASK_DIAG or not (EVEN_M and EVEN_N):
+        g = tl.where(_valid(rows, cols, m, n, row_off, col_off, MASK_DIAG), g, 0.0)
+    if NEED_SG:
+        tl.store(SG + pid, tl.sum(tl.sum(g * raw, 1), 0))
+    factor = sc
+    if HALF:
+        factor = sc / tl.load(GMAX).to(tl.float32)
     g_ptrs = G + rows[:, None].to(tl.int64) * stride_g + cols[None, :]
-    tl.store(g_ptrs, g.to(G.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    if EVEN_M and EVEN_N:
+        tl.store(g_ptrs, (g * factor).to(G.dtype.element_ty))
+    else:
+        tl.store(g_ptrs, (g * factor).to(G.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _rowdot_kernel(I, T, P, OUT, m, d, stride_i, stride_t, BR: tl.constexpr, BD: tl.constexpr):
+    """OUT[i] = <I_i, T_P[i]> with float32 accumulation (the positive logits / s)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = rows < m
+    p = tl.load(P + rows, mask=rmask, other=0).to(tl.int64)
+    offs = tl.arange(0, BD)
+    acc = tl.zeros([BR], dtype=tl.float32)
+    for k in range(0, d, BD):
+        msk = rmask[:, None] & ((offs + k) < d)[None, :]
+        a = tl.load(I + rows[:, None].to(tl.int64) * stride_i + (offs + k)[None, :], mask=msk, other=0.0)
+        b = tl.load(T + p[:, None] * stride_t + (offs + k)[None, :], mask=msk, other=0.0)
+        acc += tl.sum(a.to(tl.float32) * b.to(tl.float32), 1)
+    tl.store(OUT + rows, acc, mask=rmask)
 
 
 # ----------------------------------------------------------------------------
@@ -377,8 +451,14 @@ def _split(m: int, n: int, programs: int, tile: int = 128) -> tuple[int, int]:
     return best[1], best[2]
 
 
-def _scale_value(scale) -> float:
-    return float(scale.detach().item()) if isinstance(scale, torch.Tensor) else float(scale)
+def _scale_tensor(scale, dev) -> torch.Tensor:
+    """The logit scale as a 1-element float32 tensor on `dev`, which the kernels read
+    themselves: a tensor scale never goes through the host (no synchronisation)."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"scale must be a single number, got shape {tuple(scale.shape)}")
+        return scale.detach().reshape(1).to(device=dev, dtype=torch.float32)
+    return torch.full((1,), float(scale), dtype=torch.float32, device=dev)
 
 
 def lse_pass(image, text, scale, *, row_offset=0, col_offset=0, mask_diagonal=False,
@@ -386,27 +466,37 @@ def lse_pass(image, text, scale, *, row_offset=0, col_offset=0, mask_diagonal=Fa
     """Row and column log-sum-exp of x = scale * image @ text.T, one pass.
 
     Returns (row_lse [m] float32, col_lse [n] float32 or None); -inf where every
-    entry of the row/column is masked. Extra memory: (RS*n + CS*m) float32
-    partials, RS*CS ~ #SMs (see the module docstring). `_grid=(RS, CS)`
+    entry of the row/column is masked. `scale` is a Python number or a 1-element
+    tensor (read by the kernel on the device). Extra memory: (RS*n + CS*m) float32
+    partials, RS*CS ~ #SMs (or 2 #SMs; see the module docstring). `_grid=(RS, CS)`
     overrides the split (tests).
     """
     image, text = _check(image, text)
     m, d = image.shape
     n = text.shape[0]
     dev = image.device
-    s = _scale_value(scale)
     if m == 0 or n == 0:
         row = torch.full((m,), float("-inf"), dtype=torch.float32, device=dev)
         col = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev) if need_col else None
         return row, col
-    rs, cs = _grid if _grid is not None else _split(m, n, _n_programs(dev))
-    part_row = torch.empty((cs, m), dtype=torch.float32, device=dev)
-    part_col = torch.empty((rs, n) if need_col else (1,), dtype=torch.float32, device=dev)
-    _lse_fwd_kernel[(rs * cs,)](
-        image, text, part_row, part_col, m, n, d, image.stride(0), text.stride(0), s * LOG2E,
-        int(row_offset), int(col_offset), rs, cs, _bucket(max(m, n)),
+    sc = _scale_tensor(scale, dev)
+    if _grid is not None:
+        (rs1, cs1), (rs2, cs2) = _grid, _grid
+    else:
+        programs = _n_programs(dev)
+        (rs1, cs1), (rs2, cs2) = _split(m, n, programs), _split(m, n, 2 * programs)
+    part_row = torch.empty((max(cs1, cs2), m), dtype=torch.float32, device=dev)
+    part_col = torch.empty((max(rs1, rs2), n) if need_col else (1,), dtype=torch.float32, device=dev)
+
+    def grid(meta):
+        return (rs2 * cs2 if meta["OCC"] == 2 else rs1 * cs1,)
+
+    _lse_fwd_kernel[grid](
+        image, text, part_row, part_col, sc, m, n, d, image.stride(0), text.stride(0),
+        int(row_offset), int(col_offset), rs1, cs1, rs2, cs2, _bucket(max(m, n)),
         MASK_DIAG=bool(mask_diagonal), NEED_COL=bool(need_col), PREC=_prec(image.dtype, exact))
     launch_counts["lse_fwd"] += 1
+    rs, cs = (rs2, cs2) if _lse_fwd_kernel.best_config.kwargs["OCC"] == 2 else (rs1, cs1)
     row_lse = torch.empty((m,), dtype=torch.float32, device=dev)
     col_lse = torch.empty((n if need_col else 0,), dtype=torch.float32, device=dev)
     BLOCK = 256 if INTERPRET else 1024
@@ -416,6 +506,22 @@ def lse_pass(image, text, scale, *, row_offset=0, col_offset=0, mask_diagonal=Fa
     return row_lse, (col_lse if need_col else None)
 
 
+def positive_logits(image, text, partner):
+    """<image_i, text_partner[i]> for every row, float32 [m] (float32 accumulation;
+    multiply by the scale for the logits). One small kernel, no float32 copies."""
+    image, text = _check(image, text)
+    m, d = image.shape
+    out = torch.empty((m,), dtype=torch.float32, device=image.device)
+    if m == 0:
+        return out
+    partner = partner.to(device=image.device).contiguous()
+    BR, BD = (16, 32) if INTERPRET else (16, 128)
+    _rowdot_kernel[(triton.cdiv(m, BR),)](image, text, partner, out, m, d, image.stride(0), text.stride(0),
+                                          BR=BR, BD=BD)
+    launch_counts["rowdot"] += 1
+    return out
+
+
 def _as_weight(w, size: int, dev) -> torch.Tensor | None:
     if w is None:
         return None
@@ -423,40 +529,56 @@ def _as_weight(w, size: int, dev) -> torch.Tensor | None:
         if w.shape != (size,):
             raise ValueError(f"weight has shape {tuple(w.shape)}, expected ({size},)")
         return w.to(device=dev, dtype=torch.float32).contiguous()
-    return torch.full((size,), _scale_value(w), dtype=torch.float32, device=dev)
+    if isinstance(w, torch.Tensor):
+        return w.detach().reshape(1).to(device=dev, dtype=torch.float32).expand(size).contiguous()
+    return torch.full((size,), float(w), dtype=torch.float32, device=dev)
 
 
 @contextlib.contextmanager
-def _tf32(allow: bool):
-    """cuBLAS float32 GEMMs with (allow) or without TF32, restored afterwards."""
-    m = torch.backends.cuda.matmul
+def _cublas_precision(allow_tf32: bool):
+    """cuBLAS GEMMs with (allow) or without TF32 for float32, and bf16/fp16 products
+    reduced in float32 (no reduced-precision split-K), restored afterwards."""
+    mm = torch.backends.cuda.matmul
+    saved = {}
     try:
-        old = m.allow_tf32
+        saved["allow_tf32"] = mm.allow_tf32
+        saved["allow_bf16_reduced_precision_reduction"] = mm.allow_bf16_reduced_precision_reduction
+        saved["allow_fp16_reduced_precision_reduction"] = mm.allow_fp16_reduced_precision_reduction
     except Exception:  # new fp32_precision API in use: leave it alone
         yield
         return
-    m.allow_tf32 = allow
+    mm.allow_tf32 = allow_tf32
+    mm.allow_bf16_reduced_precision_reduction = False
+    mm.allow_fp16_reduced_precision_reduction = False
     try:
         yield
     finally:
-        m.allow_tf32 = old
+        for k, v in saved.items():
+            setattr(mm, k, v)
 
 
-def _acc_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float):
-    """out (float32) += alpha * a @ b, with float32 accumulation and output."""
+def _acc_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, factor: torch.Tensor | None = None):
+    """out (float32) += a @ b [* factor, a 1-element tensor], float32 accumulation and output."""
     if out.device.type != "cuda":
-        out.addmm_(a.float(), b.float(), alpha=alpha)
+        prod = a.float() @ b.float()
     elif a.dtype == torch.float32:
-        out.addmm_(a, b, alpha=alpha)
+        if factor is None:
+            out.addmm_(a, b)
+            return
+        prod = a @ b
     else:
         global _ADDMM_OUT_OK
-        if _ADDMM_OUT_OK:
-            try:  # cuBLAS: C(fp32) += alpha * A(bf16) @ B(bf16), in place
-                torch.addmm(out, a, b, alpha=alpha, out_dtype=torch.float32, out=out)
+        if _ADDMM_OUT_OK and factor is None:
+            try:  # cuBLAS: C(fp32) += A(bf16) @ B(bf16), in place
+                torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
                 return
             except (RuntimeError, TypeError):
                 _ADDMM_OUT_OK = False
-        out.add_(torch.mm(a, b, out_dtype=torch.float32), alpha=alpha)
+        prod = torch.mm(a, b, out_dtype=torch.float32)
+    if factor is None:
+        out.add_(prod)
+    else:
+        out.addcmul_(prod, factor)
 
 
 _ADDMM_OUT_OK = True
@@ -472,54 +594,73 @@ def _super_tile(m: int, n: int) -> tuple[int, int]:
 
 def grad_pass(image, text, scale, row_lse, col_lse, row_weight, col_weight, *,
               row_offset=0, col_offset=0, mask_diagonal=False,
-              grad_image=None, grad_text=None, exact=False):
+              grad_image=None, grad_text=None, exact=False,
+              positive=None, scale_grad=None, out_dtype=None):
     """grad_image += scale * G @ text, grad_text += scale * G^T @ image with
     G_ij = rw_i exp(x_ij - row_lse_i) + cw_j exp(x_ij - col_lse_j) (0 where masked;
-    a term is absent when its weight is None). Returns (grad_image, grad_text),
-    float32, fresh zeros where None was passed.
+    a term is absent when its weight is None) - pw_i [j == partner_i] when
+    positive=(partner, pw) is given; scale_grad (a 1-element float32 tensor)
+    += sum_ij G_ij <I_i, T_j>. Returns (grad_image, grad_text): float32, or
+    fresh tensors of `out_dtype` where None was passed.
 
     One recompute of every score tile (Triton) into a bounded workspace of
     min(m, MAX_H) x min(n, WORKSPACE_ELEMS / H) elements, then two float32-
-    accumulating GEMMs per super-tile (see the module docstring).
+    accumulating GEMMs per super-tile (see the module docstring). The scale is
+    read on the device: nothing here synchronises with the host.
     """
     image, text = _check(image, text)
     m, d = image.shape
     n = text.shape[0]
     dev = image.device
-    s = _scale_value(scale)
-    if grad_image is None:
-        grad_image = torch.zeros((m, d), dtype=torch.float32, device=dev)
-    if grad_text is None:
-        grad_text = torch.zeros((n, d), dtype=torch.float32, device=dev)
-    if grad_image.dtype != torch.float32 or grad_text.dtype != torch.float32:
-        raise ValueError("grad_image / grad_text accumulators must be float32")
+    out_dtype = out_dtype or torch.float32
+    fresh = grad_image is None and grad_text is None
+    for acc in (grad_image, grad_text):
+        if acc is not None and acc.dtype != torch.float32:
+            raise ValueError("grad_image / grad_text accumulators must be float32")
     rw = _as_weight(row_weight, m, dev)
     cw = _as_weight(col_weight, n, dev)
-    has_row, has_col = rw is not None, cw is not None
+    has_row, has_col, has_pos = rw is not None, cw is not None, positive is not None
     if has_col and col_lse is None:
         raise ValueError("col_weight given without col_lse")
-    if m == 0 or n == 0 or d == 0 or not (has_row or has_col):
-        return grad_image, grad_text
+    if m == 0 or n == 0 or d == 0 or not (has_row or has_col or has_pos):
+        return (torch.zeros((m, d), dtype=out_dtype, device=dev) if grad_image is None else grad_image,
+                torch.zeros((n, d), dtype=out_dtype, device=dev) if grad_text is None else grad_text)
+    sc = _scale_tensor(scale, dev)
     rl = row_lse.to(device=dev, dtype=torch.float32).contiguous() if has_row else None
     cl = col_lse.to(device=dev, dtype=torch.float32).contiguous() if has_col else None
+    if has_pos:
+        partner, pw = positive
+        partner = partner.to(device=dev).contiguous()
+        pw = _as_weight(pw, m, dev)
     dummy = torch.empty((1,), dtype=torch.float32, device=dev)
 
-    # Workspace dtype: bf16 -> bf16 (fp32 range); fp16 -> fp16 holding G / gmax
-    # (G <= max rw + max cw, so no overflow; the GEMM alpha undoes the scale);
-    # fp32 -> fp32.
-    g_scale = 1.0
-    if image.dtype == torch.float16:
-        gmax = (rw.abs().max().item() if has_row else 0.0) + (cw.abs().max().item() if has_col else 0.0)
-        g_scale = 1.0 / gmax if gmax > 0 else 1.0
+    # Workspace dtype: bf16 -> bf16 (fp32 range) holding s G; fp16 -> fp16 holding
+    # s G / gmax (G <= gmax = max rw + max cw + max pw: no overflow; the GEMMs
+    # multiply by gmax afterwards, a device tensor); fp32 -> fp32.
+    half = image.dtype == torch.float16
+    gmax = None
+    if half:
+        terms = [w.abs().max() for w in (rw, cw, pw if has_pos else None) if w is not None]
+        gmax = torch.stack(terms).sum().clamp_min(1e-30).reshape(1)
     ws_dtype = image.dtype
     if dev.type != "cuda":
         ws_dtype = torch.float32 if image.dtype == torch.float32 else ws_dtype
     h_max, w_max = _super_tile(m, n)
+    direct = (fresh and dev.type == "cuda" and not half and out_dtype == image.dtype
+              and h_max == m and w_max == n)
+    if not direct:
+        if grad_image is None:
+            grad_image = torch.zeros((m, d), dtype=torch.float32, device=dev)
+        if grad_text is None:
+            grad_text = torch.zeros((n, d), dtype=torch.float32, device=dev)
     workspace = torch.empty((h_max * w_max,), dtype=ws_dtype, device=dev)
-    alpha = s / g_scale
+    sg_part = None
+    if scale_grad is not None:
+        sg_part = torch.empty((triton.cdiv(h_max, _MIN_TILE[0]) * triton.cdiv(w_max, _MIN_TILE[1]),),
+                              dtype=torch.float32, device=dev)
     prec = _prec(image.dtype, exact)
-    tf32_ctx = _tf32(not exact) if (image.dtype == torch.float32 and dev.type == "cuda") else contextlib.nullcontext()
-    with tf32_ctx:
+    cublas = _cublas_precision(not exact) if dev.type == "cuda" else contextlib.nullcontext()
+    with cublas:
         for r0 in range(0, m, h_max):
             h = min(h_max, m - r0)
             img = image[r0:r0 + h]
@@ -535,11 +676,23 @@ def grad_pass(image, text, scale, row_lse, col_lse, row_weight, col_weight, *,
                     img, txt,
                     rl[r0:r0 + h] if has_row else dummy, cl[c0:c0 + w] if has_col else dummy,
                     rw[r0:r0 + h] if has_row else dummy, cw[c0:c0 + w] if has_col else dummy,
-                    g, h, w, d, img.stride(0), txt.stride(0), g.stride(0),
-                    s * LOG2E, g_scale, int(row_offset) + r0, int(col_offset) + c0,
-                    _bucket(h * w // 8192),
-                    MASK_DIAG=bool(mask_diagonal), HAS_ROW=has_row, HAS_COL=has_col, PREC=prec)
+                    partner[r0:r0 + h] if has_pos else dummy, pw[r0:r0 + h] if has_pos else dummy,
+                    g, sc, gmax if half else dummy, sg_part if sg_part is not None else dummy,
+                    h, w, d, img.stride(0), txt.stride(0), g.stride(0),
+                    int(row_offset) + r0, int(col_offset) + c0, c0, _bucket(h * w // 8192),
+                    MASK_DIAG=bool(mask_diagonal), HAS_ROW=has_row, HAS_COL=has_col, HAS_POS=has_pos,
+                    NEED_SG=sg_part is not None, HALF=half, PREC=prec)
                 launch_counts["weights"] += 1
-                _acc_mm(grad_image[r0:r0 + h], g, txt, alpha)
-                _acc_mm(grad_text[c0:c0 + w], g.t(), img, alpha)
+                if sg_part is not None:
+                    meta = _weights_kernel.best_config.kwargs
+                    programs = triton.cdiv(h, meta["BM"]) * triton.cdiv(w, meta["BN"])
+                    scale_grad.add_(sg_part[:programs].sum())
+                if direct:  # one super-tile, fresh outputs: cuBLAS writes them in the input dtype
+                    grad_image = torch.mm(g, txt)
+                    grad_text = torch.mm(g.t(), img)
+                else:
+                    _acc_mm(grad_image[r0:r0 + h], g, txt, gmax)
+                    _acc_mm(grad_text[c0:c0 + w], g.t(), img, gmax)
+    if fresh and not direct and out_dtype != torch.float32:
+        grad_image, grad_text = grad_image.to(out_dtype), grad_text.to(out_dtype)
     return grad_image, grad_text

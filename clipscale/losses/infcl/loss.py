@@ -18,8 +18,14 @@ saved. Backward recomputes each tile:
     dL/dx_ij = a_i softmax_row(x)_ij + c_j softmax_col(x)_ij - (a_i + c_j) [j = p(i)]
     dI_i = s sum_j dL/dx_ij T_j ;  dT_j = s sum_i dL/dx_ij I_i
 
-with the visiting block carrying its text gradient home. The scale gradient
-needs no pass of its own: x is linear in s * I, so s dL/ds = sum_i <dI_i, I_i>.
+with the visiting block carrying its text gradient home. The positive term
+-(a_i + c_j) [j = p(i)] is folded into the weights of the own block's visit
+(before they are rounded for the products), and the scale gradient needs no
+pass of its own: dL/ds = sum_ij dL/dx_ij <I_i, T_j>, summed by the same
+recompute in float32.
+
+Host synchronisation: one, in the input check (`check_inputs` reads one small
+tensor); the scale and the weights stay on the device.
 
 Gradients follow DDP's convention (see clipscale.losses): rank r's share of
 the objective is its own rows and paired columns, weighed by world * its
@@ -73,6 +79,7 @@ def select_backend(backend: str = "auto", device: torch.device | str = "cpu", ti
     return SimpleNamespace(
         lse_pass=functools.partial(reference.lse_pass, tile_size=tile_size),
         grad_pass=functools.partial(reference.grad_pass, tile_size=tile_size),
+        positive_logits=reference.positive_logits,
     )
 
 
@@ -118,7 +125,7 @@ class _TiledContrastiveLoss(torch.autograd.Function):
     @_without_autocast
     def forward(ctx, image, text, scale, plan: _Plan):
         row_offset = plan.layout.rank * len(image)
-        row_lse = torch.full((len(image),), float("-inf"), device=image.device)
+        row_lse = None
 
         def visit(owner, text_block):
             nonlocal row_lse
@@ -126,14 +133,14 @@ class _TiledContrastiveLoss(torch.autograd.Function):
                 image, text_block, scale, row_offset=row_offset, col_offset=owner * len(text),
                 mask_diagonal=plan.self_contrast, need_col=plan.col_weight is not None, exact=plan.exact,
             )
-            row_lse = torch.logaddexp(row_lse, rows)
+            row_lse = rows if row_lse is None else torch.logaddexp(row_lse, rows)
             return cols
 
         col_lse = circulate([text], visit, torch.logaddexp, plan.group)
-        positive = scale * (image.float() * text[plan.partner].float()).sum(1)
-        loss = (plan.row_weight * row_lse).sum() - (plan.positive_weight * positive).sum()
+        positive = plan.primitives.positive_logits(image, text, plan.partner)  # <I_i, T_p(i)>
+        loss = torch.dot(plan.row_weight, row_lse) - scale * torch.dot(plan.positive_weight, positive)
         if col_lse is not None:
-            loss = loss + (plan.col_weight * col_lse).sum()
+            loss = loss + torch.dot(plan.col_weight, col_lse)
         if plan.layout.world > 1:
             dist.all_reduce(loss, group=plan.group)  # every rank summed its own rows and columns
         ctx.save_for_backward(image, text, scale, row_lse, col_lse)
@@ -147,30 +154,61 @@ class _TiledContrastiveLoss(torch.autograd.Function):
         plan = ctx.plan
         weigh = grad_loss.float() * plan.layout.world  # DDP's convention, see the module docstring
         row_weight = plan.row_weight * weigh
-        grad_image = torch.zeros(image.shape, dtype=torch.float32, device=image.device)
-        # The visiting block brings its owner's global column LSE and weights.
-        block = [text] if col_lse is None else [text, torch.stack([col_lse, plan.col_weight * weigh])]
-
-        def visit(owner, text_block, col_stats=None):
-            col_lse_block, col_weight_block = (None, None) if col_stats is None else col_stats
-            _, grad_text_block = plan.primitives.grad_pass(
-                image, text_block, scale, row_lse, col_lse_block, row_weight, col_weight_block,
-                row_offset=plan.layout.rank * len(image), col_offset=owner * len(text),
-                mask_diagonal=plan.self_contrast, grad_image=grad_image, exact=plan.exact,
+        col_weight = None if col_lse is None else plan.col_weight * weigh
+        positive = (plan.partner, plan.positive_weight * weigh)
+        scale_grad = torch.zeros(1, dtype=torch.float32, device=image.device)  # += dL/ds, this rank's share
+        options = dict(
+            row_offset=plan.layout.rank * len(image), mask_diagonal=plan.self_contrast, exact=plan.exact,
+            scale_grad=scale_grad,
+        )
+        if plan.layout.world == 1:
+            grad_image, grad_text = plan.primitives.grad_pass(
+                image, text, scale, row_lse, col_lse, row_weight, col_weight, col_offset=0,
+                positive=positive, out_dtype=image.dtype, **options,
             )
-            return grad_text_block
+        else:
+            grad_image = torch.zeros(image.shape, dtype=torch.float32, device=image.device)
+            # The visiting block brings its owner's global column LSE and weights.
+            block = [text] if col_lse is None else [text, torch.stack([col_lse, col_weight])]
 
-        grad_text = circulate(block, visit, torch.add, plan.group)
-        # The positive logits x_i,p(i) = s <I_i, T_p(i)> are local to this rank.
-        positive_weight = scale * (plan.positive_weight * weigh)[:, None]
-        grad_image -= positive_weight * text[plan.partner].float()
-        grad_text.index_add_(0, plan.partner, -positive_weight * image.float())
-        grad_scale = ((grad_image * image.float()).sum() / scale).to(scale.dtype).reshape(scale.shape)
-        return grad_image.to(image.dtype), grad_text.to(text.dtype), grad_scale, None  # scale: this rank's share
+            def visit(owner, text_block, col_stats=None):
+                col_lse_block, col_weight_block = (None, None) if col_stats is None else col_stats
+                _, grad_text_block = plan.primitives.grad_pass(
+                    image, text_block, scale, row_lse, col_lse_block, row_weight, col_weight_block,
+                    col_offset=owner * len(text), grad_image=grad_image,
+                    positive=positive if owner == plan.layout.rank else None,  # partners are local
+                    **options,
+                )
+                return grad_text_block
+
+            grad_text = circulate(block, visit, torch.add, plan.group)
+            grad_image, grad_text = grad_image.to(image.dtype), grad_text.to(text.dtype)
+        grad_scale = scale_grad.to(scale.dtype).reshape(scale.shape)
+        return grad_image, grad_text, grad_scale, None  # scale: this rank's share
 
 
 def _full(n: int, value: float, device) -> torch.Tensor:
     return torch.full((n,), value, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=32)
+def _clip_weights(layout: Layout, device: torch.device):
+    """(partner, row_weight, col_weight, positive_weight) of a CLIP layout; cached, so a
+    training loop does not rebuild them every step (read-only everywhere)."""
+    half_mean = 1.0 / (2 * layout.global_images)
+    extra_texts = layout.texts - layout.images
+    col_weight = _full(layout.texts, half_mean, device)
+    if extra_texts:
+        col_weight[layout.images:] = 0.0
+    return (torch.arange(layout.images, device=device), _full(layout.images, half_mean, device), col_weight,
+            _full(layout.images, 2 * half_mean, device))
+
+
+@functools.lru_cache(maxsize=32)
+def _ntxent_weights(layout: Layout, device: torch.device):
+    """(partner, weight) of an NT-Xent layout; cached like `_clip_weights`."""
+    rows = layout.images
+    return (torch.arange(rows, device=device) + rows // 2) % rows, _full(rows, 1.0 / layout.global_images, device)
 
 
 def infcl_loss(
@@ -183,15 +221,10 @@ def infcl_loss(
     """
     layout, logit_scale = check_clip_inputs(image_features, text_features, logit_scale, group)
     device = image_features.device
-    half_mean = 1.0 / (2 * layout.global_images)
-    extra_texts = layout.texts - layout.images
-    col_weight = torch.cat([_full(layout.images, half_mean, device), _full(extra_texts, 0.0, device)])
+    partner, row_weight, col_weight, positive_weight = _clip_weights(layout, device)
     plan = _Plan(
         layout, group, select_backend(backend, device, tile_size), exact, self_contrast=False,
-        partner=torch.arange(layout.images, device=device),
-        row_weight=_full(layout.images, half_mean, device),
-        col_weight=col_weight,
-        positive_weight=_full(layout.images, 2 * half_mean, device),
+        partner=partner, row_weight=row_weight, col_weight=col_weight, positive_weight=positive_weight,
     )
     return _TiledContrastiveLoss.apply(image_features, text_features, logit_scale, plan)
 
@@ -205,20 +238,17 @@ def ntxent_loss(features, temperature, group=None, *, backend="auto", tile_size=
     own samples, and the global batch is the concatenation of the ranks' blocks.
     `temperature` may be a tensor (then it receives a gradient).
     """
-    temperature = as_scale(temperature, features)
-    if not float(temperature.detach()) > 0:
-        raise ValueError(f"temperature must be positive, got {float(temperature.detach())}")
-    scale = 1.0 / temperature
+    value = temperature.detach() if isinstance(temperature, torch.Tensor) else temperature
+    if not float(value) > 0:  # a host read only for a tensor temperature
+        raise ValueError(f"temperature must be positive, got {float(value)}")
+    scale = 1.0 / as_scale(temperature, features)
     layout = check_inputs({"features": features}, scale, group)
     if layout.images % 2:
         raise ValueError(f"features must stack two views [2b, d]; got an odd number of rows ({layout.images})")
-    device = features.device
-    rows = layout.images
-    weight = _full(rows, 1.0 / layout.global_images, device)
+    partner, weight = _ntxent_weights(layout, features.device)
     plan = _Plan(
-        layout, group, select_backend(backend, device, tile_size), exact, self_contrast=True,
-        partner=(torch.arange(rows, device=device) + rows // 2) % rows,
-        row_weight=weight, col_weight=None, positive_weight=weight,
+        layout, group, select_backend(backend, features.device, tile_size), exact, self_contrast=True,
+        partner=partner, row_weight=weight, col_weight=None, positive_weight=weight,
     )
     return _TiledContrastiveLoss.apply(features, features, scale, plan)
 
