@@ -46,15 +46,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # scripts/bench_*.py
 from bench_step import SyntheticBatches, open_clip_train_steps
-from common import (
-    RESULTS,
-    log_log,
-    provenance,
-    publish,
-    pyplot,
-    save_figure,
-    write_json,
-)
+from common import RESULTS, log_log, provenance, publish, pyplot, save_figure, write_json
 from training_step import (
     GIB,
     agree,

@@ -26,15 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (
-    RESULTS,
-    log_log,
-    provenance,
-    publish,
-    pyplot,
-    save_figure,
-    write_json,
-)
+from common import RESULTS, log_log, provenance, publish, pyplot, save_figure, write_json
 from training_step import agree, load_workload, smoke_model_name, start, training_step
 
 
