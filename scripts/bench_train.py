@@ -88,11 +88,7 @@ class Bench:
 
     def pinned_batch(self, batch: int):
         """uint8 images in pinned host memory (150 KB a sample), normalised on the GPU per chunk."""
-        images = torch.empty((batch, 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        block = torch.randint(0, 256, (min(batch, 1024), 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8)
-        for start in range(0, batch, len(block)):  # shifted copies of one random block: memcpy speed
-            rows = images[start : start + len(block)]
-            torch.add(block[: len(rows)], start // len(block), out=rows)
+        images = host_images(batch, IMAGE_SIZE, pin=self.device.type == "cuda")
         return HostTensor(images, self.normalise), HostTensor(random_tokens(batch))
 
     def jpeg_host_batch(self, batch: int):
@@ -250,6 +246,17 @@ def build_model(name: str, device: torch.device):
 
 def random_tokens(batch: int) -> torch.Tensor:
     return torch.randint(1, VOCAB, (batch, CONTEXT), dtype=torch.int32)
+
+
+def host_images(batch: int, size: int, pin: bool) -> torch.Tensor:
+    """uint8 [batch, 3, size, size] on the host: shifted copies of one random block, so that
+    filling hundreds of GB runs at memcpy speed (fresh random numbers would take minutes)."""
+    images = torch.empty((batch, 3, size, size), dtype=torch.uint8, pin_memory=pin)
+    block = torch.randint(0, 256, (min(batch, 1024), 3, size, size), dtype=torch.uint8)
+    for start in range(0, batch, len(block)):
+        rows = images[start : start + len(block)]
+        torch.add(block[: len(rows)], start // len(block), out=rows)
+    return images
 
 
 def jpeg_images(batch: int) -> list[bytes]:

@@ -27,7 +27,7 @@ from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_step import SMOKE_MODEL
-from bench_train import build_model
+from bench_train import build_model, host_images
 
 from clipscale.data.offload import HostTensor
 from clipscale.distributed import World, init_distributed
@@ -75,22 +75,24 @@ def load_workload(model_name: str, world: World, lock_image: bool = False) -> Wo
                     module.context_length, module.vocab_size, module.visual.output_dim)
 
 
-def synthetic_batch(work: Workload, local_batch: int, device: torch.device, offload: bool):
-    """Random images and tokens: pinned uint8 on the host (offload), or float images on the device.
+class HostMemoryError(RuntimeError):
+    """The host could not pin the offloaded batch."""
 
-    The host images are shifted copies of one random block: filling hundreds of GB with
-    fresh random numbers would take minutes and measure nothing more."""
+
+def synthetic_batch(work: Workload, local_batch: int, device: torch.device, offload: bool):
+    """Random images and tokens: pinned uint8 on the host (offload), or float images on the device."""
     mean = torch.tensor(OPENAI_DATASET_MEAN, device=device).view(1, 3, 1, 1) * 255
     std = torch.tensor(OPENAI_DATASET_STD, device=device).view(1, 3, 1, 1) * 255
     normalise = lambda pixels: (pixels.float() - mean) / std
     shape = (local_batch, 3, work.image_size, work.image_size)
     tokens = torch.randint(1, work.vocab_size, (local_batch, work.context_length), dtype=torch.int32)
     if offload:
-        images = torch.empty(shape, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        block = torch.randint(0, 256, (min(local_batch, 1024), *shape[1:]), dtype=torch.uint8)
-        for start in range(0, local_batch, len(block)):
-            rows = images[start : start + len(block)]
-            torch.add(block[: len(rows)], start // len(block), out=rows)
+        try:
+            images = host_images(local_batch, work.image_size, pin=device.type == "cuda")
+        except RuntimeError as error:  # a CUDA error, not torch.OutOfMemoryError: cudaHostAlloc failed
+            if "out of memory" not in str(error):
+                raise
+            raise HostMemoryError(f"pinning the offloaded batch failed ({error})") from error
         return HostTensor(images, normalise), HostTensor(tokens)
     return normalise(torch.randint(0, 256, shape, dtype=torch.uint8, device=device)), tokens.to(device)
 
@@ -185,12 +187,7 @@ def training_step(work: Workload, world: World, loss_name: str, global_batch: in
     if memory_probe:
         probe = SampledEncoders(module, chunk, -(-local_batch // chunk), work.feature_dim, autocast or torch.float32)
     try:
-        try:
-            images, texts = synthetic_batch(work, local_batch, world.device, offload)
-        except RuntimeError as error:  # pinning a batch larger than the host can lock
-            if not offload or isinstance(error, torch.OutOfMemoryError) or "out of memory" not in str(error):
-                raise
-            raise torch.OutOfMemoryError(f"host memory: pinning the offloaded batch failed ({error})") from error
+        images, texts = synthetic_batch(work, local_batch, world.device, offload)
         step = GradCache(work.model, build_loss(loss_name, **(loss_options or {})), chunk, offload=offload,
                          autocast=autocast, reuse_last_chunk=not memory_probe)
         if world.device.type == "cuda":
@@ -205,8 +202,10 @@ def training_step(work: Workload, world: World, loss_name: str, global_batch: in
         result = {"loss": float(loss)}  # float() waits for the device
         result["step_s"] = time.perf_counter() - started
         result["peak_gib"] = peak_gib(world.device)
-    except torch.OutOfMemoryError as error:
-        result = {"error": "host memory: pinning failed" if str(error).startswith("host memory") else "out of memory"}
+    except HostMemoryError:
+        result = {"error": "host memory: pinning failed"}
+    except torch.OutOfMemoryError:
+        result = {"error": "out of memory"}
     finally:
         images = texts = step = probe = None  # drop the batch before the allocator is emptied
         work.optimizer.zero_grad(set_to_none=True)
