@@ -15,7 +15,7 @@ import loss_curves  # noqa: E402
 def test_every_loss_follows_the_same_curve_on_two_processes(digits_root, tmp_path):
     overrides = [o for o in tiny_run(digits_root, tmp_path) if not o.startswith(("run.", "train.log_every", "eval."))]
     result = loss_curves.main(
-        ["--steps", "8", "--nproc", "2", "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs"),
+        ["--steps", "8", "--nproc", "2", "--out", str(tmp_path / "out" / "curves.json"), "--runs", str(tmp_path / "runs"),
          *overrides, "data.workers=0", "eval.zeroshot=false"]
     )
     curves = result["curves"]
@@ -25,6 +25,6 @@ def test_every_loss_follows_the_same_curve_on_two_processes(digits_root, tmp_pat
     # Same data, same seed: the curves differ only by float32 rounding.
     for loss, difference in result["max_abs_difference_to_reference"].items():
         assert difference < 1e-5, (loss, difference)
-    saved = json.loads((tmp_path / "out" / "loss_curves_digits.json").read_text())
+    saved = json.loads((tmp_path / "out" / "curves.json").read_text())
     assert saved["curves"] == curves and saved["command"]
-    assert (tmp_path / "out" / "loss_curves_digits.png").stat().st_size > 10_000
+    assert (tmp_path / "out" / "curves.png").stat().st_size > 10_000

@@ -1,26 +1,27 @@
 """Figure S2 of the Inf-CL paper: the same run under each loss gives the same loss curve.
 
 Trains the digits job once per loss with the same seed and data order (torchrun,
-`--nproc` processes), overlays the per-step training losses and writes
-`<out>/loss_curves_digits.{json,png}`. The JSON holds every curve, the largest
-difference to the first loss at any step, and the device, versions, date and command.
+`--nproc` processes, on the GPUs when there are any), overlays the per-step training
+losses and writes the JSON given by `--out` and a PNG beside it. The JSON holds every
+curve, the largest difference to the first loss at any step, and the device, versions,
+date and command.
 
     python scripts/reproduce/loss_curves.py                       # 4 losses, 2 processes, 200 steps
     python scripts/reproduce/loss_curves.py --steps 20 -- train.batch_size=64
+    python scripts/reproduce/loss_curves.py --out docs/results/loss_curves_digits_2xh200_bf16.json -- train.precision=bf16
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import REPO, RESULTS, provenance, publish, pyplot, save_figure
 
 
 def run_loss(loss: str, args, run_root: Path) -> list[float]:
@@ -45,13 +46,9 @@ def run_loss(loss: str, args, run_root: Path) -> list[float]:
     return [record["loss"] for record in map(json.loads, lines) if "loss" in record]
 
 
-def plot(curves: dict, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    reference = next(iter(curves))
+def plot(record: dict, path: Path) -> None:
+    plt = pyplot()
+    curves, reference = record["curves"], record["reference"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
     styles = ["-", "--", ":", "-."]
     for (loss, values), style in zip(curves.items(), styles * 2):
@@ -60,14 +57,13 @@ def plot(curves: dict, path: Path, title: str) -> None:
         if loss != reference:
             bottom.plot(steps, [abs(a - b) for a, b in zip(values, curves[reference])], style, label=f"|{loss} − {reference}|")
     top.set_ylabel("training loss (nats)")
-    top.set_title(title)
+    top.set_title(f"digits on {record['nproc']} x {record['device']}: training loss under each loss function", fontsize=10)
     top.legend()
     bottom.set_xlabel("step")
     bottom.set_ylabel("abs. difference")
     bottom.set_yscale("symlog", linthresh=1e-7)
     bottom.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv=None) -> dict:
@@ -76,12 +72,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--config", default=str(REPO / "configs" / "digits.yaml"))
-    parser.add_argument("--out", default=str(REPO / "docs" / "results"))
+    parser.add_argument("--out", default=str(RESULTS / "loss_curves_digits.json"), help="the JSON; the PNG goes beside it")
     parser.add_argument("--runs", default=str(REPO / "runs" / "loss_curves"), help="where the training runs go")
     parser.add_argument("overrides", nargs="*", help="extra section.key=value overrides for every run")
     args = parser.parse_args(argv)
-
-    import torch
 
     curves = {}
     for loss in args.losses:
@@ -91,20 +85,16 @@ def main(argv=None) -> dict:
     max_difference = {
         loss: max(abs(a - b) for a, b in zip(values, curves[reference])) for loss, values in curves.items() if loss != reference
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = {
         "what": f"per-step training loss of the same run under each loss ({args.nproc} processes, same seed and data)",
+        "nproc": args.nproc,
+        "overrides": args.overrides,
         "reference": reference,
         "max_abs_difference_to_reference": max_difference,
         "curves": curves,
-        "device": platform.processor() or platform.machine(),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        **provenance(argv),
     }
-    (out / "loss_curves_digits.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(curves, out / "loss_curves_digits.png", f"digits, {args.nproc} processes: training loss under each loss function")
+    publish(result, Path(args.out), plot)
     for loss, difference in max_difference.items():
         print(f"max |{loss} - {reference}| over {args.steps} steps: {difference:.3g}")
     return result
