@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -25,7 +26,8 @@ from common import REPO, RESULTS, provenance, publish, pyplot, save_figure
 
 
 def run_loss(loss: str, args, run_root: Path) -> list[float]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)]
+    # --standalone: a free rendezvous port, so several of these scripts can run side by side.
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
     overrides = [
         f"loss.name={loss}",
         f"run.name={loss}",
@@ -80,7 +82,9 @@ def main(argv=None) -> dict:
     curves = {}
     for loss in args.losses:
         print(f"training with loss {loss} on {args.nproc} processes ...", flush=True)
+        started = time.monotonic()
         curves[loss] = run_loss(loss, args, Path(args.runs))
+        print(f"  {time.monotonic() - started:.0f} s", flush=True)
     reference = args.losses[0]
     max_difference = {
         loss: max(abs(a - b) for a, b in zip(values, curves[reference])) for loss, values in curves.items() if loss != reference
