@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
@@ -166,3 +167,18 @@ def test_a_worker_killed_mid_run_is_restarted_from_the_latest_checkpoint(digits_
     assert final["killed"]["step"] == 40
     for key, tensor in final["reference"]["state_dict"].items():
         assert torch.equal(final["killed"]["state_dict"][key], tensor), key
+
+
+def test_jobs_that_start_together_on_one_data_root_all_get_the_digits_shards(tmp_path):
+    """Two jobs sharing `data.root` used to race on one half-written folder (a FileNotFoundError)."""
+    write = "import sys; from clipscale.data.digits import write_digits_shards; write_digits_shards(sys.argv[1], 32)"
+    jobs = [subprocess.Popen([sys.executable, "-c", write, str(tmp_path)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+            for _ in range(3)]
+    errors = [job.communicate(timeout=120)[1] for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0, 0], errors
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    shards = manifest["train_shards"] + manifest["val_shards"]
+    assert sorted(p.name for p in tmp_path.glob("*.tar")) == sorted(shards)
+    assert not list(tmp_path.glob(".partial-*"))
+    assert sum(1 for name in manifest["val_shards"] for _ in wds.WebDataset(str(tmp_path / name), shardshuffle=False)) \
+        == manifest["num_val"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -101,13 +102,13 @@ def write_digits_shards(root: str | Path, image_size: int) -> dict:
     digits = load_digits()
     train_idx, val_idx = _split(digits.target)
     root.mkdir(parents=True, exist_ok=True)
-    partial = root / "partial"  # written aside, then moved, so an interrupted write is never read
-    partial.mkdir(exist_ok=True)
+    # Written aside, then moved: an interrupted write is never read, and jobs that start together
+    # on one root each write their own (identical) copy and the last move wins.
+    partial = Path(tempfile.mkdtemp(prefix=".partial-", dir=root))
     train = _write_split(partial, "train", train_idx, digits.images, digits.target, image_size, captions=True)
     val = _write_split(partial, "val", val_idx, digits.images, digits.target, image_size, captions=False)
     for name in train + val:
         (partial / name).replace(root / name)
-    partial.rmdir()
     manifest = {
         "image_size": image_size,
         "train_shards": train,
@@ -118,7 +119,10 @@ def write_digits_shards(root: str | Path, image_size: int) -> dict:
         "templates": ZEROSHOT_TEMPLATES,
     }
     # So scripts/eval_zeroshot.py can evaluate the same split: --task wds --classnames ... --templates ...
-    (root / "classnames.txt").write_text("\n".join(CLASSNAMES) + "\n")
-    (root / "templates.txt").write_text("\n".join(ZEROSHOT_TEMPLATES) + "\n")
-    manifest_path.write_text(json.dumps(manifest, indent=1))
+    (partial / "classnames.txt").write_text("\n".join(CLASSNAMES) + "\n")
+    (partial / "templates.txt").write_text("\n".join(ZEROSHOT_TEMPLATES) + "\n")
+    (partial / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    for name in ("classnames.txt", "templates.txt", "manifest.json"):  # the manifest last: it marks the shards done
+        (partial / name).replace(root / name)
+    partial.rmdir()
     return manifest
