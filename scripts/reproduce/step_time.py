@@ -54,8 +54,14 @@ def plot(record: dict, path: Path) -> None:
     per_epoch.set_ylabel(f"hours per epoch of {record['epoch_samples']:,} samples")
     for ax in (per_step, per_epoch):
         log_log(ax, [r["batch"] for r in record["rows"]])
+        low, high = ax.get_ylim()
+        if high < 2 * low:  # one batch, or times within 2x: log ticks would label at most one value
+            ax.set_yscale("linear")
         ax.set_xlabel("global batch size (samples)")
         ax.legend()
+    skipped = sorted({r["batch"] for r in record["rows"] if "skipped" in r})
+    if skipped:
+        fig.text(0.5, 0.01, "not measured (time budget): " + ", ".join(f"{b:,}" for b in skipped), ha="center", fontsize=9)
     fig.suptitle(f"{record['device']}: {record['model']}, Gradient Cache chunk {record['chunk']}, data offloaded", fontsize=10)
     save_figure(fig, path, dpi=110)
 
