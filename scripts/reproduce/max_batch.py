@@ -156,17 +156,18 @@ def plot(record: dict, path: Path) -> None:
     rows = -(-len(losses) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 4.2 * rows), sharey=True, squeeze=False)
     for ax, loss in zip(axes.flat, losses):
-        loss_only = {}  # the loss alone depends on the batch only, not on the model or offload
+        loss_only = {}  # per model (its feature width); the same with and without offload
         for search in (s for s in record["searches"] if s["loss"] == loss):
             fitted = sorted((p for p in search["probes"] if p.get("peak_gib") is not None), key=lambda p: p["batch"])
             if not fitted:  # a CPU run measures no GPU memory
                 continue
             ax.plot([p["batch"] for p in fitted], [p["peak_gib"] for p in fitted], "o-",
                     label=f"{search['model']}, offload {'on' if search['offload'] else 'off'}: peak")
-            loss_only |= {p["batch"]: p["loss_gib"] for p in fitted if isinstance(p.get("loss_gib"), float)}
-        if loss_only:
-            batches = sorted(loss_only)
-            ax.plot(batches, [loss_only[b] for b in batches], "k--", label="the loss alone")
+            loss_only.setdefault(search["model"], {}).update(
+                {p["batch"]: p["loss_gib"] for p in fitted if isinstance(p.get("loss_gib"), float)})
+        for (model, by_batch), style in zip(loss_only.items(), ["k--", "k:", "k-."]):
+            batches = sorted(by_batch)
+            ax.plot(batches, [by_batch[b] for b in batches], style, label=f"{model}: the loss alone")
         if ax.lines:
             log_log(ax, [p["batch"] for s in record["searches"] if s["loss"] == loss for p in s["probes"] if "peak_gib" in p])
             ax.legend(fontsize=8)
