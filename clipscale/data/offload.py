@@ -7,7 +7,9 @@ the host as what the shards hold -- encoded JPEG bytes and caption strings
 (`HostTensor`) -- and `stream_chunks` decodes chunk i+1 in background threads into
 pinned memory and copies it on a side CUDA stream while the model computes on chunk i.
 `JpegBytes` instead sends the compressed bytes and lets the GPU decode them (nvJPEG),
-for batches whose decoding would outrun the host's cores.
+for batches whose decoding would outrun the host's cores. Each column says how:
+`submit` starts preparing a chunk on the host, `to_device` moves it, `device_transform`
+finishes it there.
 
 GradCache walks the batch twice, so every chunk is decoded twice: decoding must be a
 pure function of the sample, and it runs in threads beside the model, so it must not
@@ -35,6 +37,19 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _to_device(host: torch.Tensor, device: torch.device, copy_stream) -> torch.Tensor:
+    if copy_stream is None:
+        return host.to(device)
+    with torch.cuda.stream(copy_stream):
+        moved = host.to(device, non_blocking=True)
+    compute = torch.cuda.current_stream(device)
+    compute.wait_stream(copy_stream)
+    # The tensor was allocated on the copy stream but is used (and freed) on the compute
+    # stream: tell the caching allocator, or it could hand the memory out too early.
+    moved.record_stream(compute)
+    return moved
+
+
 class HostTensor:
     """A column already decoded into one host tensor (uint8 images, token ids).
 
@@ -54,6 +69,8 @@ class HostTensor:
     def submit(self, start: int, stop: int, pool: Executor, pin: bool) -> Callable[[], torch.Tensor]:
         chunk = self.tensor[start:stop]  # a row slice of a pinned tensor is pinned
         return lambda: chunk
+
+    to_device = staticmethod(_to_device)
 
 
 class EncodedSamples:
@@ -102,6 +119,8 @@ class EncodedSamples:
             return buffer
 
         return wait
+
+    to_device = staticmethod(_to_device)
 
 
 class JpegBytes:
@@ -155,19 +174,6 @@ class JpegBytes:
 HostColumn = HostTensor | EncodedSamples | JpegBytes
 
 
-def _to_device(host: torch.Tensor, device: torch.device, copy_stream) -> torch.Tensor:
-    if copy_stream is None:
-        return host.to(device)
-    with torch.cuda.stream(copy_stream):
-        moved = host.to(device, non_blocking=True)
-    compute = torch.cuda.current_stream(device)
-    compute.wait_stream(copy_stream)
-    # The tensor was allocated on the copy stream but is used (and freed) on the compute
-    # stream: tell the caching allocator, or it could hand the memory out too early.
-    moved.record_stream(compute)
-    return moved
-
-
 def stream_chunks(
     column: HostColumn,
     bounds: Sequence[tuple[int, int]],
@@ -190,5 +196,4 @@ def stream_chunks(
         upcoming = next(later, None)
         if upcoming is not None:
             pending.append(column.submit(*upcoming, pool, on_cuda))
-        to_device = getattr(column, "to_device", _to_device)
-        yield column.device_transform(to_device(host, device, copy_stream))
+        yield column.device_transform(column.to_device(host, device, copy_stream))

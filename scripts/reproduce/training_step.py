@@ -31,6 +31,7 @@ from bench_train import build_model, host_images
 
 from clipscale.data.offload import HostTensor
 from clipscale.distributed import World, init_distributed
+from clipscale.eval.inference import unwrap
 from clipscale.gradcache import GradCache
 from clipscale.losses import build_loss
 from clipscale.models import register_custom
@@ -181,7 +182,7 @@ def training_step(work: Workload, world: World, loss_name: str, global_batch: in
         return {"error": f"host memory: the offloaded batch would take {host_bytes / GIB:.0f} GiB"}
     release(world.device)
     result = {}
-    module = work.model.module if world.distributed else work.model
+    module = unwrap(work.model)
     autocast = torch.bfloat16 if world.device.type == "cuda" else None
     probe = contextlib.nullcontext()
     if memory_probe:
