@@ -63,7 +63,9 @@ class DataConfig:
     image_size: int = 32
     workers: int = 2
     shuffle_buffer: int = 1000
-    decode_workers: int = 8  # threads per process decoding offloaded images, a chunk at a time (train.offload)
+    # train.offload: processes per rank decoding the kept image bytes again for Gradient Cache's
+    # second pass (the first pass takes the loader's pixels); null = data.workers
+    decode_workers: Optional[int] = None
 
 
 @dataclass
@@ -86,7 +88,9 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     batch_size: int = 256  # global: the number of negatives each sample sees
-    chunk_size: Optional[int] = None  # per-GPU encoder sub-batch (Gradient Cache); null = whole batch
+    # Per-GPU encoder sub-batch (Gradient Cache); null = the whole per-GPU batch; "auto" = the
+    # largest that fits the GPU, from a memory probe of the real model (logged at start).
+    chunk_size: Optional[int | Literal["auto"]] = None
     offload: bool = False
     steps: int = 300
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -229,13 +233,13 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}: must be positive, got {value}")
-    if cfg.train.chunk_size is not None and cfg.train.chunk_size <= 0:
-        raise ConfigError(f"train.chunk_size: must be positive or null, got {cfg.train.chunk_size}")
+    if isinstance(cfg.train.chunk_size, int) and cfg.train.chunk_size <= 0:
+        raise ConfigError(f"train.chunk_size: must be positive, null or 'auto', got {cfg.train.chunk_size}")
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr: must be positive, got {cfg.optim.lr}")
     if cfg.data.workers < 0:
         raise ConfigError(f"data.workers: must be >= 0, got {cfg.data.workers}")
-    if cfg.data.decode_workers < 1:
+    if cfg.data.decode_workers is not None and cfg.data.decode_workers < 1:
         raise ConfigError(f"data.decode_workers: must be positive, got {cfg.data.decode_workers}")
     for i, entry in enumerate(cfg.eval.sets):
         try:

@@ -14,10 +14,15 @@ sample on its own. So one step is:
 The parameter gradients are those of one forward/backward over the whole batch; the
 price is one extra encoder forward. Pass 1 keeps the graph of its last chunk and
 backpropagates it as soon as the loss has its gradient, so pass 2 re-encodes all chunks
-but that one (`reuse_last_chunk`). A batch of a single chunk takes the plain step. See DESIGN.md, "Gradient Cache and offload".
+but that one (`reuse_last_chunk`). A batch of a single chunk takes the plain step.
 
     step = GradCache(model, loss_fn, chunk_size=512, autocast=torch.bfloat16)
     loss = step(images, texts)   # gradients accumulated into model parameters
+
+Inputs are device tensors (sliced; pass 1's chunks are kept for pass 2) or host columns
+(`clipscale.data.batches`: a pinned batch, one still arriving from the loader, an
+offloaded one), which are streamed to the device a chunk at a time in both passes, so
+GPU memory depends on the chunk alone. See README, "Large batches".
 
 Under DistributedDataParallel the re-forward goes through the DDP module, under
 `no_sync()` for all chunks but the last, so gradients are all-reduced once per step.
@@ -28,7 +33,6 @@ it with the rest (the loss contract makes that average the global gradient).
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Callable, ContextManager, Iterator, Sequence
@@ -37,7 +41,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from clipscale.data.offload import HostColumn, HostTensor, stream_chunks
+from clipscale.data.batches import HostColumn, HostTensor, stream_chunks
 
 Batch = torch.Tensor | HostColumn
 
@@ -94,20 +98,53 @@ def trainable_towers(module: nn.Module) -> tuple[bool, bool]:
     return image, text
 
 
-def remember(chunks: Iterator[torch.Tensor], store: list | None) -> Iterator[torch.Tensor]:
-    """Yield the chunks, appending each to `store` on the way (unless it is None)."""
-    for chunk in chunks:
-        if store is not None:
-            store.append(chunk)
-        yield chunk
-
-
 def autocast_factory(autocast, device: torch.device) -> Callable[[], ContextManager]:
     if autocast is None:
         return contextlib.nullcontext
     if isinstance(autocast, torch.dtype):
         return lambda: torch.autocast(device.type, dtype=autocast)
     return autocast
+
+
+@dataclass
+class FirstPass:
+    """Pass 1's results: every chunk's detached features, the scalars, the RNG state before
+    each tower's call, and (with reuse_last_chunk) the last chunk's output with its graph."""
+
+    image_features: torch.Tensor
+    text_features: torch.Tensor
+    scalars: tuple[torch.Tensor, ...]
+    image_states: list[RandomState]
+    text_states: list[RandomState]
+    last_chunk: Encoded | None
+
+
+@dataclass
+class CachedGradients:
+    """dL/d(features) of the whole batch and dL/d(scalars), from the loss on pass 1's features;
+    backpropagated chunk by chunk through the re-encoded towers."""
+
+    image: torch.Tensor
+    text: torch.Tensor
+    scalars: list[torch.Tensor]
+    train_image: bool
+    train_text: bool
+
+    def backward(self, out: Encoded, start: int, stop: int, with_scalars: bool = False) -> None:
+        """Backpropagate the gradients of samples [start, stop) through `out`, that chunk's
+        encoding. The scalars' gradient is a whole-batch quantity: added with one chunk only."""
+        outputs, grads = [], []
+        for features, grad, trained in ((out.image, self.image, self.train_image), (out.text, self.text, self.train_text)):
+            if trained:
+                outputs.append(features)
+                grads.append(grad[start:stop])
+        if with_scalars:
+            for scalar, grad in zip(out.scalars, self.scalars):
+                if scalar.requires_grad:
+                    outputs.append(scalar)
+                    grads.append(grad)
+        if outputs:
+            torch.autograd.backward(outputs, grads)
 
 
 class GradCache:
@@ -121,9 +158,6 @@ class GradCache:
                 used for the encoders and the loss, as open_clip_train does.
     scaler:     a GradScaler for fp16: the loss is scaled, so the cached feature gradients
                 and the parameter gradients are too; unscale/step/update stay with the caller.
-    offload:    inputs that live on the host (a CPU tensor or `EncodedSamples`) are streamed
-                to the device a chunk at a time in both passes, instead of being kept on the
-                device between the passes. GPU memory then depends on chunk_size alone.
     reuse_last_chunk: pass 1 encodes the last chunk with its graph and backpropagates it
                 right after the loss, so pass 2 re-encodes one chunk fewer (a batch of two
                 chunks costs 1.5 forwards instead of 2). Its activations are then held while
@@ -136,10 +170,8 @@ class GradCache:
         model: nn.Module,
         loss_fn: Callable[..., torch.Tensor],
         chunk_size: int,
-        offload: bool = False,
         autocast=None,
         scaler: torch.amp.GradScaler | None = None,
-        decode_workers: int = 8,
         reuse_last_chunk: bool = True,
     ):
         if chunk_size < 1:
@@ -148,12 +180,10 @@ class GradCache:
         self.module = model.module if isinstance(model, DistributedDataParallel) else model
         self.loss_fn = loss_fn
         self.chunk_size = chunk_size
-        self.offload = offload
         self.device = next(self.module.parameters()).device
         self.autocast = autocast_factory(autocast, self.device)
         self.scaler = scaler
         self.reuse_last_chunk = reuse_last_chunk
-        self.pool = ThreadPoolExecutor(decode_workers, thread_name_prefix="clipscale-decode")
 
     def __call__(self, images: Batch, texts: Batch) -> torch.Tensor:
         if len(images) != len(texts):
@@ -168,47 +198,29 @@ class GradCache:
         # re-encodes only the chunks before it.
         reencoded = bounds[:-1] if self.reuse_last_chunk else bounds
 
-        # Without offload, pass 1's device chunks are kept for pass 2 instead of loaded twice.
         kept_images, kept_texts = [], []
-        image_chunks = remember(self.chunks(images, bounds), None if self.offload else kept_images)
-        text_chunks = remember(self.chunks(texts, bounds), None if self.offload else kept_texts)
-        features, scalars, image_states, text_states, last_chunk = self.first_pass(image_chunks, text_chunks, len(bounds))
-
-        loss, feature_grads, scalar_grads = self.loss_and_feature_grads(features, scalars)
-        del features
-        if last_chunk is not None:  # its graph is still there: backpropagate it first, then free it
-            start, stop = bounds[-1]
+        first = self.first_pass(self.chunks(images, bounds, kept_images), self.chunks(texts, bounds, kept_texts), len(bounds))
+        loss, grads = self.loss_and_feature_grads(first, train_image, train_text)
+        if first.last_chunk is not None:  # its graph is still there: backpropagate it first, then free it
             with self.no_sync():
-                self.backward(last_chunk, feature_grads, start, stop, train_image, train_text)
-            del last_chunk
+                grads.backward(first.last_chunk, *bounds[-1])
+        # Pass 2 replays the RNG state pass 1 had before the first trained tower's call.
+        states = first.image_states if train_image else first.text_states
+        del first
 
-        image_chunks = self.pass2_chunks(images, reencoded, kept_images) if train_image else repeat(None)
-        text_chunks = self.pass2_chunks(texts, reencoded, kept_texts) if train_text else repeat(None)
-        states = image_states if train_image else text_states
+        image_chunks = self.chunks(images, reencoded, kept_images, again=True) if train_image else repeat(None)
+        text_chunks = self.chunks(texts, reencoded, kept_texts, again=True) if train_text else repeat(None)
         final = len(reencoded) - 1
         for k, ((start, stop), image, text) in enumerate(zip(reencoded, image_chunks, text_chunks)):
             # DDP all-reduces in the final backward of the step only.
             with self.no_sync() if k < final else contextlib.nullcontext():
                 with states[k].replay(), self.autocast():
                     out = encode(self.model, image, text)
-                # the scalars' gradient is a whole-batch quantity: added once
-                self.backward(out, feature_grads, start, stop, train_image, train_text, scalar_grads if k == final else None)
+                grads.backward(out, start, stop, with_scalars=k == final)
         return loss.detach()
 
     def no_sync(self) -> ContextManager:
         return self.model.no_sync() if self.model is not self.module else contextlib.nullcontext()
-
-    @staticmethod
-    def backward(out: Encoded, feature_grads, start, stop, train_image, train_text, scalar_grads=None) -> None:
-        """Backpropagate the cached feature gradients of samples [start, stop) through `out`."""
-        outputs = [f for f, train in ((out.image, train_image), (out.text, train_text)) if train]
-        grads = [g[start:stop] for g, train in zip(feature_grads, (train_image, train_text)) if train]
-        if scalar_grads is not None:
-            trainable = [(s, g) for s, g in zip(out.scalars, scalar_grads) if s.requires_grad]
-            outputs += [s for s, _ in trainable]
-            grads += [g for _, g in trainable]
-        if outputs:
-            torch.autograd.backward(outputs, grads)
 
     def plain_step(self, images: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
         with self.autocast():
@@ -217,22 +229,26 @@ class GradCache:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         return loss.detach()
 
-    def chunks(self, batch: Batch, bounds: Sequence[tuple[int, int]]) -> Iterator[torch.Tensor]:
-        """The batch's chunks on the device: slices if it is there, else streamed from the host."""
+    def chunks(self, batch: Batch, bounds: Sequence[tuple[int, int]], kept: list[torch.Tensor] | None = None,
+               again: bool = False) -> Iterator[torch.Tensor]:
+        """The batch's chunks on the device. A device tensor is sliced (and pass 2 reuses pass
+        1's slices, `kept`); a host column is streamed to the device, in both passes."""
+        if isinstance(batch, torch.Tensor) and batch.device == self.device:
+            if again:
+                return iter(kept)
+            slices = [batch[start:stop] for start, stop in bounds]
+            if kept is not None:
+                kept.extend(slices)
+            return iter(slices)
         if isinstance(batch, torch.Tensor):
-            if batch.device == self.device:
-                return iter([batch[start:stop] for start, stop in bounds])
             batch = HostTensor(batch)
-        return stream_chunks(batch, bounds, self.device, self.pool)
+        return stream_chunks(batch, bounds, self.device)
 
-    def pass2_chunks(self, batch: Batch, bounds, kept: list[torch.Tensor]) -> Iterator[torch.Tensor]:
-        return self.chunks(batch, bounds) if self.offload else iter(kept)
-
-    def first_pass(self, image_chunks, text_chunks, count: int):
-        """Pass 1: every chunk's features, and the RNG state before each tower's call. The
-        towers run separately so that each has its own RNG state: a locked tower is skipped
-        in pass 2, and the other must still replay its own masks. With reuse_last_chunk the
-        last chunk runs with its graph (through DDP, unsynchronised), returned as `last_chunk`."""
+    def first_pass(self, image_chunks: Iterator[torch.Tensor], text_chunks: Iterator[torch.Tensor], count: int) -> FirstPass:
+        """Every chunk's features, and the RNG state before each tower's call. The towers run
+        separately so that each has its own RNG state: a locked tower is skipped in pass 2,
+        and the other must still replay its own masks. With reuse_last_chunk the last chunk
+        runs with its graph (through DDP, unsynchronised)."""
         image_features, text_features, image_states, text_states = [], [], [], []
         last_chunk = None
         for k, (image, text) in enumerate(zip(image_chunks, text_chunks)):
@@ -250,14 +266,15 @@ class GradCache:
                 with self.autocast():
                     out = encode(self.module, None, text)
                 text_features.append(out.text)
-        features = (torch.cat(image_features), torch.cat(text_features))
-        return features, tuple(s.detach() for s in out.scalars), image_states, text_states, last_chunk
+        return FirstPass(torch.cat(image_features), torch.cat(text_features), tuple(s.detach() for s in out.scalars),
+                         image_states, text_states, last_chunk)
 
-    def loss_and_feature_grads(self, features, scalars):
+    def loss_and_feature_grads(self, first: FirstPass, train_image: bool, train_text: bool):
         """Pass 1's loss on detached features: its gradient w.r.t. features and scalars."""
-        leaves = [t.detach().requires_grad_() for t in (*features, *scalars)]
+        leaves = [t.detach().requires_grad_() for t in (first.image_features, first.text_features, *first.scalars)]
+        first.image_features = first.text_features = None  # the leaves hold them now
         with self.autocast():
             loss = self.loss_fn(*leaves)
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
-        return loss, grads[:2], grads[2:]
+        return loss, CachedGradients(grads[0], grads[1], grads[2:], train_image, train_text)

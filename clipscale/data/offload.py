@@ -1,199 +1,154 @@
-"""Keep a batch on the host in its compact form and stream it to the device one chunk at a time.
+"""Batches beyond host memory (`train.offload`): keep the bytes, decode once per pass, in processes.
 
-A contrastive batch of a million samples does not fit on a GPU, and decoded it does
-not even fit in host memory (10^6 x 3x224x224 uint8 = 150 GB). So the batch stays on
-the host as what the shards hold -- encoded JPEG bytes and caption strings
-(`EncodedSamples`), or a pinned uint8 / token tensor where that is small enough
-(`HostTensor`) -- and `stream_chunks` decodes chunk i+1 in background threads into
-pinned memory and copies it on a side CUDA stream while the model computes on chunk i.
-`JpegBytes` instead sends the compressed bytes and lets the GPU decode them (nvJPEG),
-for batches whose decoding would outrun the host's cores. Each column says how:
-`submit` starts preparing a chunk on the host, `to_device` moves it, `device_transform`
-finishes it there.
-
-GradCache walks the batch twice, so every chunk is decoded twice: decoding must be a
-pure function of the sample, and it runs in threads beside the model, so it must not
-touch the global RNG either (that would race, and shift the dropout masks GradCache
-replays). Random augmentation belongs in the sample: the loader draws the crop box
-(e.g. `RandomResizedCrop.get_params` from the JPEG header) and `decode` applies it
-with `torchvision.transforms.functional.resized_crop`.
+A million-sample batch decoded is 150 GB of uint8 at 224 px; as the shards hold it,
+JPEG bytes, about 16 GB. With offload the loader workers still decode every image once
+-- that decode is Gradient Cache's first pass, and it is how unusable samples are found
+and counted -- and hand over both the pixels and the bytes, with the crop each image
+drew (`EncodedImages`). The trainer keeps the bytes of the whole batch but the pixels of
+a few pieces only: the first pass takes them as they arrive (`OffloadedImages`). The
+second pass decodes the bytes again, chunk by chunk, in a pool of processes
+(`DecodePool`), with the same PIL code and the same crop, so it sees the same pixels bit
+for bit. Gradient Cache needs that: the cached feature gradients hold only for the
+features they were computed at.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from concurrent.futures import Executor
-from typing import Any, Callable, Iterator, Sequence
+import multiprocessing
+import queue
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Callable
 
 import torch
-from torchvision.io import decode_jpeg
 
-ROWS_PER_JOB = 32
+from clipscale.data.batches import Arrivals, DeviceTransform, _identity, copy_to_device
 
-DeviceTransform = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
+POLL_S = 1.0  # how often a waiting first pass checks whether the loader failed
 
 
-def _to_device(host: torch.Tensor, device: torch.device, copy_stream) -> torch.Tensor:
-    if copy_stream is None:
-        return host.to(device)
-    with torch.cuda.stream(copy_stream):
-        moved = host.to(device, non_blocking=True)
-    compute = torch.cuda.current_stream(device)
-    compute.wait_stream(copy_stream)
-    # The tensor was allocated on the copy stream but is used (and freed) on the compute
-    # stream: tell the caching allocator, or it could hand the memory out too early.
-    moved.record_stream(compute)
-    return moved
+class EncodedImages:
+    """Images as the shards hold them: all encoded bytes in one uint8 tensor, `offsets` [n + 1]
+    delimiting the samples, and each sample's drawn crop in `params` [n, k]. Tensors, so loader
+    workers and decode processes pass it through shared memory.
 
+    `self[i]` is (bytes, params tuple), what `SplitTransform.decode` takes."""
 
-class HostTensor:
-    """A column already decoded into one host tensor (uint8 images, token ids).
+    def __init__(self, data: torch.Tensor, offsets: torch.Tensor, params: torch.Tensor):
+        self.data, self.offsets, self.params = data, offsets, params
 
-    Pinned once, so that every chunk copy can be asynchronous. `device_transform` runs on
-    the device after the copy (e.g. uint8 -> normalised float, 4x fewer bytes on the bus).
-    """
-
-    def __init__(self, tensor: torch.Tensor, device_transform: DeviceTransform | None = None):
-        if torch.cuda.is_available() and not tensor.is_pinned():
-            tensor = tensor.pin_memory()
-        self.tensor = tensor
-        self.device_transform = device_transform or _identity
+    @classmethod
+    def from_samples(cls, blobs: tuple[bytes, ...], params: tuple[tuple, ...]) -> "EncodedImages":
+        offsets = torch.zeros(len(blobs) + 1, dtype=torch.int64)
+        torch.cumsum(torch.tensor([len(b) for b in blobs], dtype=torch.int64), 0, out=offsets[1:])
+        data = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
+        width = len(params[0]) if params else 0
+        return cls(data, offsets, torch.tensor(params, dtype=torch.int64).reshape(len(blobs), width))
 
     def __len__(self) -> int:
-        return len(self.tensor)
+        return len(self.offsets) - 1
 
-    def submit(self, start: int, stop: int, pool: Executor, pin: bool) -> Callable[[], torch.Tensor]:
-        chunk = self.tensor[start:stop]  # a row slice of a pinned tensor is pinned
-        return lambda: chunk
+    def __getitem__(self, i: int) -> tuple[bytes, tuple]:
+        offsets = self.offsets.numpy()
+        return self.data.numpy()[offsets[i] : offsets[i + 1]].tobytes(), tuple(self.params.numpy()[i].tolist())
 
-    to_device = staticmethod(_to_device)
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.offsets, self.params))
 
 
-class EncodedSamples:
-    """A column kept as encoded samples (JPEG/PNG bytes, captions), decoded per chunk.
+_decode: Callable | None = None  # in a decode process: the SplitTransform's decode
 
-    `decode(sample)` returns a CPU tensor of the same shape for every sample (e.g. a
-    uint8 [3, H, W] image, an int64 [context_length] token row). It runs in the
-    thread pool; PIL's decoders release the GIL, so threads decode in parallel.
-    """
 
-    def __init__(
-        self,
-        samples: Sequence[Any],
-        decode: Callable[[Any], torch.Tensor],
-        device_transform: DeviceTransform | None = None,
-    ):
-        self.samples = samples
-        self.decode = decode
-        self.device_transform = device_transform or _identity
+def _start_decoder(decode: Callable) -> None:
+    global _decode
+    torch.set_num_threads(1)
+    _decode = decode
+
+
+def _decode_rows(encoded: EncodedImages, start: int, stop: int) -> torch.Tensor:
+    return torch.stack([_decode(encoded[i]) for i in range(start, stop)])
+
+
+class DecodePool:
+    """Processes that decode offloaded images again for the second pass.
+
+    Started from a fork server: the training process has threads and a CUDA context by
+    then, which a plain fork would copy half-way. The inputs and results travel through
+    shared memory (torch's multiprocessing reductions)."""
+
+    def __init__(self, decode: Callable[[tuple[bytes, tuple]], torch.Tensor], processes: int):
+        self.processes = processes
+        self.executor = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("forkserver"),
+                                            initializer=_start_decoder, initargs=(decode,))
+
+    def decode(self, encoded: EncodedImages, start: int, stop: int) -> list[Future]:
+        """Futures of uint8 row blocks that stack to encoded[start:stop], spread over the processes."""
+        rows = max(1, -(-(stop - start) // self.processes))
+        return [self.executor.submit(_decode_rows, encoded, lo, min(lo + rows, stop)) for lo in range(start, stop, rows)]
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class OffloadedImages:
+    """The images column of an offloaded batch (a `HostColumn`, filled by `BatchStream`).
+
+    Gradient Cache asks for chunks in order twice. The first time a row range is asked
+    for (pass 1) it comes from the loader's pixels, taken off a queue of at most `window`
+    pieces, so the pixels of only a few pieces are ever held; afterwards (pass 2) it is
+    decoded again from the kept bytes in the pool."""
+
+    def __init__(self, batch_size: int, arrivals: Arrivals, to_float: DeviceTransform | None, pool: DecodePool,
+                 window: int):
+        self.batch_size = batch_size
+        self.arrivals = arrivals
+        self.device_transform = to_float or _identity
+        self.pool = pool
+        self.pixels: queue.Queue = queue.Queue(maxsize=window)  # (first row, uint8 piece), in order
+        self.encoded: list[tuple[int, EncodedImages]] = []
+        self.first_pass_rows = 0
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return self.batch_size
 
-    def submit(self, start: int, stop: int, pool: Executor, pin: bool) -> Callable[[], torch.Tensor]:
-        """Start decoding samples[start:stop] into one (pinned) buffer; return a waiter for it."""
-        # The first sample is decoded here to learn the shape, so the workers can write
-        # straight into the pinned buffer with no extra stacking copy.
-        first = self.decode(self.samples[start])
-        buffer = torch.empty((stop - start, *first.shape), dtype=first.dtype, pin_memory=pin)
-        buffer[0] = first
+    def put(self, rows: slice, piece: dict) -> None:
+        """A piece from the loader; blocks while the first pass has `window` pieces to take."""
+        self.encoded.append((rows.start, piece["encoded"]))
+        self.pixels.put((rows.start, piece["images"]))
 
-        def fill(rows: range) -> None:
-            for row in rows:
-                buffer[row] = self.decode(self.samples[start + row])
-
-        # A few dozen rows per job: a million per-sample futures would cost more Python
-        # time than the decoding they schedule.
+    def submit(self, start: int, stop: int) -> Callable[[], torch.Tensor]:
+        if start >= self.first_pass_rows:
+            self.first_pass_rows = stop
+            return lambda: self._take_pixels(start, stop)
         futures = [
-            pool.submit(fill, range(row, min(row + ROWS_PER_JOB, stop - start)))
-            for row in range(1, stop - start, ROWS_PER_JOB)
+            future
+            for first, encoded in self.encoded
+            if first < stop and first + len(encoded) > start
+            for future in self.pool.decode(encoded, max(start, first) - first, min(stop, first + len(encoded)) - first)
         ]
+        return lambda: self._pinned([future.result() for future in futures])
 
-        def wait() -> torch.Tensor:
-            for future in futures:
-                future.result()
-            return buffer
+    def _take_pixels(self, start: int, stop: int) -> torch.Tensor:
+        parts, row = [], start
+        while row < stop:
+            try:
+                first, pixels = self.pixels.get(timeout=POLL_S)
+            except queue.Empty:
+                self.arrivals.raise_if_failed()
+                continue
+            if first != row:
+                raise RuntimeError(f"offloaded batch: expected the piece at row {row}, got {first}")
+            parts.append(pixels)
+            row += len(pixels)
+        if row != stop:
+            raise RuntimeError(f"offloaded batch: pieces do not tile the chunk [{start}, {stop})")
+        return self._pinned(parts)
 
-        return wait
+    @staticmethod
+    def _pinned(parts: list[torch.Tensor]) -> torch.Tensor:
+        """One pinned block, so the copy to the device is asynchronous."""
+        out = torch.empty((sum(len(p) for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype,
+                          pin_memory=torch.cuda.is_available())
+        return torch.cat(parts, out=out)
 
-    to_device = staticmethod(_to_device)
-
-
-class JpegBytes:
-    """A column of JPEG bytes decoded on the device itself, a chunk at a time (nvJPEG through
-    `torchvision.io.decode_jpeg(..., device=...)`; torchvision's CPU decoder on a CPU device).
-
-    Only the compressed bytes cross the bus (about 10x fewer than uint8 pixels) and the
-    host's cores are not the limit: a million-sample batch is decoded twice per step, which
-    host threads cannot keep up with beside a fast GPU. Every image must decode to the same
-    shape (crop and resize on the device belong in `device_transform`, which gets the
-    stacked uint8 batch [n, 3, H, W]).
-    """
-
-    def __init__(self, samples: Sequence[bytes], device_transform: DeviceTransform | None = None):
-        self.samples = samples
-        self.device_transform = device_transform or _identity
-        self._decode_streams: dict = {}
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def submit(self, start: int, stop: int, pool: Executor, pin: bool) -> Callable[[], list[torch.Tensor]]:
-        chunk = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in self.samples[start:stop]]
-        return lambda: chunk
-
-    def to_device(self, host: list[torch.Tensor], device: torch.device, copy_stream) -> torch.Tensor:
-        if device.type != "cuda":
-            decoded = decode_jpeg(host, device=device)
-        else:
-            # nvJPEG's hardware engine writes its outputs without waiting for the work queued
-            # on its stream (pytorch/vision#9606, meta-pytorch/torchcodec#1634): on the compute
-            # stream it would overwrite blocks the caching allocator just recycled while queued
-            # kernels still read them (we saw NaN features). On a stream of its own nothing is
-            # queued before it (decode_jpeg drains that stream before returning), and the
-            # outputs are handed to the compute stream with record_stream, so their blocks are
-            # not recycled before the compute stream is done with them.
-            decode_stream = self._decode_streams.setdefault(device, torch.cuda.Stream(device))
-            with torch.cuda.stream(decode_stream):
-                decoded = decode_jpeg(host, device=device)
-            compute = torch.cuda.current_stream(device)
-            compute.wait_stream(decode_stream)
-            for image in decoded:
-                image.record_stream(compute)
-        shapes = {tuple(image.shape) for image in decoded}
-        if len(shapes) != 1:
-            raise ValueError(f"JpegBytes: the images of a chunk decode to different shapes {sorted(shapes)[:4]}; "
-                             "store them at one size, or decode on the host with EncodedSamples")
-        return torch.stack(decoded)
-
-
-HostColumn = HostTensor | EncodedSamples | JpegBytes
-
-
-def stream_chunks(
-    column: HostColumn,
-    bounds: Sequence[tuple[int, int]],
-    device: torch.device,
-    pool: Executor,
-    lookahead: int = 2,
-) -> Iterator[torch.Tensor]:
-    """Yield column[start:stop] on `device` for each bound, preparing the next ones meanwhile.
-
-    Up to `lookahead` chunks are being decoded on the host while one is used; the copy of
-    a chunk is issued on a side stream, so it overlaps the kernels still queued for the
-    previous chunk. Host memory in flight: about `lookahead` decoded chunks.
-    """
-    on_cuda = device.type == "cuda"
-    copy_stream = torch.cuda.Stream(device) if on_cuda else None
-    pending = deque(column.submit(start, stop, pool, on_cuda) for start, stop in bounds[:lookahead])
-    later = iter(bounds[lookahead:])
-    for _ in bounds:
-        host = pending.popleft()()
-        upcoming = next(later, None)
-        if upcoming is not None:
-            pending.append(column.submit(*upcoming, pool, on_cuda))
-        yield column.device_transform(column.to_device(host, device, copy_stream))
+    to_device = staticmethod(copy_to_device)

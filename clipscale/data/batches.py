@@ -1,0 +1,271 @@
+"""A step's batch on the host, gathered from the loader's pieces while the step runs.
+
+Loader workers decode chunk-sized pieces (`ShardStream`); `BatchStream` copies them, in
+a thread of the training process, into one pinned host buffer per column, as uint8:
+the batch is held once, in its smallest decoded form. The step does not wait for the
+whole batch: each column is a `HostColumn` whose chunk [start, stop) becomes available
+as soon as the pieces covering it have arrived, so Gradient Cache's first pass runs on
+the first piece while the others are still being decoded. The next batch is gathered
+into a second buffer while the current step computes, and no further: at most one
+batch ahead, so host memory is about two batches of uint8.
+
+A column moves to the device one chunk at a time (`stream_chunks`): the copy of chunk
+i+1 is issued on a side CUDA stream while the model computes on chunk i, and the float
+conversion and normalisation run on the device (`device_transform`).
+
+    stream = BatchStream(loader, batch_size=..., piece_size=..., to_float=split.to_float)
+    batch = stream.next()        # at once: its pieces keep arriving
+    loss = step(batch.images, batch.texts)
+    batch.consumed(stream_state); stream.release(batch)
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Optional, Protocol, Sequence
+
+import torch
+
+# A worker decodes a piece before handing it over: large pieces delay the first step and
+# hold more memory in flight; small ones cost per-piece overhead (tokenizer call, IPC).
+MAX_PIECE = 1024
+
+DeviceTransform = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def copy_to_device(host: torch.Tensor, device: torch.device, copy_stream) -> torch.Tensor:
+    """host -> device; on CUDA issued on `copy_stream`, ordered before the compute stream's next work."""
+    if copy_stream is None:
+        return host.to(device)
+    with torch.cuda.stream(copy_stream):
+        moved = host.to(device, non_blocking=True)
+    compute = torch.cuda.current_stream(device)
+    compute.wait_stream(copy_stream)
+    # The tensor was allocated on the copy stream but is used (and freed) on the compute
+    # stream: tell the caching allocator, or it could hand the memory out too early.
+    moved.record_stream(compute)
+    return moved
+
+
+class HostColumn(Protocol):
+    """One column of a batch kept on the host (images or tokens), handed out a chunk at a time.
+
+    `submit(start, stop)` starts preparing rows [start, stop) and returns a waiter for the
+    host tensor; `to_device` moves it; `device_transform` finishes it on the device."""
+
+    device_transform: DeviceTransform
+
+    def __len__(self) -> int: ...
+
+    def submit(self, start: int, stop: int) -> Callable[[], torch.Tensor]: ...
+
+    def to_device(self, host: torch.Tensor, device: torch.device, copy_stream) -> torch.Tensor: ...
+
+
+class HostTensor:
+    """A column held whole in one host tensor (uint8 images, token ids), pinned once so that
+    every chunk copy can be asynchronous."""
+
+    def __init__(self, tensor: torch.Tensor, device_transform: DeviceTransform | None = None):
+        if torch.cuda.is_available() and not tensor.is_pinned():
+            tensor = tensor.pin_memory()
+        self.tensor = tensor
+        self.device_transform = device_transform or _identity
+
+    def __len__(self) -> int:
+        return len(self.tensor)
+
+    def submit(self, start: int, stop: int) -> Callable[[], torch.Tensor]:
+        chunk = self.tensor[start:stop]  # a row slice of a pinned tensor is pinned
+        return lambda: chunk
+
+    to_device = staticmethod(copy_to_device)
+
+
+class Arrivals:
+    """How many leading rows of a batch have arrived; waiting on it re-raises a loader failure."""
+
+    def __init__(self):
+        self.rows = 0
+        self.error: Optional[BaseException] = None
+        self.condition = threading.Condition()
+
+    def add(self, rows: int) -> None:
+        with self.condition:
+            self.rows += rows
+            self.condition.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self.condition:
+            self.error = error
+            self.condition.notify_all()
+
+    def wait_for(self, rows: int) -> None:
+        with self.condition:
+            self.condition.wait_for(lambda: self.rows >= rows or self.error is not None)
+            if self.rows < rows:
+                self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise RuntimeError("the data loader failed while gathering this batch") from self.error
+
+
+class ArrivingTensor(HostTensor):
+    """A HostTensor whose rows are still being filled: a chunk is handed out once it has arrived."""
+
+    def __init__(self, tensor: torch.Tensor, arrivals: Arrivals, device_transform: DeviceTransform | None = None):
+        super().__init__(tensor, device_transform)
+        self.arrivals = arrivals
+
+    def submit(self, start: int, stop: int) -> Callable[[], torch.Tensor]:
+        def wait() -> torch.Tensor:
+            self.arrivals.wait_for(stop)
+            return self.tensor[start:stop]
+
+        return wait
+
+
+def stream_chunks(column: HostColumn, bounds: Sequence[tuple[int, int]], device: torch.device,
+                  lookahead: int = 2) -> Iterator[torch.Tensor]:
+    """Yield column[start:stop] on `device` for each bound, preparing the next ones meanwhile.
+
+    Up to `lookahead` chunks are being prepared on the host while one is used; the copy of
+    a chunk is issued on a side stream, so it overlaps the kernels still queued for the
+    previous chunk."""
+    copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    pending = deque(column.submit(start, stop) for start, stop in bounds[:lookahead])
+    later = iter(bounds[lookahead:])
+    for _ in bounds:
+        host = pending.popleft()()
+        upcoming = next(later, None)
+        if upcoming is not None:
+            pending.append(column.submit(*upcoming))
+        yield column.device_transform(column.to_device(host, device, copy_stream))
+
+
+@dataclass
+class StreamedBatch:
+    """One step's batch: its columns, filled while the step runs, and its pieces' stream records."""
+
+    images: HostColumn
+    texts: ArrivingTensor
+    arrivals: Arrivals
+    slot: int
+    records: list = field(default_factory=list)  # (cursor, skipped, shard errors) of each piece, in order
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def consumed(self, stream_state) -> None:
+        """Advance the stream state past this batch (call once the step has used all of it)."""
+        self.arrivals.wait_for(len(self))
+        for record in self.records:
+            stream_state.update(record)
+
+
+class BatchStream:
+    """Gathers the loader's pieces into per-step batches in a background thread, one batch ahead.
+
+    loader:     an iterable of pieces (dicts of "images", "texts", "cursor", "skipped_samples",
+                "shard_errors", and "encoded" with offload), typically a DataLoader over `ShardStream`.
+    batch_size: this rank's samples per step, a multiple of piece_size.
+    to_float:   the device transform of the images (uint8 -> normalised float), or None when
+                the pieces already hold the final images.
+    offloaded:  None, or a factory (batch_size, arrivals, to_float) -> a column that takes the
+                images piece by piece (`offload.OffloadedImages`) instead of one pinned buffer.
+    """
+
+    SLOTS = 2  # the batch in use and the next one
+
+    def __init__(self, loader: Iterable[dict], *, batch_size: int, piece_size: int,
+                 to_float: DeviceTransform | None = None, offloaded=None):
+        if batch_size % piece_size:
+            raise ValueError(f"batch_size {batch_size} is not a multiple of piece_size {piece_size}")
+        self.loader = iter(loader)
+        self.batch_size, self.piece_size = batch_size, piece_size
+        self.to_float = to_float
+        self.offloaded = offloaded
+        self.buffers: list[dict] = [{} for _ in range(self.SLOTS)]  # per slot: column name -> pinned tensor
+        self.free: queue.Queue = queue.Queue()
+        for slot in range(self.SLOTS):
+            self.free.put(slot)
+        self.ready: queue.Queue = queue.Queue()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._gather, name="clipscale-batches", daemon=True)
+        self.thread.start()
+
+    def next(self) -> StreamedBatch:
+        """The next step's batch, as soon as its first piece is on its way."""
+        batch = self.ready.get()
+        if isinstance(batch, BaseException):
+            raise RuntimeError("the data loader failed") from batch
+        return batch
+
+    def release(self, batch: StreamedBatch) -> None:
+        """The step is done with `batch`: its buffers take the batch after next."""
+        self.free.put(batch.slot)
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.free.put(None)  # wakes the thread if it waits for a slot
+
+    def _buffer(self, slot: int, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The slot's pinned buffer for a column, allocated once (pinning gigabytes takes seconds)."""
+        shape = (self.batch_size, *like.shape[1:])
+        buffer = self.buffers[slot].get(name)
+        if buffer is None or buffer.shape != shape or buffer.dtype != like.dtype:
+            buffer = torch.empty(shape, dtype=like.dtype, pin_memory=torch.cuda.is_available())
+            self.buffers[slot][name] = buffer
+        return buffer
+
+    def _gather(self) -> None:
+        pieces_per_batch = self.batch_size // self.piece_size
+        batch = None
+        try:
+            while not self.stopping.is_set():
+                slot = self.free.get()
+                if slot is None:
+                    return
+                piece = next(self.loader)
+                arrivals = Arrivals()
+                if self.offloaded is not None:
+                    images = self.offloaded(self.batch_size, arrivals, self.to_float)
+                else:
+                    images = ArrivingTensor(self._buffer(slot, "images", piece["images"]), arrivals, self.to_float)
+                texts = ArrivingTensor(self._buffer(slot, "texts", piece["texts"]), arrivals)
+                batch = StreamedBatch(images, texts, arrivals, slot)
+                self.ready.put(batch)
+                for k in range(pieces_per_batch):
+                    if k:
+                        piece = next(self.loader)
+                    rows = slice(k * self.piece_size, (k + 1) * self.piece_size)
+                    if len(piece["texts"]) != self.piece_size:
+                        raise RuntimeError(f"a loader piece has {len(piece['texts'])} samples, expected {self.piece_size}")
+                    if self.offloaded is not None:
+                        images.put(rows, piece)
+                    else:
+                        images.tensor[rows].copy_(piece["images"])
+                    texts.tensor[rows].copy_(piece["texts"])
+                    batch.records.append({key: piece[key] for key in ("cursor", "skipped_samples", "shard_errors")})
+                    arrivals.add(self.piece_size)
+                batch = None
+        except BaseException as error:  # noqa: BLE001 - handed to the training thread, which raises it
+            if batch is not None:
+                batch.arrivals.fail(error)
+            self.ready.put(error)
+
+
+def piece_size_for(batch_size: int, chunk_size: int) -> int:
+    """The loader's piece: the largest size up to MAX_PIECE that tiles both this rank's batch
+    and its chunks, so a chunk is ready as soon as its own pieces are (a batch of 65,536 in
+    chunks of 512 comes in pieces of 512; 1,000 in chunks of 512 in pieces of 8)."""
+    return math.gcd(batch_size, min(chunk_size, MAX_PIECE, batch_size))

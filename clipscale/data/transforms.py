@@ -1,0 +1,99 @@
+"""An image transform split where the bytes are smallest: uint8 pixels on the host, floats on the device.
+
+open_clip's training transform is PIL steps (random resized crop, RGB), then `ToTensor`
+and `Normalize`. Run whole in a loader worker, it hands the trainer float32 pixels: four
+times the bytes of uint8, in shared memory, in the pinned batch and on the bus. So the
+loader runs the PIL steps and stops at uint8; `to_float` runs ToTensor and Normalize
+on the device, after the copy, with the same operations (bit for bit equal on a CPU).
+
+The random draw is separate from applying it (`draw`, then `apply`) so that an
+offloaded batch can keep each image's encoded bytes and the crop it drew, and decode
+it again later as a pure function of the sample (`decode`), in any process.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Callable, Optional
+
+import torch
+import torchvision.transforms as T
+import torchvision.transforms.functional as TF
+from PIL import Image
+
+
+class SplitTransform:
+    """The PIL steps of an open_clip training or eval transform, and its float steps.
+
+    `split` returns None for a transform it cannot split this way (colour jitter, flips,
+    timm's pipelines); the caller then runs the whole transform in the loader (float32).
+
+      draw(img)          the random parameters (the crop box) for one decoded image, from the
+                         global RNG, consumed exactly as the whole transform consumes it.
+      apply(img, params) the PIL steps with those parameters -> uint8 [3, H, W].
+      decode(sample)     (bytes, params) -> uint8 [3, H, W]: decode and apply; pure, no RNG.
+      to_float(uint8 [n, 3, H, W]) -> what ToTensor and Normalize give, on the tensor's device.
+    """
+
+    def __init__(self, pil_steps: list, normalize: list):
+        self.pil_steps = pil_steps
+        self.normalize = normalize
+        self._stats: dict = {}  # per (device, dtype): the Normalize means and stds as [3, 1, 1] tensors
+
+    @classmethod
+    def split(cls, transform: Callable) -> Optional["SplitTransform"]:
+        from open_clip.transform import MaybeConvertMode
+
+        steps = list(transform.transforms) if isinstance(transform, T.Compose) else [transform]
+        cut = next((k for k, step in enumerate(steps) if isinstance(step, T.ToTensor)), None)
+        if cut is None or not all(isinstance(step, T.Normalize) for step in steps[cut + 1 :]):
+            return None
+        random_steps, resized = 0, False
+        for step in steps[:cut]:
+            if isinstance(step, T.RandomResizedCrop):
+                # The box is drawn from the decoded image's size: only before any resize, and once.
+                if resized or random_steps:
+                    return None
+                random_steps += 1
+            elif isinstance(step, (T.Resize, T.CenterCrop)):
+                resized = True
+            elif not isinstance(step, MaybeConvertMode):
+                return None
+        return cls(steps[:cut], steps[cut + 1 :])
+
+    def draw(self, img: Image.Image) -> tuple:
+        for step in self.pil_steps:
+            if isinstance(step, T.RandomResizedCrop):
+                return tuple(step.get_params(img, step.scale, step.ratio))
+        return ()
+
+    def apply(self, img: Image.Image, params: tuple) -> torch.Tensor:
+        for step in self.pil_steps:
+            if isinstance(step, T.RandomResizedCrop):
+                img = TF.resized_crop(img, *params, step.size, step.interpolation, antialias=step.antialias)
+            else:
+                img = step(img)
+        return TF.pil_to_tensor(img)
+
+    def decode(self, sample: tuple[bytes, tuple]) -> torch.Tensor:
+        data, params = sample
+        with Image.open(io.BytesIO(data)) as img:
+            return self.apply(img.convert("RGB"), params)
+
+    def to_float(self, pixels: torch.Tensor) -> torch.Tensor:
+        images = pixels.to(torch.get_default_dtype()).div(255)  # ToTensor
+        for mean, std in self._normalize_stats(images):  # Normalize, as F.normalize does it
+            images = images.sub(mean).div(std)
+        return images
+
+    def _normalize_stats(self, images: torch.Tensor) -> list:
+        key = (images.device, images.dtype)
+        if key not in self._stats:  # made once: a tensor built per chunk would be a synchronous copy each time
+            self._stats[key] = [
+                tuple(torch.as_tensor(v, dtype=images.dtype, device=images.device).view(-1, 1, 1) for v in (n.mean, n.std))
+                for n in self.normalize
+            ]
+        return self._stats[key]
+
+    def __getstate__(self) -> dict:  # loader workers get the steps, not device tensors
+        return {**self.__dict__, "_stats": {}}

@@ -1,0 +1,96 @@
+"""`train.chunk_size: auto`: the largest encoder chunk that fits the GPU, from a probe of the real model.
+
+A Gradient Cache step's peak memory is, whatever the chunk: the weights, their gradients
+and AdamW's two moments; the whole batch's features and their gradients; and, at two
+different moments, either the loss over the whole batch or one chunk's activations. So
+the probe measures what it cannot compute: the loss's peak on random features of the
+real batch size (a collective under several processes: every rank probes), and one
+chunk's activations at two small chunk sizes, fitted as a line in the chunk size. The
+chunk is then the largest divisor of the batch whose activations fit in what is left
+of `HEADROOM` of the device's memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from clipscale.gradcache import autocast_factory, encode
+
+HEADROOM = 0.85  # of the device's memory: fragmentation, the allocator's rounding, cuBLAS/NCCL workspaces
+PROBE_CHUNKS = (8, 16)
+
+
+def _peak_above(baseline: int, device: torch.device) -> int:
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - baseline
+
+
+def _measure(fn, device: torch.device) -> int:
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device)
+    fn()
+    return _peak_above(baseline, device)
+
+
+def largest_chunk(module: torch.nn.Module, loss_fn, *, batch_size: int, precision_dtype, image_size: int,
+                  context_length: int, vocab_size: int) -> tuple[int, dict]:
+    """(chunk size, the probe's figures in GiB) for this process's `batch_size` on `module`'s
+    device. `module` is the unwrapped model (no DDP: its backward hooks would all-reduce)."""
+    device = next(module.parameters()).device
+    if device.type != "cuda":
+        return batch_size, {"note": "not a CUDA device: the whole batch is one chunk"}
+    autocast = autocast_factory(precision_dtype, device)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    param_bytes = sum(p.numel() * 4 for p in trainable)  # fp32 master weights
+    static = torch.cuda.memory_allocated(device) + 3 * param_bytes  # + gradients + AdamW's two moments
+    with torch.random.fork_rng(devices=[device]):
+        dim = _feature_dim(module, device, autocast, context_length)
+        features = 2 * 2 * batch_size * dim * 4  # both towers' features and their gradients, fp32
+
+        def loss_pass():
+            image, text = (torch.nn.functional.normalize(torch.randn(batch_size, dim, device=device), dim=-1)
+                           .requires_grad_() for _ in range(2))
+            scale = torch.tensor(14.0, device=device, requires_grad=True)
+            with autocast():
+                loss = loss_fn(image, text, scale)
+            loss.backward()
+
+        def chunk_pass(size: int):
+            images = torch.randn(size, 3, image_size, image_size, device=device)
+            texts = torch.randint(1, vocab_size, (size, context_length), device=device)
+            with autocast():
+                out = encode(module, images, texts)
+            torch.autograd.backward([out.image, out.text], [torch.ones_like(out.image), torch.ones_like(out.text)])
+
+        loss_peak = _measure(loss_pass, device)
+        small, large = (_measure(lambda: chunk_pass(size), device) for size in PROBE_CHUNKS)
+    module.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    per_sample = max(1, (large - small) / (PROBE_CHUNKS[1] - PROBE_CHUNKS[0]))
+    fixed = max(0, small - per_sample * PROBE_CHUNKS[0])
+    capacity = HEADROOM * torch.cuda.get_device_properties(device).total_memory
+    room = capacity - static - features - fixed
+    if room < per_sample or capacity - static - features < loss_peak:
+        raise RuntimeError(
+            f"train.chunk_size=auto: no chunk fits: {capacity / 2**30:.1f} GiB usable, the model and optimizer "
+            f"take {static / 2**30:.1f}, the batch's features {features / 2**30:.1f}, the loss {loss_peak / 2**30:.1f}, "
+            f"one sample's activations {per_sample / 2**20:.1f} MiB. Lower train.batch_size or use model.grad_checkpointing."
+        )
+    fits = min(batch_size, int(room // per_sample))
+    chunk = max(d for d in range(1, fits + 1) if batch_size % d == 0)
+    gib = 2**30
+    return chunk, {"usable_gib": capacity / gib, "static_gib": static / gib, "features_gib": features / gib,
+                   "loss_gib": loss_peak / gib, "per_sample_mib": per_sample / 2**20, "fits": fits}
+
+
+def _feature_dim(module, device, autocast, context_length: int) -> int:
+    with torch.no_grad(), autocast():
+        return encode(module, None, torch.ones(1, context_length, dtype=torch.long, device=device)).text.shape[-1]
+
+
+def resolve_chunk_size(chunk_size, per_rank_batch: int) -> int | None:
+    """A configured chunk (int or None) as the step uses it; None for "auto", decided by the probe."""
+    if chunk_size == "auto":
+        return None
+    return min(chunk_size or per_rank_batch, per_rank_batch)

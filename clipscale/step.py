@@ -1,0 +1,108 @@
+"""One training step, the object that `train.py` and every benchmark run.
+
+    step = TrainStep(model, loss_fn, optimizer, chunk_size=512, precision="bf16", grad_clip=1.0)
+    result = step(images, texts, lr)
+
+forward and backward (Gradient Cache over chunks, or one plain pass when the batch is one
+chunk), then as open_clip_train does: unscale (fp16), clip the global gradient norm, skip
+the update if the loss or the gradient is not finite, AdamW, clamp the logit scale at 100.
+Images and texts are device tensors or host columns (`clipscale.data.batches`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from clipscale.gradcache import GradCache
+from clipscale.losses.common import NonFiniteError
+
+MAX_LOGIT_SCALE = math.log(100)  # open_clip clamps the learnable temperature at 100
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class NonFiniteStepsError(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient."""
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # on the device; NaN when the loss itself refused non-finite features
+    grad_norm: torch.Tensor
+    applied: bool  # False: non-finite, the weights were not touched
+
+
+class TrainStep:
+    """forward/backward, unscale, clip, non-finite policy, optimizer, logit-scale clamp.
+
+    model:      the (possibly DDP-wrapped) open_clip model; optimizer: over its parameters.
+    chunk_size: per-process encoder sub-batch; a batch of one chunk takes the plain step.
+    precision:  fp32 | bf16 | fp16 (autocast; fp16 with a GradScaler, whose state is in
+                `state_dict`).
+    grad_clip:  max global gradient norm, or None.
+    max_nonfinite_steps: consecutive skipped steps before NonFiniteStepsError.
+    """
+
+    def __init__(self, model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer, *, chunk_size: int,
+                 precision: str = "fp32", grad_clip: float | None = 1.0, max_nonfinite_steps: int = 10,
+                 reuse_last_chunk: bool = True):
+        self.optimizer = optimizer
+        self.grad_clip = grad_clip if grad_clip is not None else math.inf
+        self.max_nonfinite_steps = max_nonfinite_steps
+        device = next(model.parameters()).device
+        self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+        self.gradcache = GradCache(model, loss_fn, chunk_size, autocast=AUTOCAST_DTYPES[precision], scaler=self.scaler,
+                                   reuse_last_chunk=reuse_last_chunk)
+        self.module = self.gradcache.module
+        self.nonfinite_total = 0
+        self.nonfinite_in_a_row = 0
+        self.steps = 0
+
+    def __call__(self, images, texts, lr: float | None = None) -> StepResult:
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        try:
+            loss = self.gradcache(images, texts)
+        except NonFiniteError:  # raised on every rank alike, before any backward
+            loss = torch.tensor(math.nan)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
+        applied = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
+        if applied and self.scaler is not None:
+            self.scaler.step(self.optimizer)
+        elif applied:
+            self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update()  # after an fp16 overflow this lowers the loss scale
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            self.module.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
+        self.steps += 1
+        self._count(applied)
+        return StepResult(loss, grad_norm, applied)
+
+    def _count(self, applied: bool) -> None:
+        if applied:
+            self.nonfinite_in_a_row = 0
+            return
+        self.nonfinite_total += 1
+        self.nonfinite_in_a_row += 1
+        if self.nonfinite_in_a_row > self.max_nonfinite_steps:
+            raise NonFiniteStepsError(
+                f"{self.nonfinite_in_a_row} steps in a row had a non-finite loss or gradient (last at step {self.steps}); "
+                "stopping. Lower optim.lr, check the data, or use train.precision=bf16/fp32."
+            )
+
+    def state_dict(self) -> dict:
+        return {"scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "nonfinite_steps": self.nonfinite_total}
+
+    def load_state_dict(self, state: dict, steps_done: int) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.nonfinite_total = state.get("nonfinite_steps", 0)
+        self.steps = steps_done
