@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import threading
+import time
 
-import numpy as np
 import open_clip
 import pytest
 import torch
@@ -22,10 +23,11 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
-from torchvision.io import decode_jpeg, encode_jpeg
+import torchvision.transforms as T
 
-from clipscale.data import offload
-from clipscale.data.offload import EncodedSamples, HostTensor, JpegBytes
+from clipscale.data.batches import Arrivals, ArrivingTensor, HostTensor
+from clipscale.data.offload import DecodePool, EncodedImages, OffloadedImages
+from clipscale.data.transforms import SplitTransform
 from clipscale.gradcache import GradCache, encode
 from clipscale.losses import build_loss
 from tests.gloo_world import run_in_gloo_world
@@ -226,47 +228,64 @@ def png_bytes(image: torch.Tensor) -> bytes:
     return buffer.getvalue()
 
 
-def decode_png(data: bytes) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).copy()).permute(2, 0, 1)
-
-
 def normalise(pixels: torch.Tensor) -> torch.Tensor:
     return (pixels.float() / 255 - 0.5) / 0.25
 
 
-def test_offload_gives_the_same_gradients(monkeypatch):
-    """Encoded PNG bytes decoded per chunk in both passes == the decoded batch kept whole."""
-    monkeypatch.setattr(offload, "ROWS_PER_JOB", 2)  # several decode jobs per chunk
+def test_host_columns_give_the_same_gradients():
+    """uint8 pixels on the host, normalised on the device per chunk in both passes, from a batch
+    still arriving from another thread == the normalised batch kept whole on the device."""
     model, loss_fn = tiny_clip(), float64_clip_loss
     pixels = torch.randint(0, 256, (10, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     _, texts = make_batch(10, seed=0)
-    encoded = EncodedSamples([png_bytes(p) for p in pixels], decode_png, device_transform=normalise)
-    _, offloaded = gradcache_grads(model, loss_fn, encoded, HostTensor(texts), chunk_size=4, offload=True)
     _, kept = gradcache_grads(model, loss_fn, normalise(pixels), texts, chunk_size=4)
-    assert relative_error(offloaded, kept) == 0.0
+    _, pinned = gradcache_grads(model, loss_fn, HostTensor(pixels, normalise), HostTensor(texts), chunk_size=4)
+    assert relative_error(pinned, kept) == 0.0
+
+    arrivals = Arrivals()
+    images = ArrivingTensor(torch.empty_like(pixels), arrivals, normalise)
+    tokens = ArrivingTensor(torch.empty_like(texts), arrivals)
+
+    def arrive():  # two rows at a time, slower than the step asks for them
+        for start in range(0, 10, 2):
+            time.sleep(0.05)
+            images.tensor[start : start + 2] = pixels[start : start + 2]
+            tokens.tensor[start : start + 2] = texts[start : start + 2]
+            arrivals.add(2)
+
+    filler = threading.Thread(target=arrive)
+    filler.start()
+    _, arriving = gradcache_grads(model, loss_fn, images, tokens, chunk_size=4)
+    filler.join()
+    assert relative_error(arriving, kept) == 0.0
 
 
-def jpeg_bytes(pixels: torch.Tensor) -> list[bytes]:
-    return [encode_jpeg(p, quality=90).numpy().tobytes() for p in pixels]
-
-
-def test_jpeg_bytes_decoded_on_the_device_give_the_same_gradients():
-    """JpegBytes (decode_jpeg on the step's device, per chunk, both passes) == the decoded batch kept whole."""
+def test_offloaded_images_decoded_again_in_processes_give_the_same_gradients():
+    """Pass 1 takes the loader's pixels piece by piece, pass 2 decodes the kept PNG bytes in a
+    pool of processes: the gradients are those of the decoded batch kept whole."""
     model, loss_fn = tiny_clip(), float64_clip_loss
-    pixels = torch.randint(0, 256, (10, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    _, texts = make_batch(10, seed=0)
-    samples = jpeg_bytes(pixels)
-    decoded = torch.stack([decode_jpeg(torch.frombuffer(bytearray(b), dtype=torch.uint8)) for b in samples])
-    _, offloaded = gradcache_grads(model, loss_fn, JpegBytes(samples, normalise), HostTensor(texts), chunk_size=4, offload=True)
-    _, kept = gradcache_grads(model, loss_fn, normalise(decoded), texts, chunk_size=4)
+    pixels = torch.randint(0, 256, (12, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    _, texts = make_batch(12, seed=0)
+    split = SplitTransform.split(T.ToTensor())
+    pool = DecodePool(split.decode, processes=2)
+    try:
+        arrivals = Arrivals()
+        images = OffloadedImages(12, arrivals, split.to_float, pool, window=2)
+
+        def arrive():  # pieces of 2: the window holds 2, so the loader waits for the first pass
+            for start in range(0, 12, 2):
+                encoded = EncodedImages.from_samples(tuple(png_bytes(p) for p in pixels[start : start + 2]), ((), ()))
+                images.put(slice(start, start + 2), {"images": pixels[start : start + 2], "encoded": encoded})
+                arrivals.add(2)
+
+        filler = threading.Thread(target=arrive)
+        filler.start()
+        _, offloaded = gradcache_grads(model, loss_fn, images, HostTensor(texts), chunk_size=4)
+        filler.join()
+    finally:
+        pool.close()
+    _, kept = gradcache_grads(model, loss_fn, split.to_float(pixels), texts, chunk_size=4)
     assert relative_error(offloaded, kept) == 0.0
-
-
-def test_jpeg_bytes_of_different_sizes_are_refused():
-    samples = jpeg_bytes(torch.zeros(2, 3, 32, 32, dtype=torch.uint8)) + jpeg_bytes(torch.zeros(1, 3, 16, 16, dtype=torch.uint8))
-    step = GradCache(tiny_clip(), float64_clip_loss, chunk_size=3, offload=True)
-    with pytest.raises(ValueError, match="different shapes"):
-        step(JpegBytes(samples, normalise), HostTensor(make_batch(3, seed=0)[1]))
 
 
 # --- DistributedDataParallel in a 2-process gloo world -------------------------------------------
