@@ -156,7 +156,7 @@ class Run:
             (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             write_open_clip_folder(run_dir, towers)  # with OPEN_CLIP_WEIGHTS, open_clip's `local-dir:` loads the run
         logger = MetricsLogger(run_dir, cfg, enabled=world.is_main, resume_step=start_step)
-        batches, decode_pool = stream_batches(cfg, data, towers, world, stream_state, chunk)
+        batches, decode_pool = stream_batches(cfg, data, towers, world, stream_state, chunk, cfg.train.steps - start_step)
         autocast = autocast_factory(AUTOCAST_DTYPES[cfg.train.precision], world.device)
         evaluator = Evaluator(cfg, data, towers, world, autocast)
         return cls(cfg, world, run_dir, data, towers, model, step, stream_state, state, start_step, batches,
@@ -251,7 +251,7 @@ class Run:
 
 
 def stream_batches(cfg: Config, data: PreparedData, towers: Towers, world: World, stream_state: StreamState,
-                   chunk: int) -> tuple[BatchStream, DecodePool | None]:
+                   chunk: int, steps: int) -> tuple[BatchStream, DecodePool | None]:
     """The loader (worker processes decoding pieces of the rank's shard stream) and the thread
     that gathers the pieces into each step's pinned host batch."""
     per_rank = cfg.train.batch_size // world.world_size
@@ -287,4 +287,6 @@ def stream_batches(cfg: Config, data: PreparedData, towers: Towers, world: World
         def offloaded(batch_size, arrivals, to_float):
             return OffloadedImages(batch_size, arrivals, to_float, pool, window)
     to_float = split.to_float if split is not None else None
-    return BatchStream(loader, batch_size=per_rank, piece_size=piece, to_float=to_float, offloaded=offloaded), pool
+    batches = BatchStream(loader, batch_size=per_rank, piece_size=piece, batches=steps, to_float=to_float,
+                          offloaded=offloaded)
+    return batches, pool

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import io
 import random
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +34,17 @@ def synthetic_jpeg(colour: tuple, size: int, rng: np.random.Generator) -> bytes:
     return buffer.getvalue()
 
 
+def write_shard(shard: int, out: Path, per_shard: int, size: int, seed: int) -> None:
+    """One shard, from a generator of its own: shards can be written in parallel and stay the same."""
+    rng, pick = np.random.default_rng([seed, shard]), random.Random(f"{seed}/{shard}")
+    names = list(COLOURS)
+    with wds.TarWriter(str(out / f"synthetic-{shard:04d}.tar")) as sink:
+        for i in range(shard * per_shard, (shard + 1) * per_shard):
+            name = pick.choice(names)
+            sink.write({"__key__": f"sample{i:08d}", "jpg": synthetic_jpeg(COLOURS[name], size, rng),
+                        "txt": f"a photo of {name}", "cls": names.index(name)})
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
@@ -39,17 +52,14 @@ def main(argv=None) -> None:
     parser.add_argument("--per-shard", type=int, default=512)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--processes", type=int, default=1, help="shards written in parallel")
     args = parser.parse_args(argv)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rng, pick = np.random.default_rng(args.seed), random.Random(args.seed)
-    names = list(COLOURS)
-    with wds.ShardWriter(str(out / "synthetic-%04d.tar"), maxcount=args.per_shard, verbose=0) as sink:
-        for i in range(args.shards * args.per_shard):
-            name = pick.choice(names)
-            sink.write({"__key__": f"sample{i:08d}", "jpg": synthetic_jpeg(COLOURS[name], args.size, rng),
-                        "txt": f"a photo of {name}", "cls": names.index(name)})
+    write = partial(write_shard, out=out, per_shard=args.per_shard, size=args.size, seed=args.seed)
+    with ProcessPoolExecutor(args.processes) as pool:
+        list(pool.map(write, range(args.shards)))
     print(f"wrote {args.shards} shards of {args.per_shard} samples to {out}/synthetic-{{0000..{args.shards - 1:04d}}}.tar")
 
 

@@ -13,7 +13,7 @@ A column moves to the device one chunk at a time (`stream_chunks`): the copy of 
 i+1 is issued on a side CUDA stream while the model computes on chunk i, and the float
 conversion and normalisation run on the device (`device_transform`).
 
-    stream = BatchStream(loader, batch_size=..., piece_size=..., to_float=split.to_float)
+    stream = BatchStream(loader, batch_size=..., piece_size=..., batches=steps, to_float=split.to_float)
     batch = stream.next()        # at once: its pieces keep arriving
     loss = step(batch.images, batch.texts)
     batch.consumed(stream_state); stream.release(batch)
@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional, Protocol, Sequence
@@ -152,6 +153,22 @@ def stream_chunks(column: HostColumn, bounds: Sequence[tuple[int, int]], device:
         yield column.device_transform(column.to_device(host, device, copy_stream))
 
 
+def pinned_empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor, page-locked where CUDA is, at its exact size.
+
+    `torch.empty(..., pin_memory=True)` goes through the caching host allocator, which
+    rounds every block up to a power of two: a 4.9 GB batch would hold 8 GB. Registering
+    plain memory with CUDA pins exactly what the batch needs."""
+    tensor = torch.empty(shape, dtype=dtype)
+    if torch.cuda.is_available() and tensor.numel():
+        nbytes = tensor.numel() * tensor.element_size()
+        status = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+        if status != 0:  # cudaSuccess; otherwise fall back to the caching allocator
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        weakref.finalize(tensor.untyped_storage(), torch.cuda.cudart().cudaHostUnregister, tensor.data_ptr())
+    return tensor
+
+
 @dataclass
 class StreamedBatch:
     """One step's batch: its columns, filled while the step runs, and its pieces' stream records."""
@@ -186,12 +203,12 @@ class BatchStream:
 
     SLOTS = 2  # the batch in use and the next one
 
-    def __init__(self, loader: Iterable[dict], *, batch_size: int, piece_size: int,
+    def __init__(self, loader: Iterable[dict], *, batch_size: int, piece_size: int, batches: int,
                  to_float: DeviceTransform | None = None, offloaded=None):
         if batch_size % piece_size:
             raise ValueError(f"batch_size {batch_size} is not a multiple of piece_size {piece_size}")
         self.loader = iter(loader)
-        self.batch_size, self.piece_size = batch_size, piece_size
+        self.batch_size, self.piece_size, self.batches = batch_size, piece_size, batches
         self.to_float = to_float
         self.offloaded = offloaded
         self.buffers: list[dict] = [{} for _ in range(self.SLOTS)]  # per slot: column name -> pinned tensor
@@ -215,15 +232,21 @@ class BatchStream:
         self.free.put(batch.slot)
 
     def close(self) -> None:
+        """Stop gathering and shut the loader's workers down (before the interpreter exits:
+        a thread still inside the loader then aborts the process)."""
         self.stopping.set()
         self.free.put(None)  # wakes the thread if it waits for a slot
+        self.thread.join(timeout=10)
+        shutdown = getattr(self.loader, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
     def _buffer(self, slot: int, name: str, like: torch.Tensor) -> torch.Tensor:
         """The slot's pinned buffer for a column, allocated once (pinning gigabytes takes seconds)."""
         shape = (self.batch_size, *like.shape[1:])
         buffer = self.buffers[slot].get(name)
         if buffer is None or buffer.shape != shape or buffer.dtype != like.dtype:
-            buffer = torch.empty(shape, dtype=like.dtype, pin_memory=torch.cuda.is_available())
+            buffer = pinned_empty(shape, like.dtype)
             self.buffers[slot][name] = buffer
         return buffer
 
@@ -231,9 +254,9 @@ class BatchStream:
         pieces_per_batch = self.batch_size // self.piece_size
         batch = None
         try:
-            while not self.stopping.is_set():
+            for _ in range(self.batches):
                 slot = self.free.get()
-                if slot is None:
+                if slot is None or self.stopping.is_set():
                     return
                 piece = next(self.loader)
                 arrivals = Arrivals()
@@ -245,6 +268,8 @@ class BatchStream:
                 batch = StreamedBatch(images, texts, arrivals, slot)
                 self.ready.put(batch)
                 for k in range(pieces_per_batch):
+                    if self.stopping.is_set():
+                        raise RuntimeError("the batch stream was closed")
                     if k:
                         piece = next(self.loader)
                     rows = slice(k * self.piece_size, (k + 1) * self.piece_size)

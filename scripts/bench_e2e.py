@@ -1,0 +1,195 @@
+"""End to end on real shards: `train.py` against `python -m open_clip_train.main`, loader included.
+
+Each case launches the real entry point as its own process on the same webdataset shards
+and measures what a user sees: samples/s over steps 2..N, the first step's time, the
+process tree's peak host memory (PSS, loader workers included, sampled every 0.5 s) and
+the GPU's peak memory (train.py's allocator peak; for both, the device's used memory as
+nvidia-smi reports it).
+
+    python scripts/make_synthetic_shards.py --out /tmp/shards --shards 160 --size 224 --processes 16
+    python scripts/bench_e2e.py --shards '/tmp/shards/synthetic-{0000..0159}.tar' --workers 14 \\
+        --case runner=openclip,model=ViT-B-16,batch=256,steps=30 \\
+        --case runner=clipscale,model=ViT-B-16,batch=32768,chunk=512,steps=3 --out results/bench_e2e.json
+
+Case keys: runner (clipscale | openclip), model, batch (global), chunk (clipscale: an int,
+auto or none), steps, offload (0/1), loss (clipscale, default infcl), nproc (torchrun
+processes, default 1), pythonpath (prepended for this case only: open_clip_train needs
+webdataset 0.2.x). Cases past --budget seconds are recorded as not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 2**30
+
+
+def tree_pss_bytes(root: int) -> int:
+    """Proportional set size of a process and all its descendants (shared pages split fairly)."""
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                stack += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return total
+
+
+def gpu_used_bytes() -> int | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+        return sum(int(v) for v in out.split()) * 2**20
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+class Sampler(threading.Thread):
+    """Peak host memory of a process tree and peak GPU memory used, while the process runs."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.host, self.gpu, self.done = pid, 0, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            self.host = max(self.host, tree_pss_bytes(self.pid))
+            self.gpu = max(self.gpu, gpu_used_bytes() or 0)
+
+
+def clipscale_command(case: dict, shards: str, workers: int, out_dir: Path) -> list[str]:
+    launcher = [sys.executable]
+    if int(case.get("nproc", 1)) > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(case["nproc"])]
+    chunk = case.get("chunk", "none")
+    return [*launcher, str(REPO / "train.py"), "--config", str(REPO / "configs" / "vit_b16_infcl.yaml"),
+            f"model.name={case['model']}", "data.kind=webdataset", f"data.train_shards={shards}", f"data.workers={workers}",
+            f"train.batch_size={case['batch']}", f"train.chunk_size={'null' if chunk == 'none' else chunk}",
+            f"train.steps={case['steps']}", f"train.offload={'true' if int(case.get('offload', 0)) else 'false'}",
+            f"loss.name={case.get('loss', 'infcl')}", "train.log_every=1", "train.checkpoint_every=1000000",
+            "optim.warmup_steps=1", "eval.zeroshot=false", "run.name=bench", f"run.output_dir={out_dir}"]
+
+
+def openclip_command(case: dict, shards: str, workers: int, out_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "open_clip_train.main", "--train-data", shards, "--dataset-type", "webdataset",
+            "--train-num-samples", str(int(case["batch"]) * int(case["steps"])), "--batch-size", str(case["batch"]),
+            "--epochs", "1", "--model", case["model"], "--precision", "amp_bf16", "--workers", str(workers),
+            "--warmup", "1", "--lr", "1e-3", "--wd", "0.2", "--log-every-n-steps", "1", "--save-frequency", "0",
+            "--logs", str(out_dir), "--name", "bench", "--report-to", "", "--seed", "0"]
+
+
+OPENCLIP_STEP = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/.*?Batch \(t\): [\d.]+, ([\d.]+)/s")
+
+
+def steps_of(case: dict, out_dir: Path, log: str) -> list[dict]:
+    """Per step: samples and seconds."""
+    batch = int(case["batch"])
+    if case["runner"] == "openclip":
+        return [{"samples": batch, "step_s": batch / float(rate)} for _, rate in OPENCLIP_STEP.findall(log)]
+    metrics = out_dir / "bench" / "metrics.jsonl"
+    lines = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.exists() else []
+    return [{"samples": batch, "step_s": m["step_s"], "peak_gpu_allocated_gib": m["peak_memory_gib"], "loss": m["loss"]}
+            for m in lines if "step_s" in m]
+
+
+def run_case(case: dict, args, timeout: float) -> dict:
+    out_dir = Path(tempfile.mkdtemp(prefix="bench_e2e_"))
+    build = clipscale_command if case["runner"] == "clipscale" else openclip_command
+    command = build(case, args.shards, args.workers, out_dir)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
+    if case.get("pythonpath"):
+        env["PYTHONPATH"] = case["pythonpath"] + os.pathsep + env.get("PYTHONPATH", "")
+    started = time.perf_counter()
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sampler = Sampler(process.pid)
+    sampler.start()
+    try:
+        log, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        log, _ = process.communicate()
+        log += f"\n[bench_e2e: killed after {timeout:.0f} s]"
+    sampler.done.set()
+    sampler.join()
+    steps = steps_of(case, out_dir, log)
+    result = {"case": case, "command": command, "exit_code": process.returncode, "wall_s": time.perf_counter() - started,
+              "steps_done": len(steps), "peak_host_gib": sampler.host / GIB, "peak_gpu_used_gib": sampler.gpu / GIB}
+    if steps:
+        result["first_step_s"] = steps[0]["step_s"]
+        later = steps[1:]
+        if later:
+            result["samples_per_s"] = sum(s["samples"] for s in later) / sum(s["step_s"] for s in later)
+            result["steady_step_s"] = statistics.median(s["step_s"] for s in later)
+            result["first_over_steady"] = result["first_step_s"] / result["steady_step_s"]
+        if "peak_gpu_allocated_gib" in steps[-1]:
+            result["peak_gpu_allocated_gib"] = steps[-1]["peak_gpu_allocated_gib"]
+            result["losses"] = [s["loss"] for s in steps]
+    if process.returncode != 0 or not steps:
+        result["log_tail"] = log[-3000:]
+    chosen = re.search(r"train.chunk_size=auto: .*", log)
+    if chosen:
+        result["auto_chunk"] = chosen.group(0)
+    return result
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in ("torch", "torchvision", "open_clip", "webdataset", "triton"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shards", required=True, help="brace pattern of webdataset shards")
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    parser.add_argument("--case", action="append", required=True, help="key=value,... (see above)")
+    parser.add_argument("--budget", type=float, default=540, help="seconds for all cases")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    record = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+              "cpus": os.cpu_count(), "versions": versions(), "command": " ".join(sys.argv), "shards": args.shards,
+              "workers": args.workers, "date": time.strftime("%Y-%m-%d"), "cases": []}
+    deadline = time.monotonic() + args.budget
+    for spec in args.case:
+        case = dict(item.split("=", 1) for item in spec.split(","))
+        left = deadline - time.monotonic()
+        if left < 30:
+            record["cases"].append({"case": case, "not_run": "time budget"})
+            continue
+        result = run_case(case, args, left)
+        record["cases"].append(result)
+        shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()
+                 if k in ("steps_done", "samples_per_s", "first_step_s", "steady_step_s", "peak_host_gib",
+                          "peak_gpu_allocated_gib", "peak_gpu_used_gib", "exit_code", "auto_chunk")}
+        print(spec, shown, flush=True)
+        if "log_tail" in result:
+            print(result["log_tail"][-1500:], flush=True)
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")  # after each case: a kill keeps what ran
+
+
+if __name__ == "__main__":
+    main()
