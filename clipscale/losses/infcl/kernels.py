@@ -50,7 +50,7 @@ import torch
 import triton
 
 from clipscale.losses.infcl import triton_programs as P
-from clipscale.losses.infcl.precision import torch_allows_tf32, without_tf32
+from clipscale.losses.infcl.precision import tf32_allowed, torch_allows_tf32
 
 __all__ = ["lse_pass", "grad_pass", "positive_logits", "launch_counts", "float32_dots"]
 
@@ -208,7 +208,7 @@ def _cublas_settings(force_ieee: bool):
     for key in saved:
         setattr(matmul, key, False)
     try:
-        with without_tf32() if force_ieee else contextlib.nullcontext():
+        with tf32_allowed(False) if force_ieee else contextlib.nullcontext():
             yield
     finally:
         for key, value in saved.items():

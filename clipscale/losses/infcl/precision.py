@@ -22,18 +22,19 @@ def torch_allows_tf32() -> bool:
 
 
 @contextlib.contextmanager
-def without_tf32():
-    """PyTorch's float32 matmuls in IEEE float32 inside, the user's setting restored after.
+def tf32_allowed(allowed: bool):
+    """PyTorch's float32 matmuls with TF32 allowed or not inside, the user's setting
+    restored after.
 
     The switch is flipped through the API the user set it with: torch refuses to
     read a state that mixes the legacy one (allow_tf32) and the new one (fp32_precision).
     """
     matmul = torch.backends.cuda.matmul
     try:
-        key, saved, ieee = "allow_tf32", matmul.allow_tf32, False
+        key, saved, value = "allow_tf32", matmul.allow_tf32, allowed
     except RuntimeError:  # set through fp32_precision
-        key, saved, ieee = "fp32_precision", matmul.fp32_precision, "ieee"
-    setattr(matmul, key, ieee)
+        key, saved, value = "fp32_precision", matmul.fp32_precision, "tf32" if allowed else "ieee"
+    setattr(matmul, key, value)
     try:
         yield
     finally:

@@ -20,7 +20,7 @@ from contextlib import nullcontext
 
 import torch
 
-from clipscale.losses.infcl.precision import without_tf32
+from clipscale.losses.infcl.precision import tf32_allowed
 
 TILE_SIZE = 1024
 
@@ -31,7 +31,7 @@ def _spans(total: int, tile_size: int) -> list[tuple[int, int]]:
 
 def _matmul_precision(exact: bool):
     """exact=True: full fp32 products (no TF32) for float32 inputs; else PyTorch's setting."""
-    return without_tf32() if exact else nullcontext()
+    return tf32_allowed(False) if exact else nullcontext()
 
 
 class _Tiles:
