@@ -21,8 +21,9 @@ from clipscale.losses import CLIP_INPUTS, available_losses, build_loss, loss_con
 from clipscale.models import open_clip_model_config
 
 
-def model_outputs(cfg: ModelConfig) -> tuple[str, ...]:
-    """What the configured model hands its loss, in order; checks the architecture exists."""
+def check_model(cfg: ModelConfig) -> tuple[str, ...]:
+    """The model section checked (its keys, and that open_clip knows the architecture);
+    returns what the model hands its loss, in order."""
     check_model_section(cfg)
     model_cfg = open_clip_model_config(cfg)
     if model_cfg is None:
@@ -54,7 +55,7 @@ def check_loss(loss: LossConfig, model: ModelConfig) -> dict:
     options with their checked values (5e-4 given as text read as the number it means)."""
     if loss.name not in available_losses():
         raise ConfigError(f"loss.name: got {loss.name!r}, expected one of {', '.join(available_losses())}")
-    outputs = model_outputs(model)
+    outputs = check_model(model)
     contract = loss_contract(loss.name)
     problem = _input_problem(loss.name, contract.inputs, outputs, model)
     if problem:
@@ -72,6 +73,14 @@ def check_loss(loss: LossConfig, model: ModelConfig) -> dict:
     except (ValueError, TypeError) as err:
         raise ConfigError(f"loss.options: {err}") from None
     return options
+
+
+def check_loss_choices(losses: list[tuple[str, dict]], model_names: list[str]) -> None:
+    """For scripts that take loss and model names: every (loss name, options) against every
+    open_clip architecture, before any work."""
+    for model_name in model_names:
+        for name, options in losses:
+            check_loss(LossConfig(name, dict(options)), ModelConfig(name=model_name))
 
 
 def check_eval_sets(sets: list) -> None:

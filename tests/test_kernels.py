@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 
 _ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated (import)
