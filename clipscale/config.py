@@ -6,8 +6,8 @@ names the key, the expected type and (for choices) the allowed values.
 
     cfg = load_config("configs/digits.yaml", ["train.steps=100", "loss.name=infcl"])
 
-This module knows the schema only and imports none of the components.
-Checks that need them (an open_clip architecture exists, the loss's options
+This module knows the schema and imports none of the components (but for
+`eval_task`, see there). Checks that need them (an open_clip architecture exists, the loss's options
 and inputs fit it, the evaluation sets resolve) live in clipscale.checks,
 whose `load_checked_config` is what train.py calls.
 """
@@ -277,6 +277,8 @@ def check_sections(cfg: Config) -> None:
 
 def eval_task(entry):
     """An eval.sets entry ({task: name, field: value, ...}, a task name or a task file) as an EvalTask."""
+    # The one import of a component left in this module (no circle: eval imports no config).
+    # It belongs in clipscale.eval.tasks, and moves there once trainer.py imports it from there.
     from clipscale.eval.tasks import resolve_task
 
     if isinstance(entry, dict):
