@@ -360,7 +360,7 @@ def fp32_precision_check(acc_b: int, acc_d: int, speed_b: int, speed_d: int, rep
     rows = []
     for allowed in (False, True):
         with tf32_allowed(allowed):
-            row = dict(tf32_allowed=allowed, dots=K.float32_dots(exact=False), b=acc_b, d=acc_d, scale=100.0,
+            row = dict(tf32_allowed=allowed, dots=K.dot_precision(torch.float32, exact=False), b=acc_b, d=acc_d, scale=100.0,
                        **_infcl_float32_errors(image64, text64, 100.0))
             if speed_b:
                 row.update(speed_b=speed_b, speed_d=speed_d, ms=_time_infcl_float32(speed_b, speed_d, device, repeats))

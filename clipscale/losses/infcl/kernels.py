@@ -52,7 +52,7 @@ import triton
 from clipscale.losses.infcl import triton_programs as P
 from clipscale.losses.infcl.precision import tf32_allowed, torch_allows_tf32
 
-__all__ = ["lse_pass", "grad_pass", "positive_logits", "launch_counts", "float32_dots"]
+__all__ = ["lse_pass", "grad_pass", "positive_logits", "launch_counts", "dot_precision"]
 
 # Kernel launches per kernel name (tests assert the Triton path ran).
 launch_counts: collections.Counter = collections.Counter()
@@ -83,10 +83,13 @@ def _check(image: torch.Tensor, text: torch.Tensor):
     return image, text
 
 
-def float32_dots(exact: bool) -> str:
-    """`tl.dot`'s input_precision for float32 inputs: TF32 only where PyTorch allows it
-    for its own matmuls and `exact` is off; IEEE float32 otherwise (and always in the
-    interpreter, which has no TF32)."""
+def dot_precision(dtype: torch.dtype, exact: bool) -> str:
+    """`tl.dot`'s input_precision. Float32 inputs: TF32 only where PyTorch allows it for
+    its own matmuls and `exact` is off, IEEE float32 otherwise (and always in the
+    interpreter, which has no TF32). bf16/fp16 inputs: "tf32", as the kernels were always
+    compiled for them (Triton's precision choice is about float32 operands)."""
+    if dtype != torch.float32:
+        return "ieee" if P.INTERPRET else "tf32"
     return "tf32" if torch_allows_tf32() and not exact and not P.INTERPRET else "ieee"
 
 
@@ -158,7 +161,7 @@ def lse_pass(image, text, scale, *, row_offset=0, col_offset=0, mask_diagonal=Fa
     P.lse_fwd_kernel[grid](
         image, text, part_row, part_col, sc, m, n, d, image.stride(0), text.stride(0),
         int(row_offset), int(col_offset), rs1, cs1, rs2, cs2, P.bucket(max(m, n)),
-        MASK_DIAG=bool(mask_diagonal), NEED_COL=bool(need_col), PREC=float32_dots(exact))
+        MASK_DIAG=bool(mask_diagonal), NEED_COL=bool(need_col), PREC=dot_precision(image.dtype, exact))
     launch_counts["lse_fwd"] += 1
     rs, cs = (rs2, cs2) if P.lse_fwd_kernel.best_config.kwargs["OCC"] == 2 else (rs1, cs1)
     row_lse = torch.empty((m,), dtype=torch.float32, device=dev)
@@ -316,7 +319,7 @@ def grad_pass(image, text, scale, row_lse, col_lse, row_weight, col_weight, *,
     if scale_grad is not None:
         sg_part = torch.empty((triton.cdiv(h_max, P.MIN_TILE[0]) * triton.cdiv(w_max, P.MIN_TILE[1]),),
                               dtype=torch.float32, device=dev)
-    prec = float32_dots(exact)
+    prec = dot_precision(image.dtype, exact)
     cublas = _cublas_settings(force_ieee=prec == "ieee") if dev.type == "cuda" else contextlib.nullcontext()
     with cublas:
         for r0 in range(0, m, h_max):
