@@ -6,7 +6,8 @@ Also `torchrun --nproc_per_node N train.py --config ...` (gloo on CPU, NCCL on G
 import argparse
 import sys
 
-from clipscale.config import ConfigError, load_config
+from clipscale.checks import load_checked_config
+from clipscale.config import ConfigError
 from clipscale.trainer import train
 
 
@@ -16,7 +17,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 loss.name=infcl")
     args = parser.parse_args()
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_checked_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as err:
         sys.exit(f"config error: {err}")
     results = train(cfg)

@@ -5,6 +5,11 @@ before any work starts: an unknown key names the allowed ones, a bad value
 names the key, the expected type and (for choices) the allowed values.
 
     cfg = load_config("configs/digits.yaml", ["train.steps=100", "loss.name=infcl"])
+
+This module knows the schema and imports none of the components (but for
+`eval_task`, see there). Checks that need them (an open_clip architecture exists, the loss's options
+and inputs fit it, the evaluation sets resolve) live in clipscale.checks,
+whose `load_checked_config` is what train.py calls.
 """
 
 from __future__ import annotations
@@ -141,7 +146,7 @@ def _describe(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(key: str, value: Any, tp) -> Any:
+def check_value(key: str, value: Any, tp) -> Any:
     """Check `value` against the annotation `tp`, allowing int -> float and nothing else implicit."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -151,7 +156,7 @@ def _coerce(key: str, value: Any, tp) -> Any:
             if arg is type(None):
                 continue
             try:
-                return _coerce(key, value, arg)
+                return check_value(key, value, arg)
             except ConfigError:
                 pass
     elif origin is Literal:
@@ -184,7 +189,7 @@ def _apply(section, updates: dict, prefix: str) -> None:
                 raise ConfigError(f"{prefix}{key}: expected a mapping of its keys, got {value!r}")
             _apply(current, value, f"{prefix}{key}.")
         else:
-            setattr(section, key, _coerce(prefix + key, value, hints[key]))
+            setattr(section, key, check_value(prefix + key, value, hints[key]))
 
 
 def _override_to_nested(override: str) -> dict:
@@ -211,15 +216,46 @@ def _merge(base: dict, extra: dict) -> dict:
     return base
 
 
-def validate(cfg: Config) -> None:
-    """Checks that span keys; per-key types are checked while applying."""
-    from clipscale.models import check_model_config
+PREPROCESS_KEYS = ("mean", "std", "interpolation", "resize_mode")  # open_clip's image_<key> overrides
 
-    check_model_config(cfg.model)
-    from clipscale.losses import available_losses
 
-    if cfg.loss.name not in available_losses():
-        raise ConfigError(f"loss.name: got {cfg.loss.name!r}, expected one of {', '.join(available_losses())}")
+def check_model_section(cfg: ModelConfig) -> None:
+    """Model keys that depend on each other or name local files; the architecture itself
+    is open_clip's to know (clipscale.checks)."""
+    if (cfg.name is None) == (cfg.custom is None):
+        raise ConfigError("model: set exactly one of model.name (an open_clip architecture) or model.custom (a CLIP config dict)")
+    vision_cfg, text_cfg = {}, {}
+    if cfg.custom is not None:
+        missing = [key for key in ("embed_dim", "vision_cfg", "text_cfg") if key not in cfg.custom]
+        if missing:
+            raise ConfigError(f"model.custom: missing {', '.join(missing)} (an open_clip model config needs embed_dim, vision_cfg, text_cfg)")
+        vision_cfg, text_cfg = cfg.custom["vision_cfg"], cfg.custom["text_cfg"]
+    if vision_cfg.get("timm_model_pretrained"):
+        raise ConfigError("model.custom.vision_cfg.timm_model_pretrained: weights are never downloaded; "
+                          "give a local timm checkpoint as model.pretrained_image")
+    for key in ("hf_model_name", "hf_tokenizer_name"):
+        if key in text_cfg and not Path(text_cfg[key]).is_dir():
+            raise ConfigError(f"model.custom.text_cfg.{key}: no directory at {text_cfg[key]!r} "
+                              "(Hugging Face towers load from a local save_pretrained folder only)")
+    for key in ("pretrained", "pretrained_image"):
+        path = getattr(cfg, key)
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"model.{key}: no file at {path!r} (only local checkpoints are loaded)")
+    if cfg.pretrained_image is not None and "timm_model_name" not in vision_cfg:
+        raise ConfigError("model.pretrained_image: only for a timm image tower (model.custom.vision_cfg.timm_model_name); "
+                          "open_clip towers load from a whole-CLIP checkpoint, model.pretrained")
+    unknown = set(cfg.preprocess or {}) - set(PREPROCESS_KEYS)
+    if unknown:
+        raise ConfigError(f"model.preprocess: unknown keys {', '.join(sorted(unknown))}; allowed: {', '.join(PREPROCESS_KEYS)}")
+    if cfg.lock_image_unlocked_groups < 0:
+        raise ConfigError(f"model.lock_image_unlocked_groups: must be >= 0, got {cfg.lock_image_unlocked_groups}")
+    if not cfg.lock_image and (cfg.lock_image_unlocked_groups or cfg.lock_image_freeze_bn_stats):
+        raise ConfigError("model.lock_image_unlocked_groups / lock_image_freeze_bn_stats need model.lock_image: true")
+
+
+def check_sections(cfg: Config) -> None:
+    """Checks that span keys of the configuration alone; per-key types are checked while applying."""
+    check_model_section(cfg.model)
     if cfg.data.kind == "webdataset" and not cfg.data.train_shards:
         raise ConfigError("data.train_shards: required when data.kind is 'webdataset'")
     positive = {
@@ -241,15 +277,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.workers: must be >= 0, got {cfg.data.workers}")
     if cfg.data.decode_workers is not None and cfg.data.decode_workers < 1:
         raise ConfigError(f"data.decode_workers: must be positive, got {cfg.data.decode_workers}")
-    for i, entry in enumerate(cfg.eval.sets):
-        try:
-            eval_task(entry)
-        except (ValueError, TypeError) as err:
-            raise ConfigError(f"eval.sets[{i}]: {err}") from None
 
 
 def eval_task(entry):
     """An eval.sets entry ({task: name, field: value, ...}, a task name or a task file) as an EvalTask."""
+    # The one import of a component left in this module (no circle: eval imports no config).
+    # It belongs in clipscale.eval.tasks, and moves there once trainer.py imports it from there.
     from clipscale.eval.tasks import resolve_task
 
     if isinstance(entry, dict):
@@ -267,6 +300,8 @@ def check_world(cfg: Config, world_size: int) -> None:
 
 
 def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
+    """The configuration with every key and section checked; clipscale.checks.load_checked_config
+    adds the checks against the components (architecture, loss, evaluation sets)."""
     raw: dict = {}
     if path is not None:
         text = Path(path).read_text()
@@ -277,5 +312,5 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
         _merge(raw, _override_to_nested(override))
     cfg = Config()
     _apply(cfg, raw, "")
-    validate(cfg)
+    check_sections(cfg)
     return cfg

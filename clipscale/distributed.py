@@ -1,5 +1,8 @@
 """Process-group setup from torchrun's or SLURM's environment, and rank helpers.
 
+The one home of the process-group helpers (`rank_and_world`, `is_distributed`,
+`unwrap`); it imports only torch, so the losses that use it stay usable alone.
+
 torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT.
 Under `srun` (one task per GPU) SLURM sets SLURM_PROCID / SLURM_NTASKS /
 SLURM_LOCALID instead; MASTER_ADDR / MASTER_PORT must then come from the
@@ -30,6 +33,23 @@ class World:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+
+def rank_and_world(group=None) -> tuple[int, int]:
+    """(rank, world size) in `group`; (0, 1) when no process group is initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def is_distributed(group=None) -> bool:
+    """More than one process in `group` (the default group when None)."""
+    return rank_and_world(group)[1] > 1
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DistributedDataParallel (or the model itself)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def _env_int(name: str, default: int) -> int:

@@ -32,12 +32,11 @@ import torch.nn as nn
 from open_clip.factory import load_state_dict
 from open_clip.tokenizer import HFTokenizer
 
-from clipscale.config import ConfigError, ModelConfig
+from clipscale.config import ModelConfig
 
 OPEN_CLIP_CONFIG = "open_clip_config.json"  # what open_clip's `local-dir:` loader reads
 OPEN_CLIP_WEIGHTS = "open_clip_pytorch_model.bin"  # a weights file name that loader looks for
 MAX_KEYS_SHOWN = 8
-PREPROCESS_KEYS = ("mean", "std", "interpolation", "resize_mode")  # open_clip's image_<key> overrides
 
 
 class WeightsError(ValueError):
@@ -100,39 +99,10 @@ def register_custom(custom: dict) -> str:
     return name
 
 
-def check_model_config(cfg: ModelConfig) -> None:
-    """Model checks that span keys or touch the file system, before any work starts."""
-    if (cfg.name is None) == (cfg.custom is None):
-        raise ConfigError("model: set exactly one of model.name (an open_clip architecture) or model.custom (a CLIP config dict)")
-    if cfg.name is not None and cfg.name not in open_clip.list_models():
-        raise ConfigError(f"model.name: unknown open_clip architecture {cfg.name!r}; see open_clip.list_models()")
-    vision_cfg, text_cfg = {}, {}
-    if cfg.custom is not None:
-        missing = [key for key in ("embed_dim", "vision_cfg", "text_cfg") if key not in cfg.custom]
-        if missing:
-            raise ConfigError(f"model.custom: missing {', '.join(missing)} (an open_clip model config needs embed_dim, vision_cfg, text_cfg)")
-        vision_cfg, text_cfg = cfg.custom["vision_cfg"], cfg.custom["text_cfg"]
-    if vision_cfg.get("timm_model_pretrained"):
-        raise ConfigError("model.custom.vision_cfg.timm_model_pretrained: weights are never downloaded; "
-                          "give a local timm checkpoint as model.pretrained_image")
-    for key in ("hf_model_name", "hf_tokenizer_name"):
-        if key in text_cfg and not Path(text_cfg[key]).is_dir():
-            raise ConfigError(f"model.custom.text_cfg.{key}: no directory at {text_cfg[key]!r} "
-                              "(Hugging Face towers load from a local save_pretrained folder only)")
-    for key in ("pretrained", "pretrained_image"):
-        path = getattr(cfg, key)
-        if path is not None and not Path(path).is_file():
-            raise ConfigError(f"model.{key}: no file at {path!r} (only local checkpoints are loaded)")
-    if cfg.pretrained_image is not None and "timm_model_name" not in vision_cfg:
-        raise ConfigError("model.pretrained_image: only for a timm image tower (model.custom.vision_cfg.timm_model_name); "
-                          "open_clip towers load from a whole-CLIP checkpoint, model.pretrained")
-    unknown = set(cfg.preprocess or {}) - set(PREPROCESS_KEYS)
-    if unknown:
-        raise ConfigError(f"model.preprocess: unknown keys {', '.join(sorted(unknown))}; allowed: {', '.join(PREPROCESS_KEYS)}")
-    if cfg.lock_image_unlocked_groups < 0:
-        raise ConfigError(f"model.lock_image_unlocked_groups: must be >= 0, got {cfg.lock_image_unlocked_groups}")
-    if not cfg.lock_image and (cfg.lock_image_unlocked_groups or cfg.lock_image_freeze_bn_stats):
-        raise ConfigError("model.lock_image_unlocked_groups / lock_image_freeze_bn_stats need model.lock_image: true")
+def open_clip_model_config(cfg: ModelConfig) -> dict | None:
+    """The open_clip model config (embed_dim, vision_cfg, text_cfg, init_logit_bias, ...) that
+    `build_model` would build, without building it; None for an unknown architecture name."""
+    return cfg.custom if cfg.custom is not None else open_clip.get_model_config(cfg.name)
 
 
 def load_clip_checkpoint(model: nn.Module, path: str) -> None:

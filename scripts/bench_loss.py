@@ -37,9 +37,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from clipscale.losses.infcl import kernels as K  # noqa: E402
+from clipscale.losses.infcl import infcl_loss
+from clipscale.losses.infcl import kernels as K
+from clipscale.losses.infcl import triton_programs as P
+from clipscale.losses.infcl.precision import tf32_allowed
 
 GiB = 1024**3
 
@@ -86,8 +87,6 @@ def scale_tensor(s: float, device) -> torch.Tensor:
 
 def ours(exact: bool, via_loss: bool):
     if via_loss:
-        from clipscale.losses.infcl import infcl_loss
-
         return lambda I, T, s: infcl_loss(I, T, scale_tensor(s, I.device), exact=exact)
     return lambda I, T, s: _OursSymmetric.apply(I, T, s, exact)
 
@@ -215,7 +214,7 @@ def breakdown(b, d):
     g = med(lambda: K.grad_pass(I, T, s, row, col, w, w))
     flop = 2 * b * b * d
     r = dict(b=b, lse_pass_ms=f, lse_pass_tflops=flop / f / 1e9, grad_pass_ms=g, grad_pass_tflops=3 * flop / g / 1e9,
-             fwd_config=str(K._lse_fwd_kernel.best_config), weights_config=str(K._weights_kernel.best_config))
+             fwd_config=str(P.lse_fwd_kernel.best_config), weights_config=str(P.weights_kernel.best_config))
     print("breakdown", r, flush=True)
     return r
 
@@ -280,8 +279,8 @@ def gpu_selfcheck():
     res = {}
     cases = [(37, 53, 24, False, 0, 0), (300, 200, 64, False, 0, 0), (257, 257, 512, True, 0, 0),
              (130, 390, 1024, True, 100, 7), (5, 7, 1000, False, 0, 0), (1000, 1000, 96, False, 0, 0)]
-    old = (K.MAX_H, K.WORKSPACE_ELEMS, K.TUNE)
-    K.MAX_H, K.WORKSPACE_ELEMS, K.TUNE = 128, 128 * 256, False  # several super-tiles, no tuning
+    old = (K.MAX_H, K.WORKSPACE_ELEMS, P.TUNE)
+    K.MAX_H, K.WORKSPACE_ELEMS, P.TUNE = 128, 128 * 256, False  # several super-tiles, no tuning
     try:
         for dtype, exact in [(torch.float32, True), (torch.float32, False), (torch.bfloat16, False), (torch.float16, False)]:
             worst = dict(lse=0.0, grad=0.0)
@@ -308,10 +307,70 @@ def gpu_selfcheck():
             res[f"{dtype}".replace("torch.", "") + ("_exact" if exact else "")] = worst
             print("selfcheck", dtype, exact, worst, flush=True)
     finally:
-        K.MAX_H, K.WORKSPACE_ELEMS, K.TUNE = old
-        for kern in (K._lse_fwd_kernel, K._weights_kernel):
+        K.MAX_H, K.WORKSPACE_ELEMS, P.TUNE = old
+        for kern in (P.lse_fwd_kernel, P.weights_kernel):
             kern.cache.clear()  # forget the untuned choices
     return res
+
+
+# ------------------------------------------------- float32 with TF32 off and on
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def _infcl_float32_errors(image64, text64, scale: float) -> dict:
+    """infcl_loss on float32 copies of the float64 features, against the float64 loss
+    (torch_loss, autograd over the full matrix): relative error of the loss and of the
+    gradients of both features and the scale."""
+    def loss_and_grads(image, text, dtype):
+        leaves = [image.to(dtype).requires_grad_(), text.to(dtype).requires_grad_(),
+                  torch.tensor(scale, dtype=dtype, device=image.device, requires_grad=True)]
+        loss = (torch_loss if dtype == torch.float64 else infcl_loss)(*leaves)
+        return [loss.detach(), *torch.autograd.grad(loss, leaves)]
+
+    want = loss_and_grads(image64, text64, torch.float64)
+    got = loss_and_grads(image64, text64, torch.float32)
+    names = ("loss", "grad_image", "grad_text", "grad_scale")
+    return {f"{name}_rel": _relative_error(g, w) for name, g, w in zip(names, got, want)}
+
+
+def _time_infcl_float32(b: int, d: int, device, repeats: int) -> float:
+    """Median ms of infcl_loss forward + backward on float32 features (scale 100)."""
+    image, text = (F.normalize(torch.randn(b, d, device=device), dim=1).requires_grad_() for _ in range(2))
+    scale = torch.tensor(100.0, device=device)
+    times = []
+    for _ in range(repeats + 1):  # the first call compiles and autotunes
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        infcl_loss(image, text, scale).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[1:])
+
+
+def fp32_precision_check(acc_b: int, acc_d: int, speed_b: int, speed_d: int, repeats: int, device) -> dict:
+    """infcl_loss on float32 features with PyTorch's TF32 not allowed and allowed: errors
+    against float64 at (acc_b, acc_d) and forward + backward time at (speed_b, speed_d).
+    `dots` is what the kernels used (the interpreter has no TF32: "ieee" both times)."""
+    generator = torch.Generator().manual_seed(0)
+    image64, text64 = (F.normalize(torch.randn(acc_b, acc_d, dtype=torch.float64, generator=generator), dim=1).to(device)
+                       for _ in range(2))
+    rows = []
+    for allowed in (False, True):
+        with tf32_allowed(allowed):
+            row = dict(tf32_allowed=allowed, dots=K.dot_precision(torch.float32, exact=False), b=acc_b, d=acc_d, scale=100.0,
+                       **_infcl_float32_errors(image64, text64, 100.0))
+            if speed_b:
+                row.update(speed_b=speed_b, speed_d=speed_d, ms=_time_infcl_float32(speed_b, speed_d, device, repeats))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if speed_b:
+        rows[1]["speedup_vs_tf32_off"] = rows[0]["ms"] / rows[1]["ms"]
+    return dict(what="infcl_loss, float32 features: errors against float64 and speed, TF32 not allowed vs allowed",
+                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (TRITON_INTERPRET=1)",
+                torch=torch.__version__, results=rows, kernel_launches=dict(K.launch_counts))
 
 
 # ---------------------------------------------------------------------- main
@@ -333,7 +392,27 @@ def main():
     p.add_argument("--via-loss", action="store_true", help="time clipscale.losses.infcl.infcl_loss instead")
     p.add_argument("--profile", default="", help="b list: torch.profiler kernel breakdown of infcl_loss (bf16)")
     p.add_argument("--sync-check", type=int, default=0, help="b: count host synchronisations of infcl_loss")
+    p.add_argument("--fp32-precision-check", action="store_true",
+                   help="only this: infcl_loss on float32 features, TF32 off vs on (errors against float64 at "
+                        "--fp32-acc-b x --fp32-acc-d, speed at --fp32-speed-b x --d); writes --out and stops")
+    p.add_argument("--fp32-acc-b", type=int, default=4099)
+    p.add_argument("--fp32-acc-d", type=int, default=768)
+    p.add_argument("--fp32-speed-b", type=int, default=32768, help="0: no timing")
+    p.add_argument("--smoke", action="store_true",
+                   help="with --fp32-precision-check: tiny sizes on the CPU under TRITON_INTERPRET=1 (that it runs)")
     args = p.parse_args()
+    if args.fp32_precision_check:
+        if args.smoke:
+            if not P.INTERPRET:  # read when the kernels are decorated, at import
+                sys.exit("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+            record = fp32_precision_check(37, 16, 48, 16, 1, torch.device("cpu"))
+        else:
+            record = fp32_precision_check(args.fp32_acc_b, args.fp32_acc_d, args.fp32_speed_b, args.d, 3, torch.device("cuda"))
+        record["command"] = " ".join([os.path.basename(sys.executable)] + sys.argv)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+        return
     methods = [m for m in args.methods.split(",") if m]
     sizes = [int(x) for x in args.b.split(",") if x]
 

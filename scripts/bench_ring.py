@@ -26,10 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from clipscale.losses import build_loss  # noqa: E402
-from clipscale.losses.infcl import infcl_loss  # noqa: E402
+from clipscale.losses import build_loss
+from clipscale.losses.infcl import infcl_loss
 
 
 def timed(fn, repeats: int, device) -> tuple[float, float]:

@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-
-from clipscale.config import ModelConfig  # noqa: E402
-from clipscale.distributed import init_distributed, shutdown_distributed  # noqa: E402
-from clipscale.eval.tasks import resolve_task, run_task  # noqa: E402
-from clipscale.models import build_model  # noqa: E402
+from clipscale.checks import check_model
+from clipscale.config import ConfigError, ModelConfig
+from clipscale.distributed import init_distributed, shutdown_distributed
+from clipscale.eval.tasks import resolve_task, run_task
+from clipscale.models import build_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,6 +64,11 @@ def model_config(checkpoint: str, model: str | None) -> ModelConfig:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    model_cfg = model_config(args.checkpoint, args.model)
+    try:
+        check_model(model_cfg)  # the same model checks as a training run, before any work
+    except ConfigError as err:
+        raise SystemExit(f"config error: {err}") from None
     world = init_distributed(args.device)
     task = resolve_task(
         args.task,
@@ -77,7 +80,7 @@ def main(argv=None) -> dict:
         class_subset=args.class_subset,
         folder_names=args.folder_names,
     )
-    towers = build_model(model_config(args.checkpoint, args.model))
+    towers = build_model(model_cfg)
     model = towers.model.to(world.device)
     bf16 = args.precision == "bf16" or (args.precision == "auto" and world.device.type == "cuda")
     autocast = (lambda: torch.autocast(world.device.type, dtype=torch.bfloat16)) if bf16 else None

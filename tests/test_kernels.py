@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 
 _ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated (import)
@@ -27,11 +26,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import clipscale.losses.infcl.kernels as K  # noqa: E402
+import clipscale.losses.infcl.triton_programs as P  # noqa: E402
 from clipscale.losses.infcl import reference  # noqa: E402
 
-if not K.INTERPRET:  # imported earlier in this process without the interpreter
+if not P.INTERPRET:  # imported earlier in this process without the interpreter
+    P = importlib.reload(P)
     K = importlib.reload(K)
-assert K.INTERPRET and type(K._lse_fwd_kernel.fn).__name__ != "JITFunction"
+assert P.INTERPRET and type(K.P.lse_fwd_kernel.fn).__name__ != "JITFunction"
 
 # Leave the environment of the other test modules as it was (collection imports
 # every module first); this module's tests set it again themselves.

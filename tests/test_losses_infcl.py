@@ -7,10 +7,16 @@
   TRITON_INTERPRET=1, and falls back when the kernels cannot be imported.
 - The Triton kernels (run by Triton's interpreter) give the same losses and
   gradients inside the 2-rank ring.
+- Float32 means float32: the kernels use TF32 only where PyTorch's own setting
+  allows it; `scripts/bench_loss.py --fp32-precision-check` measures it (on a
+  GPU at b = 4,099, d = 768 against float64; here its --smoke run on CPU).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -21,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from clipscale.losses import build_loss
 from clipscale.losses.infcl import infcl_loss, reference
+from clipscale.losses.infcl.precision import tf32_allowed, torch_allows_tf32
 from clipscale.losses.infcl.loss import select_backend
 from gloo_world import run_in_gloo_world
 from reference_math import block_logits_float64, clip_loss_float64
@@ -171,3 +178,47 @@ def test_one_host_read_per_step(backend, dtype, monkeypatch):
         loss.backward()
     assert probe.reads == ["tolist"], probe.reads
     assert image.grad is not None and text.grad is not None and scale.grad is not None
+
+
+# --- float32 that means float32 ------------------------------------------------------
+
+BENCH_LOSS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_loss.py")
+
+
+def test_tf32_follows_pytorch_and_is_restored():
+    matmul = torch.backends.cuda.matmul
+    assert not torch_allows_tf32()  # PyTorch's default
+    with tf32_allowed(True):
+        assert torch_allows_tf32() and matmul.allow_tf32
+        with tf32_allowed(False):
+            assert not torch_allows_tf32() and not matmul.allow_tf32
+        assert matmul.allow_tf32
+    assert not torch_allows_tf32() and not matmul.allow_tf32
+
+
+def fp32_precision_check(tmp_path, *options, env=None) -> dict:
+    out = tmp_path / "fp32.json"
+    subprocess.run([sys.executable, BENCH_LOSS, "--fp32-precision-check", "--out", str(out), *options],
+                   check=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    return json.loads(out.read_text())
+
+
+def test_fp32_precision_check_runs_on_cpu(tmp_path):
+    record = fp32_precision_check(tmp_path, "--smoke", env={"TRITON_INTERPRET": "1"})
+    off, on = record["results"]
+    assert (off["tf32_allowed"], on["tf32_allowed"]) == (False, True)
+    assert off["dots"] == on["dots"] == "ieee"  # the interpreter has no TF32
+    assert record["kernel_launches"]["lse_fwd"] >= 2 and record["kernel_launches"]["weights"] >= 2
+    for key in ("loss_rel", "grad_image_rel", "grad_text_rel", "grad_scale_rel"):
+        assert off[key] < 1e-5
+    assert on["ms"] > 0 and on["speedup_vs_tf32_off"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: TF32 and the compiled kernels")
+def test_float32_without_tf32_matches_float64_on_the_gpu(tmp_path):
+    """infcl_loss on float32 features, TF32 not allowed: within 1e-5 of float64 (relative)
+    on the loss and on the gradients of both features and the scale, b = 4,099, d = 768."""
+    off, on = fp32_precision_check(tmp_path, "--fp32-speed-b", "0")["results"]
+    assert off["dots"] == "ieee" and on["dots"] == "tf32"
+    for key in ("loss_rel", "grad_image_rel", "grad_text_rel", "grad_scale_rel"):
+        assert off[key] < 1e-5, (key, off[key])

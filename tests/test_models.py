@@ -15,6 +15,7 @@ import torch
 
 from open_clip.tokenizer import HFTokenizer
 
+from clipscale.checks import load_checked_config
 from clipscale.config import ConfigError, ModelConfig, load_config
 from clipscale.data.digits import CLASSNAMES
 from clipscale.gradcache import GradCache
@@ -261,7 +262,7 @@ def test_training_starts_from_an_open_clip_checkpoint_with_lit(digits_root, tmp_
 
 @pytest.mark.parametrize("name", ["vit_b16_infcl", "lit_vit_b16", "timm_hf_example"])
 def test_example_configs_are_valid(name, hf_folder, tmp_path):
-    """The example configs' keys and values pass validation once their local files exist."""
+    """The example configs pass every check (keys, values, loss against model) once their local files exist."""
     (tmp_path / "weights.pt").write_bytes(b"")
     local_files = {
         "lit_vit_b16": [f"model.pretrained={tmp_path / 'weights.pt'}"],
@@ -269,4 +270,4 @@ def test_example_configs_are_valid(name, hf_folder, tmp_path):
                             f"model.custom.text_cfg.hf_model_name={hf_folder}",
                             f"model.custom.text_cfg.hf_tokenizer_name={hf_folder}"],
     }
-    load_config(str(REPO / "configs" / f"{name}.yaml"), local_files.get(name, []))
+    load_checked_config(str(REPO / "configs" / f"{name}.yaml"), local_files.get(name, []))

@@ -23,7 +23,7 @@ import torchvision
 import webdataset as wds
 from PIL import Image
 
-from clipscale.eval.inference import is_distributed
+from clipscale.distributed import is_distributed
 
 IMAGE_KEYS = "jpg;jpeg;png;webp"
 CAPTION_KEYS = "json;txt"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from clipscale.eval.inference import is_distributed
+from clipscale.distributed import is_distributed
 
 
 def sum_over_ranks(counts: torch.Tensor) -> torch.Tensor:

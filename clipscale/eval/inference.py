@@ -15,12 +15,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from clipscale.distributed import is_distributed, unwrap
+
 Autocast = Optional[Callable[[], ContextManager]]
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside DistributedDataParallel (or the model itself)."""
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 @contextlib.contextmanager
@@ -62,10 +59,6 @@ def encode_texts(model, tokenizer, texts: list[str], device, autocast: Autocast)
 
 def autocast_context(autocast: Autocast) -> ContextManager:
     return autocast() if autocast is not None else contextlib.nullcontext()
-
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def progress_bar(iterable: Iterable, enabled: bool, desc: str, total: Optional[int] = None):

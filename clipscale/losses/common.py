@@ -27,12 +27,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 
-
-def rank_and_world(group=None) -> tuple[int, int]:
-    """(rank, world size) in `group`; (0, 1) when no process group is initialised."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+from clipscale.distributed import is_distributed, rank_and_world
 
 
 @dataclass(frozen=True)
@@ -213,7 +208,7 @@ class ClipLoss(nn.Module):
 def gather_with_grad(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """All ranks' `tensor` concatenated in rank order; backward sums every rank's gradient
     of the gathered tensor and hands each rank its own slice (torch.distributed.nn)."""
-    if rank_and_world(group)[1] == 1:
+    if not is_distributed(group):
         return tensor
     # torch marks this public autograd gather deprecated in favour of a private
     # module (_functional_collectives); keep the public one and its quiet.
@@ -244,7 +239,7 @@ def report_global_mean(local_loss: torch.Tensor, group=None) -> torch.Tensor:
     gather's backward already sums every rank's contribution, which gives rank r
     world * dL_global/dfeatures_r, as DDP expects.
     """
-    if rank_and_world(group)[1] == 1:
+    if not is_distributed(group):
         return local_loss
     return _GlobalMean.apply(local_loss, group)
 

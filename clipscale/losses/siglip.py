@@ -19,11 +19,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from clipscale.losses import register_loss
+from clipscale.losses import CLIP_INPUTS, register_loss
 from clipscale.losses.common import check_clip_inputs, gather_with_grad, report_global_mean
 
 
-@register_loss("siglip")
+@register_loss("siglip", inputs=CLIP_INPUTS + ("logit_bias",))
 class SigLipLoss(nn.Module):
     def __init__(self, group=None):
         super().__init__()

@@ -22,11 +22,11 @@ Writes the JSON and a bar chart next to it.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+
+from clipscale.checks import check_loss_choices
 from common import RESULTS, provenance, publish, pyplot, save_figure
 from training_step import (
     load_workload,
@@ -77,6 +77,7 @@ def main(argv=None) -> dict:
     if args.smoke:
         args.model, args.batch, args.chunk = smoke_model_name(), 64, 16
 
+    check_loss_choices(list(variants(args.batch, torch.cuda.is_available()).values()), [args.model])
     world = start()
     on_gpu = world.device.type == "cuda"
     local_batch = args.batch // world.world_size

@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import REPO, RESULTS, provenance, pyplot, save_figure, write_json
 
 sys.path.insert(0, str(REPO / "scripts"))

@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import REPO, RESULTS, provenance, publish, pyplot, save_figure
 
 

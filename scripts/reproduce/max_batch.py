@@ -43,9 +43,9 @@ from pathlib import Path
 import numpy
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # scripts/bench_*.py
 from bench_step import SyntheticBatches, open_clip_train_steps
+from clipscale.checks import check_loss_choices
 from common import RESULTS, log_log, provenance, publish, pyplot, save_figure, write_json
 from training_step import (
     GIB,
@@ -204,6 +204,7 @@ def main(argv=None) -> dict:
     if args.smoke:
         args.models, args.chunk, args.start, args.max_batch = [smoke_model_name()], 8, 16, 32
 
+    check_loss_choices([(loss, {}) for loss in args.losses], args.models)
     world = start()
     deadline = time.monotonic() + args.budget
     resolution = args.resolution or max(world.world_size, args.start // 4)

@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from clipscale.checks import check_loss_choices
 from common import RESULTS, log_log, provenance, publish, pyplot, save_figure, write_json
 from training_step import agree, load_workload, smoke_model_name, start, training_step
 
@@ -81,6 +79,7 @@ def main(argv=None) -> dict:
     if args.smoke:
         args.model, args.batches, args.chunk, args.repeats = smoke_model_name(), [16, 32], 8, 1
 
+    check_loss_choices([(loss, {}) for loss in args.losses], [args.model])
     world = start()
     deadline = time.monotonic() + args.budget
     work = load_workload(args.model, world)

@@ -11,18 +11,21 @@ backward) while the local tile computes.
 
 Layers, top to bottom:
 
-- `loss.py`      the autograd Functions `infcl_loss` / `ntxent_loss` and the
-                 registered `build_loss("infcl" | "ntxent")` modules: argument
-                 checks, positive logits, scale gradient, ring orchestration.
-- `ring.py`      moving text blocks around the ranks with batch_isend_irecv.
-- `reference.py` the tile primitives in plain PyTorch (any device, chunked so
-                 nothing of size b x b is ever allocated).
-- `kernels.py`   the same tile primitives as fused Triton kernels (CUDA, or CPU
-                 tensors under TRITON_INTERPRET=1).
+- `loss.py`            the autograd Functions `infcl_loss` / `ntxent_loss` and the
+                       registered `build_loss("infcl" | "ntxent")` modules: argument
+                       checks, the weights of each row and column, ring orchestration.
+- `ring.py`            moving text blocks around the ranks with batch_isend_irecv.
+- `reference.py`       the tile primitives in plain PyTorch (any device, chunked so
+                       nothing of size b x b is ever allocated).
+- `kernels.py`         the same tile primitives on the GPU, host side: checks,
+                       grids, workspace planning, precision of the products.
+- `triton_programs.py` the Triton programs that kernels.py launches (CUDA, or
+                       CPU tensors under TRITON_INTERPRET=1).
+- `precision.py`       float32 products that follow PyTorch's TF32 setting.
 
 Tile primitive contract (reference.py and kernels.py implement exactly this;
 `image` is [m, d], `text` is [n, d], same dtype, `scale` a Python float or
-0-dim tensor; masked entries are those with `mask_diagonal` and
+1-element tensor; masked entries are those with `mask_diagonal` and
 row_offset + i == col_offset + j, i.e. the global diagonal of a self-similarity):
 
     lse_pass(image, text, scale, *, row_offset=0, col_offset=0,
@@ -34,19 +37,28 @@ row_offset + i == col_offset + j, i.e. the global diagonal of a self-similarity)
 
     grad_pass(image, text, scale, row_lse, col_lse, row_weight, col_weight, *,
               row_offset=0, col_offset=0, mask_diagonal=False,
-              grad_image=None, grad_text=None, exact=False)
-        -> (grad_image [m, d] float32, grad_text [n, d] float32)
+              grad_image=None, grad_text=None, exact=False,
+              positive=None, scale_grad=None, out_dtype=None)
+        -> (grad_image [m, d], grad_text [n, d])
         G_ij = row_weight_i * exp(x_ij - row_lse_i)
              + col_weight_j * exp(x_ij - col_lse_j)     (0 where masked;
                the column term is absent when col_weight is None)
+             - positive_weight_i * [j == partner_i]
+               (with positive=(partner, positive_weight): the positive logit's
+               term, folded in before any rounding)
         grad_image += scale * G @ text ;  grad_text += scale * G^T @ image
-        (fresh float32 zeros where None is passed; returned either way).
+        scale_grad += sum_ij G_ij <I_i, T_j>   (a 1-element float32 tensor,
+               when given: dL/ds needs no pass of its own)
+        Accumulators passed in are float32 and returned; where None is
+        passed, fresh tensors of `out_dtype` (float32 when None) are returned.
         row_lse / col_lse are the global (fully merged) values.
 
-`exact=True` with float32 inputs disables TF32 so the products are full fp32;
-bf16/fp16 inputs always accumulate in float32. The positive logits, the
--T_i / -I_i terms of the gradient and the scale gradient
-(s * dL/ds = sum_i <dI_i, I_i>) are O(b d) and live in loss.py.
+    positive_logits(image, text, partner) -> [m] float32: <I_i, T_partner_i>.
+
+Precision: bf16/fp16 inputs always accumulate in float32. Float32 inputs follow
+PyTorch's own float32 matmul setting: IEEE float32 by default, TF32 only where
+the user allowed it (`torch.backends.cuda.matmul.allow_tf32`,
+`torch.set_float32_matmul_precision("high")`); `exact=True` forces IEEE float32.
 """
 
 from .loss import infcl_loss, ntxent_loss  # noqa: E402  (the contract above comes first)

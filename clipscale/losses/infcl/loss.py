@@ -41,6 +41,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,8 @@ from clipscale.losses.common import Layout, as_scale, check_clip_inputs, check_i
 from clipscale.losses.infcl import reference
 from clipscale.losses.infcl.ring import circulate
 
-BACKENDS = ("auto", "reference", "triton")
+Backend = Literal["auto", "reference", "triton"]
+BACKENDS = get_args(Backend)
 
 
 def select_backend(backend: str = "auto", device: torch.device | str = "cpu", tile_size: int | None = None):
@@ -254,7 +256,7 @@ def ntxent_loss(features, temperature, group=None, *, backend="auto", tile_size=
 
 
 class _TiledLossModule(nn.Module):
-    def __init__(self, backend="auto", tile_size=None, exact=False, group=None):
+    def __init__(self, backend: Backend = "auto", tile_size: int | None = None, exact: bool = False, group=None):
         super().__init__()
         select_backend(backend, "cpu", tile_size)  # fail at build time on a bad option
         self.options = dict(backend=backend, tile_size=tile_size, exact=exact)
@@ -267,10 +269,11 @@ class InfCLLoss(_TiledLossModule):
         return infcl_loss(image_features, text_features, logit_scale, self.group, **self.options)
 
 
-@register_loss("ntxent")
+@register_loss("ntxent", inputs=("features",))
 class NTXentLoss(_TiledLossModule):
-    def __init__(self, temperature=0.1, **options):
-        super().__init__(**options)
+    def __init__(self, temperature: float = 0.1, backend: Backend = "auto", tile_size: int | None = None,
+                 exact: bool = False, group=None):
+        super().__init__(backend, tile_size, exact, group)
         self.temperature = temperature
 
     def forward(self, features):

@@ -16,9 +16,11 @@ never [m, n]. Each tile's logits are recomputed from the features:
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import nullcontext
 
 import torch
+
+from clipscale.losses.infcl.precision import tf32_allowed
 
 TILE_SIZE = 1024
 
@@ -27,16 +29,9 @@ def _spans(total: int, tile_size: int) -> list[tuple[int, int]]:
     return [(start, min(start + tile_size, total)) for start in range(0, total, tile_size)]
 
 
-@contextmanager
 def _matmul_precision(exact: bool):
-    """exact=True: full fp32 products (no TF32) for float32 inputs, restored afterwards."""
-    previous = torch.get_float32_matmul_precision()
-    if exact:
-        torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
+    """exact=True: full fp32 products (no TF32) for float32 inputs; else PyTorch's setting."""
+    return tf32_allowed(False) if exact else nullcontext()
 
 
 class _Tiles:

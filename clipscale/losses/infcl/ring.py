@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from clipscale.losses.common import rank_and_world
+from clipscale.distributed import rank_and_world
 
 
 class _Ring:

@@ -1,0 +1,105 @@
+"""Checks of a run configuration against the components it names, before any work.
+
+clipscale.config checks every key and section on its own and imports none of
+the components; this module sits above config, models, losses and eval and
+asks each what it accepts: open_clip whether the architecture exists and
+whether it has a logit bias, each loss its contract (the inputs it takes and
+its options with their types, `clipscale.losses.loss_contract`), the
+evaluation tasks whether every set resolves. Nothing here touches data, builds
+a model or starts a process group, so `train.py` and the scripts fail in a
+second, naming the key, what was given and what is allowed.
+
+    cfg = load_checked_config("configs/digits.yaml", ["loss.name=infcl"])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from clipscale.config import Config, ConfigError, LossConfig, ModelConfig, check_model_section, check_value, eval_task, load_config
+from clipscale.losses import CLIP_INPUTS, available_losses, build_loss, loss_contract
+from clipscale.models import open_clip_model_config
+
+
+def check_model(cfg: ModelConfig) -> tuple[str, ...]:
+    """The model section checked (its keys, and that open_clip knows the architecture);
+    returns what the model hands its loss, in order."""
+    check_model_section(cfg)
+    model_cfg = open_clip_model_config(cfg)
+    if model_cfg is None:
+        raise ConfigError(f"model.name: unknown open_clip architecture {cfg.name!r}; see open_clip.list_models()")
+    has_bias = model_cfg.get("init_logit_bias") is not None
+    return CLIP_INPUTS + ("logit_bias",) if has_bias else CLIP_INPUTS
+
+
+def _bias_key(cfg: ModelConfig) -> str:
+    return "model.custom.init_logit_bias" if cfg.custom is not None else f"init_logit_bias in open_clip's {cfg.name} config"
+
+
+def _input_problem(name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], model: ModelConfig) -> Optional[str]:
+    """Why a loss taking `inputs` cannot train a model that gives `outputs`, in words, or None."""
+    if inputs == outputs:
+        return None
+    if not set(CLIP_INPUTS[:2]) <= set(inputs):
+        return (f"{name} takes ({', '.join(inputs)}): single-view self-contrast, a library function "
+                "(clipscale.losses.infcl.ntxent_loss), not a CLIP training loss of image and text features")
+    if "logit_bias" in inputs and "logit_bias" not in outputs:
+        return f"{name} needs the model's logit bias, and the model has none: set {_bias_key(model)} (e.g. -10, as open_clip's SigLIP models)"
+    if "logit_bias" in outputs and "logit_bias" not in inputs:
+        return f"{name} takes no logit bias, and the model has one ({_bias_key(model)}); a bias needs a sigmoid loss"
+    return f"{name} takes ({', '.join(inputs)}), the model gives ({', '.join(outputs)})"
+
+
+def check_loss(loss: LossConfig, model: ModelConfig) -> dict:
+    """loss.name and loss.options against the loss's contract and the model; returns the
+    options with their checked values (5e-4 given as text read as the number it means)."""
+    if loss.name not in available_losses():
+        raise ConfigError(f"loss.name: got {loss.name!r}, expected one of {', '.join(available_losses())}")
+    outputs = check_model(model)
+    contract = loss_contract(loss.name)
+    problem = _input_problem(loss.name, contract.inputs, outputs, model)
+    if problem:
+        fitting = [name for name in available_losses() if loss_contract(name).inputs == outputs]
+        raise ConfigError(f"loss.name: got {loss.name!r}: {problem}; expected one of {', '.join(fitting)}")
+    options = {}
+    for key, value in loss.options.items():
+        if key not in contract.options and not contract.any_options:
+            allowed = ", ".join(contract.options) or "none"
+            raise ConfigError(f"unknown key loss.options.{key}; allowed keys in loss.options of {loss.name}: {allowed}")
+        expected = contract.options.get(key, Any)
+        options[key] = value if expected is Any else check_value(f"loss.options.{key}", value, expected)
+    try:
+        build_loss(loss.name, **options)  # value checks of the loss itself (a tile_size of 0, ...)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"loss.options: {err}") from None
+    return options
+
+
+def check_loss_choices(losses: list[tuple[str, dict]], model_names: list[str]) -> None:
+    """For scripts that take loss and model names: every (loss name, options) against every
+    open_clip architecture, before any work."""
+    for model_name in model_names:
+        for name, options in losses:
+            check_loss(LossConfig(name, dict(options)), ModelConfig(name=model_name))
+
+
+def check_eval_sets(sets: list) -> None:
+    for i, entry in enumerate(sets):
+        try:
+            eval_task(entry)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"eval.sets[{i}]: {err}") from None
+
+
+def check_config(cfg: Config) -> None:
+    """Everything load_config does not know: the architecture, the loss, the evaluation sets.
+    The loss options are replaced by their checked values."""
+    cfg.loss.options = check_loss(cfg.loss, cfg.model)
+    check_eval_sets(cfg.eval.sets)
+
+
+def load_checked_config(path: Optional[str], overrides: list[str] = ()) -> Config:
+    """load_config, then check_config: what a run needs before any work starts."""
+    cfg = load_config(path, overrides)
+    check_config(cfg)
+    return cfg
