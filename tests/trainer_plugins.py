@@ -1,0 +1,72 @@
+"""Losses registered for trainer tests: a real loss with faults scripted per call.
+
+Imported by tests that train in-process and by `train_with_plugins.py`, which runs the
+real `train.py` with these losses registered (train.py has no plugin option of its own).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+from clipscale.losses import build_loss, register_loss
+
+
+class _InfGradient(torch.autograd.Function):
+    """Identity forward; an infinite gradient backward: the loss stays finite, the gradients do not."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.full_like(grad, math.inf)
+
+
+@register_loss("scripted_faults")
+class ScriptedFaults(torch.nn.Module):
+    """`inner` (any registered loss), except on the listed calls of this process (1-based):
+
+    nan_loss_calls:  the returned loss is NaN, its gradients are the inner loss's (finite);
+    inf_grad_calls:  the loss is finite, the image features' gradient is infinite;
+    overflow_calls:  the loss times 1e6, which overflows fp16 gradients under a GradScaler;
+    signal_calls:    SIGUSR1 to this process during the step (only on rank `signal_rank` if
+                     given, and only once per `signal_marker` file, so a resumed run goes on).
+    """
+
+    def __init__(self, inner="vanilla", inner_options=None, nan_loss_calls=(), inf_grad_calls=(), overflow_calls=(),
+                 signal_calls=(), signal_rank=None, signal_marker=None):
+        super().__init__()
+        self.inner = build_loss(inner, **(inner_options or {}))
+        self.nan_loss_calls, self.inf_grad_calls = set(nan_loss_calls), set(inf_grad_calls)
+        self.overflow_calls, self.signal_calls = set(overflow_calls), set(signal_calls)
+        self.signal_rank, self.signal_marker = signal_rank, signal_marker
+        self.calls = 0
+
+    def forward(self, image, text, *scalars):
+        self.calls += 1
+        if self.calls in self.inf_grad_calls:
+            image = _InfGradient.apply(image)
+        loss = self.inner(image, text, *scalars)
+        if self.calls in self.nan_loss_calls:
+            loss = loss + math.nan  # a constant: the gradients stay finite
+        if self.calls in self.overflow_calls:
+            loss = loss * 1e6
+        if self.calls in self.signal_calls and self._signal_here():
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return loss
+
+    def _signal_here(self) -> bool:
+        if self.signal_rank is not None and int(os.environ.get("RANK", "0")) != self.signal_rank:
+            return False
+        if self.signal_marker is not None:
+            marker = Path(self.signal_marker)
+            if marker.exists():
+                return False
+            marker.write_text("signalled\n")
+        return True
