@@ -36,6 +36,8 @@ class RunState:
                  samples_per_epoch: int):
         self.cfg, self.module, self.step, self.stream_state, self.world = cfg, module, step, stream_state, world
         self.samples_per_epoch = samples_per_epoch
+        self.logged_data_errors: list[int] | None = None  # [skipped, shard errors] over ranks at the last record
+        self._rng: dict | None = None
 
     def capture(self, step_number: int) -> dict | None:
         """The checkpoint after `step_number` steps, on rank 0 (None elsewhere). Every rank calls it."""
@@ -53,20 +55,30 @@ class RunState:
             "config": self.cfg.to_dict(),
             "data": streams,
             "rng": rngs,
+            "logged_data_errors": self.logged_data_errors,
         }
 
     def restore(self, checkpoint: dict) -> int:
-        """Load a checkpoint written by `capture`; returns its step number. The data stream and
-        the RNG continue exactly where they were when the world size is the same; otherwise the
-        data order restarts (each rank's stream depends on the number of ranks)."""
+        """Load a checkpoint written by `capture`; returns its step number. The data stream
+        continues exactly where it was when the world size is the same; otherwise the data
+        order restarts (each rank's stream depends on the number of ranks). The RNG state is
+        set by `restore_rng`, once the data loader has drawn its own seeds."""
         self.module.load_state_dict(checkpoint["state_dict"])
         self.step.optimizer.load_state_dict(checkpoint["optimizer"])
         self.step.load_state_dict(checkpoint, checkpoint["step"])
         if len(checkpoint["data"]) == self.world.world_size:
             for key, value in checkpoint["data"][self.world.rank].items():
                 setattr(self.stream_state, key, value)
-            set_rng_state(checkpoint["rng"][self.world.rank], self.world.device)
+            self._rng = checkpoint["rng"][self.world.rank]
+            self.logged_data_errors = checkpoint.get("logged_data_errors")
         elif self.world.is_main:
             print(f"resuming on {self.world.world_size} processes from a run on {len(checkpoint['data'])}: "
                   "the data order restarts")
         return checkpoint["step"]
+
+    def restore_rng(self) -> None:
+        """The restored run's RNG state. Call it after everything that draws from the global RNG
+        at start-up whether or not the run resumes (a DataLoader's iterator draws its base seed),
+        so the first step after a resume draws what the uninterrupted run drew."""
+        if self._rng is not None:
+            set_rng_state(self._rng, self.world.device)

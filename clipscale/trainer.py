@@ -157,6 +157,7 @@ class Run:
             write_open_clip_folder(run_dir, towers)  # with OPEN_CLIP_WEIGHTS, open_clip's `local-dir:` loads the run
         logger = MetricsLogger(run_dir, cfg, enabled=world.is_main, resume_step=start_step)
         batches, decode_pool = stream_batches(cfg, data, towers, world, stream_state, chunk, cfg.train.steps - start_step)
+        state.restore_rng()
         autocast = autocast_factory(AUTOCAST_DTYPES[cfg.train.precision], world.device)
         evaluator = Evaluator(cfg, data, towers, world, autocast)
         return cls(cfg, world, run_dir, data, towers, model, step, stream_state, state, start_step, batches,
@@ -167,7 +168,7 @@ class Run:
         self.enter_train_mode()
         progress = tqdm(total=cfg.train.steps, initial=self.start_step, disable=not world.is_main, desc=cfg.run.name,
                         dynamic_ncols=True)
-        data_errors_logged = self.data_errors()
+        data_errors_logged = self.state.logged_data_errors or self.data_errors()
         window_start, window_steps = time.perf_counter(), 0
         for step_number in range(self.start_step, cfg.train.steps):
             batch = self.batches.next()
@@ -201,6 +202,7 @@ class Run:
                 self.logger.log(done, record)
                 progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}")
                 window_start, window_steps, data_errors_logged = time.perf_counter(), 0, data_errors
+                self.state.logged_data_errors = data_errors
             if cfg.eval.every_n_steps and done % cfg.eval.every_n_steps == 0 and done < cfg.train.steps:
                 self.evaluate(done)
             signum = preemption.requested(world.device)

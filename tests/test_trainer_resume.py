@@ -81,9 +81,6 @@ def test_a_resumed_run_reads_exactly_the_samples_of_the_uninterrupted_run(runs):
     _check_same_curve_and_weights(runs["reference"][1], runs["on_window"][1])
 
 
-@pytest.mark.xfail(strict=True, reason="bug: the RNG state is restored before the DataLoader iterator is created, "
-                   "and creating it draws its base seed from the global RNG, so dropout after a resume draws other "
-                   "masks than the uninterrupted run (restoring it after iter(loader) makes this pass)")
 def test_a_resumed_run_with_dropout_draws_the_uninterrupted_runs_masks(runs):
     """open_clip's patch dropout draws from the global RNG: the checkpoint's RNG state must
     be the one the next step starts from, or every loss after the resume changes."""
@@ -112,8 +109,5 @@ def test_data_error_counts_since_the_previous_record_survive_a_resume(runs):
     _check_counts_since_previous_record(runs["reference"][1], runs["on_window"][1])
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a resume between two records restarts the 'since the previous record' "
-                   "window at the checkpoint's step, so the first record after it under-counts (the samples skipped "
-                   "between the last record and the stop are in no record's 'since previous' count)")
 def test_data_error_counts_since_the_previous_record_survive_a_resume_between_records(runs):
     _check_counts_since_previous_record(runs["dropout_reference"][1], runs["dropout_off_window"][1])

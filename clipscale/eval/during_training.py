@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from clipscale.config import Config, eval_task
 from clipscale.distributed import World
-from clipscale.eval.inference import unwrap
+from clipscale.distributed import unwrap
 from clipscale.eval.tasks import run_task
 from clipscale.eval.zeroshot import evaluate_zeroshot, zeroshot_classifier
 
