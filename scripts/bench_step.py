@@ -6,7 +6,7 @@ and tokens already on the device) in this process, one after the other:
   open_clip_train  its own `train_one_epoch` (plain step, foreach AdamW, ClipLoss),
                    fed the synthetic batches, as `python -m open_clip_train.main` runs it;
   clipscale        the trainer's step: build_model (with the speed options given here),
-                   the step strategy (GradCache, one chunk = plain step), fused AdamW on
+                   the trainer's TrainStep (GradCache, one chunk = plain step), fused AdamW on
                    CUDA, grad clipping, the logit-scale clamp.
 
 Step time is measured between consecutive batch fetches with the device synchronised,
@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
-import os
 import platform
 import statistics
 import sys
@@ -36,12 +34,11 @@ import open_clip
 import torch
 from open_clip_train.train import train_one_epoch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from clipscale.config import ModelConfig, OptimConfig
-from clipscale.gradcache import GradCache
 from clipscale.losses import build_loss
 from clipscale.models import build_model, register_custom
 from clipscale.optim import build_optimizer
+from clipscale.step import TrainStep
 
 SMOKE_MODEL = {  # a few seconds per case on a CPU
     "embed_dim": 32,
@@ -100,15 +97,10 @@ def clipscale_steps(args, architecture, batches, device) -> None:
                       compile=args.compile, channels_last=args.channels_last)
     model = build_model(cfg).model.to(device).train()
     optimizer = build_optimizer(model, OptimConfig(), fused=device.type == "cuda")
-    autocast = torch.bfloat16 if args.precision == "bf16" else None
-    step = GradCache(model, build_loss(args.loss), chunk_size=len(batches.images), autocast=autocast)
+    step = TrainStep(model, build_loss(args.loss), optimizer, chunk_size=len(batches.images),
+                     precision="bf16" if args.precision == "bf16" else "fp32", grad_clip=GRAD_CLIP)
     for images, texts in batches:
         step(images, texts)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            model.logit_scale.clamp_(0, math.log(100))
 
 
 def measure(run, args, architecture, batch, device) -> dict:

@@ -1,14 +1,13 @@
 """Peak GPU memory and samples/s of full CLIP training steps, with and without GradCache.
 
-One step = forward, loss, backward and an AdamW update of an open_clip model (random
-init, bf16 autocast) on synthetic data. "plain" is the step without GradCache (one
-chunk, see GradCache.plain_step); the GradCache cases keep the batch on the host --
-pinned uint8 images and int32 tokens, or JPEG bytes for the million-sample step, decoded
-per chunk by host threads (`EncodedSamples`) or on the GPU with nvJPEG (`JpegBytes`),
-whichever a 16k step finds faster -- and stream it to the GPU a chunk at a time.
+One step = `clipscale.step.TrainStep`, the object train.py runs: forward, loss, backward,
+clip, AdamW, logit-scale clamp, of an open_clip model (random init, bf16 autocast) on
+synthetic data already in memory (train.py on real shards, loader included, is
+scripts/bench_e2e.py). "plain" is the step without GradCache (one chunk); the GradCache
+cases keep the batch on the host as pinned uint8 images and int32 tokens and stream it to
+the GPU a chunk at a time.
 
-    python scripts/bench_train.py --out results/bench_train.json            # all, within --budget
-    python scripts/bench_train.py --cases million --out results/bench_train_1m.json
+    python scripts/bench_train.py --out results/bench_train.json
     python scripts/bench_train.py --smoke --out /tmp/bench.json             # tiny, any device
 
 Cases that would not finish before --budget seconds are skipped and recorded as such,
@@ -19,28 +18,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import platform
 import statistics
 import sys
 import time
-import warnings
 
 import open_clip
 import torch
 import torchvision
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
-from torchvision.io import decode_jpeg, encode_jpeg
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from clipscale.data.offload import EncodedSamples, HostTensor, JpegBytes
-from clipscale.gradcache import GradCache
+from clipscale.data.batches import HostTensor
 from clipscale.losses import build_loss
+from clipscale.step import TrainStep
 
 IMAGE_SIZE, CONTEXT, VOCAB = 224, 77, 49408
-DISTINCT_JPEGS = 4096  # the million-sample batch reuses these; see jpeg_images
-MILLION = 1_048_576
 
 # model -> (GradCache chunk for the large batches, plain batch = the comparison batch both
 # steps can run, GradCache batches)
@@ -91,21 +83,10 @@ class Bench:
         images = host_images(batch, IMAGE_SIZE, pin=self.device.type == "cuda")
         return HostTensor(images, self.normalise), HostTensor(random_tokens(batch))
 
-    def jpeg_host_batch(self, batch: int):
-        """JPEG bytes on the host, decoded by host threads (libjpeg-turbo) per chunk in both passes."""
-        return EncodedSamples(jpeg_images(batch), decode_jpeg_bytes, self.normalise), HostTensor(random_tokens(batch))
-
-    def jpeg_device_batch(self, batch: int):
-        """JPEG bytes on the host, decoded on the GPU (nvJPEG) per chunk in both passes."""
-        return JpegBytes(jpeg_images(batch), self.normalise), HostTensor(random_tokens(batch))
-
     # --- running ----------------------------------------------------------------------------
 
-    def run(self, cases: str):
-        if cases in ("standard", "all"):
-            self.standard()
-        if cases in ("million", "all") and not self.args.smoke:
-            self.million()
+    def run(self):
+        self.standard()
 
     def standard(self):
         for model_name, (chunk, plain_batch, batches) in (SMOKE if self.args.smoke else STANDARD).items():
@@ -124,43 +105,6 @@ class Bench:
                 self.case(model, optimizer, model_name, batch, chunk, "pinned", repeats=1)
             del model, optimizer
 
-    def million(self):
-        """ViT-B/32 at 2^20 from JPEG bytes; calibrated at 16k first to decide whether it fits."""
-        chunk = 1024
-        self.record["jpeg_decode_samples_per_s"] = self.decode_rate(chunk)
-        model, optimizer = build_model("ViT-B-32", self.device)
-        # Which decoder keeps up better beside the model: measured, not assumed (the host's
-        # cores or nvJPEG); the first, smaller step takes the warm-up costs.
-        self.case(model, optimizer, "ViT-B-32", 4096, chunk, "jpeg_host", repeats=1)
-        rates = {data: self.case(model, optimizer, "ViT-B-32", 16384, chunk, data, repeats=1)
-                 for data in ("jpeg_host", "jpeg_device")}
-        data, calibration = max(rates.items(), key=lambda item: item[1].get("samples_per_s", 0))
-        if "samples_per_s" not in calibration or self.loss_name != "infcl":
-            return self.keep({"model": "ViT-B-32", "batch": MILLION, "skipped": "no calibration or no infcl loss"})
-        # The loss is O(b^2); timing it at 262k also tunes the kernels for the largest size class.
-        loss_s = self.loss_seconds(262144) * (MILLION / 262144) ** 2
-        estimate = 1.1 * MILLION / calibration["samples_per_s"] + loss_s
-        self.case(model, optimizer, "ViT-B-32", MILLION, chunk, data, repeats=1, estimate=estimate)
-
-    def decode_rate(self, chunk: int) -> float:
-        """JPEG chunks decoded on the device per second, alone (the step decodes each sample twice)."""
-        column = JpegBytes(jpeg_images(4 * chunk))
-        bounds = [(start, start + chunk) for start in range(0, 4 * chunk, chunk)]
-        column.to_device(column.submit(0, chunk, None, False)(), self.device, None)  # warm-up
-        self.synchronize()
-        started = time.perf_counter()
-        for start, stop in bounds:
-            column.to_device(column.submit(start, stop, None, False)(), self.device, None)
-        self.synchronize()
-        rate = 4 * chunk / (time.perf_counter() - started)
-        # nvJPEG and libjpeg-turbo round their IDCTs differently: a few levels apart, no more.
-        on_device = column.to_device(column.submit(0, 64, None, False)(), self.device, None).cpu()
-        on_host = torch.stack(decode_jpeg(column.submit(0, 64, None, False)()))
-        self.record["jpeg_device_vs_host_max_abs_diff"] = int((on_device.int() - on_host.int()).abs().max())
-        print(f"JPEG decode on {self.device}: {rate:,.0f} samples/s, "
-              f"max |device - host| = {self.record['jpeg_device_vs_host_max_abs_diff']}", flush=True)
-        return rate
-
     def case(self, model, optimizer, model_name, batch, chunk, data, repeats, estimate=None) -> dict:
         row = {"model": model_name, "batch": batch, "chunk": min(chunk, batch), "data": data,
                "gradcache": chunk < batch, "offload": data != "device"}
@@ -172,13 +116,14 @@ class Bench:
         try:
             images, texts = getattr(self, f"{data}_batch")(batch)
             loss_fn = build_loss(self.loss_name)
-            step = GradCache(model, loss_fn, chunk, offload=row["offload"], autocast=torch.bfloat16, decode_workers=self.args.workers)
+            step = TrainStep(model, loss_fn, optimizer, chunk_size=min(chunk, batch),
+                             precision="bf16" if self.device.type == "cuda" else "fp32", grad_clip=1.0)
             # A single timed step must not pay for the loss kernels' autotuning at a new size;
             # beyond 64k that warm-up would cost more than it saves.
             row["loss_s_warm"] = self.loss_seconds(batch) if repeats == 1 and batch <= 65536 else None
             times, peaks = [], []
             for _ in range(repeats + (1 if repeats > 1 else 0)):  # the first of several is warm-up
-                seconds, peak, loss = self.timed_step(step, model, optimizer, images, texts)
+                seconds, peak, loss = self.timed_step(step, images, texts)
                 times.append(seconds)
                 peaks.append(peak)
             times = times[1:] if repeats > 1 else times
@@ -193,17 +138,12 @@ class Bench:
                 torch.cuda.empty_cache()
         return self.keep(row)
 
-    def timed_step(self, step, model, optimizer, images, texts):
+    def timed_step(self, step, images, texts):
         self.synchronize()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        loss = step(images, texts)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            model.logit_scale.clamp_(0, math.log(100))
-        loss = float(loss)
+        loss = float(step(images, texts).loss)
         self.synchronize()
         seconds = time.perf_counter() - start
         peak = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30) if self.device.type == "cuda" else (0.0, 0.0)
@@ -259,24 +199,8 @@ def host_images(batch: int, size: int, pin: bool) -> torch.Tensor:
     return images
 
 
-def jpeg_images(batch: int) -> list[bytes]:
-    """`batch` JPEG samples (about 10 KB each, as smooth photos compress), cycling through
-    DISTINCT_JPEGS distinct ones so that generating a million stays cheap; the host holds
-    references, so its memory is that of the distinct set (see host_batch_bytes)."""
-    low = torch.randint(0, 256, (min(batch, DISTINCT_JPEGS), 3, 28, 28), dtype=torch.uint8)
-    smooth = torch.nn.functional.interpolate(low.float(), size=IMAGE_SIZE, mode="bilinear").to(torch.uint8)
-    distinct = [encode_jpeg(image, quality=90).numpy().tobytes() for image in smooth]
-    return [distinct[i % len(distinct)] for i in range(batch)]
-
-
-def decode_jpeg_bytes(data: bytes) -> torch.Tensor:
-    return decode_jpeg(torch.frombuffer(data, dtype=torch.uint8))
-
-
 def host_bytes(column) -> int:
     """Bytes of a batch column on the host as if every sample were distinct."""
-    if isinstance(column, (EncodedSamples, JpegBytes)):
-        return sum(len(sample) for sample in column.samples)
     tensor = column.tensor if isinstance(column, HostTensor) else column
     return tensor.numel() * tensor.element_size() if tensor.device.type == "cpu" else 0
 
@@ -296,15 +220,10 @@ def versions() -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON file, rewritten after every case")
-    parser.add_argument("--cases", choices=["all", "standard", "million"], default="all",
-                        help="all: standard, then the million-sample step if it fits the budget")
     parser.add_argument("--budget", type=float, default=540, help="seconds; later cases that would not fit are skipped")
-    parser.add_argument("--workers", type=int, default=14, help="decode threads")
     parser.add_argument("--smoke", action="store_true", help="tiny batches, to check the script anywhere")
     args = parser.parse_args()
-    # torch.frombuffer warns once per read-only bytes object; the decoder only reads it.
-    warnings.filterwarnings("ignore", message="The given buffer is not writable")
-    Bench(args).run(args.cases)
+    Bench(args).run()
 
 
 if __name__ == "__main__":

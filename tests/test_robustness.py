@@ -19,7 +19,8 @@ import webdataset as wds
 from PIL import Image
 
 from clipscale.config import load_config
-from clipscale.data.shards import DeferredTransform, ShardErrors, ShardStream, StreamState
+from clipscale.data.shards import ShardErrors, ShardStream, StreamState
+from clipscale.data.transforms import SplitTransform
 from clipscale.metrics import read_metrics
 
 from tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
@@ -56,11 +57,11 @@ def broken_shards(tmp_path_factory) -> list[str]:
 
 
 def _stream(shards, state=None, shuffle_buffer=30, offload=False):
-    """offload: batches keep the encoded image bytes (train.offload), judged by the same decode."""
+    """offload: pieces also keep the encoded image bytes (train.offload), judged by the same decode."""
     return ShardStream(
-        shards, batch_size=16, rank=0, world_size=1, num_workers=0, seed=5, image_transform=T.ToTensor(),
+        shards, piece_size=16, rank=0, world_size=1, num_workers=0, seed=5, image_transform=T.ToTensor(),
         tokenizer=lambda captions: captions, shuffle_buffer=shuffle_buffer, state=state,
-        deferred=DeferredTransform.split(T.ToTensor()) if offload else None,
+        split=SplitTransform.split(T.ToTensor()) if offload else None, keep_encoded=offload,
     )
 
 
@@ -126,7 +127,9 @@ def test_training_on_broken_shards_runs_to_the_end_and_logs_the_counts(broken_sh
         assert sum(m["shard_errors"] for m in metrics) == last["shard_errors_total"] >= 2  # 320 samples: 2+ epochs
         checkpoint = torch.load(tmp_path / name / "checkpoints" / "latest.pt", weights_only=True)
         assert checkpoint["data"][0]["skipped_samples"] == last["skipped_samples_total"]
-        counts[name] = [(m["skipped_samples"], m["shard_errors"]) for m in metrics], checkpoint["data"]
+        # The same samples, cursors and counts; the offloaded run's loader pieces are smaller (its chunks are).
+        stream = [{k: v for k, v in rank.items() if k != "pieces"} for rank in checkpoint["data"]]
+        counts[name] = [(m["skipped_samples"], m["shard_errors"]) for m in metrics], stream
     assert counts["offload"] == counts["decoded"]
 
 

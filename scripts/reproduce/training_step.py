@@ -14,7 +14,6 @@ reports it, agreed over ranks, so a search can go on with a smaller batch.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 import time
@@ -24,17 +23,16 @@ import torch
 import torch.distributed as dist
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # scripts/bench_*.py
 from bench_step import SMOKE_MODEL
 from bench_train import build_model, host_images
 
-from clipscale.data.offload import HostTensor
+from clipscale.data.batches import HostTensor
 from clipscale.distributed import World, init_distributed
-from clipscale.eval.inference import unwrap
-from clipscale.gradcache import GradCache
+from clipscale.distributed import unwrap
 from clipscale.losses import build_loss
 from clipscale.models import register_custom
+from clipscale.step import TrainStep
 
 GIB = 2**30
 # Offloaded batches are pinned uint8 on the host; past this share of the machine's memory the
@@ -189,17 +187,14 @@ def training_step(work: Workload, world: World, loss_name: str, global_batch: in
         probe = SampledEncoders(module, chunk, -(-local_batch // chunk), work.feature_dim, autocast or torch.float32)
     try:
         images, texts = synthetic_batch(work, local_batch, world.device, offload)
-        step = GradCache(work.model, build_loss(loss_name, **(loss_options or {})), chunk, offload=offload,
-                         autocast=autocast, reuse_last_chunk=not memory_probe)
+        step = TrainStep(work.model, build_loss(loss_name, **(loss_options or {})), work.optimizer,
+                         chunk_size=min(chunk, local_batch), precision="bf16" if autocast is not None else "fp32",
+                         reuse_last_chunk=not memory_probe)
         if world.device.type == "cuda":
             torch.cuda.synchronize(world.device)
         started = time.perf_counter()
         with probe:
-            loss = step(images, texts)
-        work.optimizer.step()
-        work.optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            module.logit_scale.clamp_(0, math.log(100))
+            loss = step(images, texts).loss
         result = {"loss": float(loss)}  # float() waits for the device
         result["step_s"] = time.perf_counter() - started
         result["peak_gib"] = peak_gib(world.device)
