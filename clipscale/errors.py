@@ -15,7 +15,7 @@ import errno
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator
 
 USER_ERROR_EXIT = 2  # what argparse uses for a bad command line
 STORAGE_ERRNOS = {
@@ -55,13 +55,13 @@ def reporting_rank() -> bool:
     return launcher_ranks()[0] == 0
 
 
-def run_main(main: Callable[[], Optional[int]]) -> None:
-    """Call `main` and exit with its return value (0 for None); a UserError exits 2 on
-    every rank, printed by rank 0 only as `error: ...`."""
+def run_main(main: Callable[[], object]) -> None:
+    """Call `main` and exit with its return value where that is an exit status (an int),
+    else 0; a UserError exits 2 on every rank, printed by rank 0 only as `error: ...`."""
     try:
         status = main()
     except UserError as err:
         if reporting_rank():
             print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(USER_ERROR_EXIT)
-    sys.exit(status or 0)
+    sys.exit(status if isinstance(status, int) else 0)
