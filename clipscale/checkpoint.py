@@ -187,8 +187,8 @@ def latest_checkpoint(checkpoint_dir: Path) -> Optional[Path]:
     names no file; None when the folder holds no checkpoint."""
     pointer = Path(checkpoint_dir) / LATEST
     if pointer.is_file():
-        named = pointer.parent / pointer.read_text().strip()
-        if STEP_FILE.fullmatch(named.name) and named.is_file():
+        named = pointer.parent / pointer.read_bytes().decode(errors="replace").strip()  # damaged: any bytes
+        if named.parent == pointer.parent and STEP_FILE.fullmatch(named.name) and named.is_file():
             return named
     found = step_checkpoints(checkpoint_dir)
     return found[0][1] if found else None
