@@ -11,14 +11,16 @@ DataLoader worker processes would die of them (PyTorch's worker handler ends a
 worker on any SIGTERM that its parent did not send) and the trainer would then
 fail with "DataLoader worker (pid ...) is killed by signal" before it could
 checkpoint. `ignore_stop_signals` is the loaders' `worker_init_fn`: workers
-ignore the stop signals and end when the trainer ends, as they do on any exit
-(PyTorch's shutdown, or their watchdog when the trainer is gone).
+ignore the stop signals unless the trainer itself sends them, and end when the
+trainer ends them, as on any exit.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import threading
 
 import torch
 
@@ -69,6 +71,21 @@ class StopRequest:
 
 
 def ignore_stop_signals(worker_id: int) -> None:
-    """DataLoader `worker_init_fn`: the stop signals are the trainer's, not the worker's."""
-    for s in STOP_SIGNALS:
-        signal.signal(s, signal.SIG_IGN)
+    """DataLoader `worker_init_fn`: the stop signals are the trainer's, not the worker's.
+
+    SIGINT and SIGUSR1 are ignored. SIGTERM is ignored unless the trainer sent it: the
+    DataLoader's shutdown and multiprocessing's exit end a worker that way (and would wait
+    for it forever). A Python handler cannot see who sent a signal, so SIGTERM is blocked
+    (the worker has no other thread yet, and the threads it starts inherit the mask) and a
+    thread takes it with sigwaitinfo, which can."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    trainer = multiprocessing.parent_process().pid  # not os.getppid(): a forkserver is the parent of its workers
+    threading.Thread(target=_exit_on_sigterm_from, args=(trainer,), name="sigterm-from-trainer", daemon=True).start()
+
+
+def _exit_on_sigterm_from(trainer: int) -> None:
+    while signal.sigwaitinfo({signal.SIGTERM}).si_pid != trainer:
+        pass
+    os._exit(0)  # as PyTorch's own worker handler does on its parent's SIGTERM
