@@ -55,6 +55,14 @@ def reporting_rank() -> bool:
     return launcher_ranks()[0] == 0
 
 
+def _close_progress_bars() -> None:
+    """A progress bar that the error left open would have the message continue its line."""
+    from tqdm import tqdm
+
+    for bar in list(tqdm._instances):
+        bar.close()
+
+
 def run_main(main: Callable[[], object]) -> None:
     """Call `main` and exit with its return value where that is an exit status (an int),
     else 0; a UserError exits 2 on every rank, printed by rank 0 only as `error: ...`."""
@@ -62,6 +70,7 @@ def run_main(main: Callable[[], object]) -> None:
         status = main()
     except UserError as err:
         if reporting_rank():
+            _close_progress_bars()
             print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(USER_ERROR_EXIT)
     sys.exit(status if isinstance(status, int) else 0)

@@ -39,30 +39,6 @@ def _checkpoints(folder: Path, steps, **retention) -> Path:
     return folder
 
 
-@pytest.fixture
-def mounted(tmp_path):
-    """mount(size, read_only=False): a fresh tmpfs of `size` under tmp_path, unmounted afterwards."""
-    mounts = []
-
-    def mount(size: str, read_only: bool = False) -> Path:
-        if os.geteuid() != 0:
-            pytest.skip("mounting a tmpfs needs root")
-        point = tmp_path / f"fs{len(mounts)}"
-        point.mkdir()
-        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True, text=True)
-        if result.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-        mounts.append(point)
-        if read_only:
-            (point / "runs").mkdir()
-            subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
-        return point
-
-    yield mount
-    for point in reversed(mounts):
-        subprocess.run(["umount", str(point)], check=True)
-
-
 def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_it_loads(tmp_path):
     folder = _checkpoints(tmp_path / "checkpoints", [10, 20, 30])
     newest = folder / "step_00000030.pt"
