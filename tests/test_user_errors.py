@@ -58,13 +58,14 @@ def test_a_config_path_that_is_a_folder_or_missing(tmp_path, kind):
 
 
 def test_a_batch_that_does_not_split_over_the_processes_is_reported_once(digits_root, tmp_path):
-    """Two processes under torchrun: each exits 2, only rank 0 prints. (torchrun's own report of the
-    failed workers, with the launcher's traceback, follows: it is torchrun's, not clipscale's.)"""
+    """Two processes under torchrun: only rank 0 prints. (torchrun's own report of the failed
+    workers, with the launcher's traceback, follows: it is torchrun's, not clipscale's.)"""
     result = run_train(tiny_run(digits_root, tmp_path, "train.batch_size=255", "run.device=cpu"), nproc=2)
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert output.count("error: train.batch_size=255 is the global batch and must split evenly over 2 processes") == 1, output[-3000:]
-    assert output.count("exitcode  : 2") == 2 and "ConfigError" not in output and "train.py\", line" not in output, output[-3000:]
+    # The first rank to exit has status 2; torchrun may stop the other before it has exited by itself.
+    assert "exitcode  : 2" in output and "ConfigError" not in output and "train.py\", line" not in output, output[-3000:]
 
 
 def test_a_shard_pattern_that_matches_nothing(tmp_path):
