@@ -32,6 +32,7 @@ import torch
 from clipscale.errors import StorageError, UserError, storage_errors
 
 LATEST = "latest"
+POINTER_NAMES = (LATEST, "latest.pt")  # "latest.pt": a hard link before, still in users' commands
 CHECKPOINTS = "checkpoints"  # the run folder's subfolder holding them
 STEP_FILE = re.compile(r"step_(\d+)\.pt")
 TMP_SUFFIX = ".tmp"
@@ -195,12 +196,12 @@ def latest_checkpoint(checkpoint_dir: Path) -> Optional[Path]:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint file, its run folder, the run's checkpoints folder or `latest`, as the
-    checkpoint file to load. A CheckpointError when there is none."""
+    """A checkpoint file, its run folder, the run's checkpoints folder or `latest` (or
+    `latest.pt`), as the checkpoint file to load. A CheckpointError when there is none."""
     path = Path(path)
     if path.is_file() and path.name != LATEST:
         return path
-    folder = path.parent if path.name == LATEST else path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path
+    folder = path.parent if path.name in POINTER_NAMES else path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path
     found = latest_checkpoint(folder) if folder.is_dir() else None
     if found is None:
         raise CheckpointError(f"no checkpoint at {path}" + ("" if path.exists() else " (no such file or folder)"))
