@@ -65,8 +65,10 @@ def test_a_deleted_latest_still_resumes_from_the_newest_checkpoint(tmp_path):
     folder = _checkpoints(tmp_path / "run" / "checkpoints", [10, 20])
     (folder / LATEST).unlink()
     assert load_latest(folder, report=pytest.fail)[1]["step"] == 20
-    for given in ("run", "run/checkpoints", "run/checkpoints/latest.pt", "run/checkpoints/step_00000010.pt"):
-        assert resolve_checkpoint(tmp_path / given) == folder / ("step_00000010.pt" if "10" in given else "step_00000020.pt")
+    resolved = {"run": "step_00000020.pt", "run/checkpoints": "step_00000020.pt",
+                "run/checkpoints/latest.pt": "step_00000020.pt", "run/checkpoints/step_00000010.pt": "step_00000010.pt"}
+    for given, name in resolved.items():
+        assert resolve_checkpoint(tmp_path / given) == folder / name, given
 
 
 def test_when_no_checkpoint_loads_the_error_names_the_newest(tmp_path):
