@@ -4,26 +4,21 @@ Also `torchrun --nproc_per_node N train.py --config ...` (gloo on CPU, NCCL on G
 """
 
 import argparse
-import sys
 
 from clipscale.checks import load_checked_config
-from clipscale.config import ConfigError
+from clipscale.errors import run_main
 from clipscale.trainer import train
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/digits.yaml", help="YAML run configuration")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 loss.name=infcl")
     args = parser.parse_args()
-    try:
-        cfg = load_checked_config(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as err:
-        sys.exit(f"config error: {err}")
+    cfg = load_checked_config(args.config, args.overrides)
     results = train(cfg)
-    if "preempted_by" in results:
-        sys.exit(128 + results["preempted_by"])  # the shell convention for "killed by signal N"
+    return 128 + results["preempted_by"] if "preempted_by" in results else 0  # the shell's "killed by signal N"
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -1,55 +1,208 @@
-"""Checkpoints: open_clip's layout, written atomically, loaded safely.
+"""Checkpoints: open_clip's layout, written atomically, loaded with a fallback, pruned.
 
 A checkpoint is a dict with open_clip's keys (`state_dict` of the unwrapped
 model, `optimizer`, `scaler`, `epoch`, `name`) so `open_clip.load_checkpoint`
 and `open_clip.create_model(name, pretrained=path)` read it, plus what exact
 resumption needs: `step`, the scheduler-free training state, every rank's
-data-stream cursors and RNG states. It is written to a temporary file in the
-same folder and renamed over the target, so a crash never leaves a truncated
-checkpoint, and it is read with `weights_only=True`.
+data-stream cursors and RNG states. It is read with `weights_only=True`.
+
+    runs/<name>/checkpoints/step_00000100.pt
+    runs/<name>/checkpoints/step_00000200.pt
+    runs/<name>/checkpoints/latest          the text "step_00000200.pt"
+
+Every file is written to a temporary file in the same folder and renamed over
+the target, so a crash never leaves a truncated checkpoint; the temporary file
+is created like any other (mode 0666 less the umask). `latest` is a separate
+small file naming the newest checkpoint: damage to it cannot reach a
+checkpoint, and resuming does not depend on it (the newest step file that
+loads is used; see `load_latest`). A full disk or an unwritable folder is a
+`StorageError` naming the path.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
+import re
+import secrets
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-LATEST = "latest.pt"
+from clipscale.errors import StorageError, UserError, storage_errors
+
+LATEST = "latest"
+POINTER_NAMES = (LATEST, "latest.pt")  # "latest.pt": a hard link before, still in users' commands
+CHECKPOINTS = "checkpoints"  # the run folder's subfolder holding them
+STEP_FILE = re.compile(r"step_(\d+)\.pt")
+TMP_SUFFIX = ".tmp"
+
+
+class CheckpointError(UserError):
+    """No checkpoint of a run can be loaded, or none exists where one was asked for."""
+
+
+def step_file(step: int) -> str:
+    return f"step_{step:08d}.pt"
+
+
+def _write_atomic(path: Path, write: Callable) -> None:
+    """Call `write(file)` on a temporary file beside `path`, then rename it to `path`."""
+    with storage_errors(path, "write"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}")
+        # os.open with 0o666 lets the kernel apply the umask, as for any file the user creates
+        # (tempfile.mkstemp would make it 0600 whatever the umask).
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write(_RecordedWrites(f))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+class _RecordedWrites:
+    """A file whose write errors survive torch.save, which turns an OSError raised inside
+    its zip writer into `RuntimeError: [enforce fail at inline_container.cc] unexpected pos`."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def save_atomic(obj, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
+    """torch.save `obj` to `path`, atomically."""
+
+    def write(f: _RecordedWrites) -> None:
+        try:
             torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        except RuntimeError:
+            if hasattr(f, "error"):  # the disk refused a write: raise that (ENOSPC, EDQUOT, ...)
+                raise f.error from None
+            raise
+
+    _write_atomic(path, write)
 
 
-def save_checkpoint(checkpoint_dir: Path, step: int, state: dict) -> Path:
-    """Write step_<n>.pt atomically, then make latest.pt a hard link to it (also atomic)."""
-    path = checkpoint_dir / f"step_{step:08d}.pt"
+def write_text_atomic(path: Path, text: str) -> None:
+    _write_atomic(path, lambda f: f.write(text.encode()))
+
+
+def check_writable(folder: Path) -> None:
+    """Preflight, before data and model work: `folder` (or the nearest existing folder above
+    it, where it will be created) takes a new file of one byte. A StorageError otherwise."""
+    existing = Path(folder).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise StorageError(f"cannot create the run folder {folder}: {existing} is a file")
+    probe = existing / f".clipscale-write-test.{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}"
+    with storage_errors(existing, "write to"):
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"\0")
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            probe.unlink(missing_ok=True)
+
+
+def step_checkpoints(checkpoint_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every step checkpoint in the folder, newest first."""
+    found = [(int(m.group(1)), p) for p in Path(checkpoint_dir).glob("step_*.pt") if (m := STEP_FILE.fullmatch(p.name))]
+    return sorted(found, reverse=True)
+
+
+def save_checkpoint(checkpoint_dir: Path, step: int, state: dict, keep: Optional[int] = None,
+                    keep_every: Optional[int] = None) -> Path:
+    """Write step_<n>.pt, point `latest` at it, then delete the checkpoints that `keep`
+    (the newest N; None keeps all) and `keep_every` (multiples of it) do not retain."""
+    path = Path(checkpoint_dir) / step_file(step)
     save_atomic(state, path)
-    link = checkpoint_dir / f".{LATEST}.link"
-    link.unlink(missing_ok=True)
-    os.link(path, link)
-    os.replace(link, checkpoint_dir / LATEST)
+    write_text_atomic(path.parent / LATEST, path.name + "\n")
+    if keep is not None:
+        for old_step, old in step_checkpoints(checkpoint_dir)[keep:]:
+            if old != path and not (keep_every and old_step % keep_every == 0):
+                old.unlink(missing_ok=True)
     return path
+
+
+def remove_partial_saves(run_dir: Path) -> list[Path]:
+    """Delete the temporary files of saves that were killed, in the run folder and its
+    subfolders (checkpoints/, eval/). Only while no process of this run writes."""
+    stale = [*Path(run_dir).glob(f".*{TMP_SUFFIX}"), *Path(run_dir).glob(f"*/.*{TMP_SUFFIX}")]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
 
 
 def load_checkpoint(path: Path, map_location="cpu") -> dict:
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
+def _one_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: " + " ".join(str(err).split())[:300]
+
+
+def load_latest(checkpoint_dir: Path, report: Callable[[str], None] = print) -> Optional[tuple[Path, dict]]:
+    """The newest step checkpoint that loads, as (path, checkpoint); None when there is none.
+
+    A checkpoint that fails to load is reported with its error and the one before it is
+    tried; when none loads, a CheckpointError names the newest and its error."""
+    candidates = step_checkpoints(checkpoint_dir)
+    failed = []
+    for _, path in candidates:
+        try:
+            checkpoint = load_checkpoint(path)
+        except Exception as err:  # a damaged file raises anything from EOFError to a zip or unpickling error
+            report(f"warning: checkpoint {path} does not load ({_one_line(err)}); trying the one before it")
+            failed.append((path, err))
+            continue
+        if failed:
+            report(f"falling back to {path}, the newest checkpoint that loads")
+        return path, checkpoint
+    if failed:
+        newest, err = failed[0]
+        raise CheckpointError(
+            f"none of the {len(failed)} checkpoints in {checkpoint_dir} loads (the newest, {newest.name}: {_one_line(err)}); "
+            "start afresh with run.resume=false run.overwrite=true (the run is moved aside) or choose a new run.name"
+        )
+    return None
+
+
 def latest_checkpoint(checkpoint_dir: Path) -> Optional[Path]:
-    path = checkpoint_dir / LATEST
-    return path if path.exists() else None
+    """The checkpoint `latest` names, or the newest step file when `latest` is missing or
+    names no file; None when the folder holds no checkpoint."""
+    pointer = Path(checkpoint_dir) / LATEST
+    if pointer.is_file():
+        named = pointer.parent / pointer.read_bytes().decode(errors="replace").strip()  # damaged: any bytes
+        if named.parent == pointer.parent and STEP_FILE.fullmatch(named.name) and named.is_file():
+            return named
+    found = step_checkpoints(checkpoint_dir)
+    return found[0][1] if found else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint file, its run folder, the run's checkpoints folder or `latest` (or
+    `latest.pt`), as the checkpoint file to load. A CheckpointError when there is none."""
+    path = Path(path)
+    if path.is_file() and path.name != LATEST:
+        return path
+    folder = path.parent if path.name in POINTER_NAMES else path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path
+    found = latest_checkpoint(folder) if folder.is_dir() else None
+    if found is None:
+        raise CheckpointError(f"no checkpoint at {path}" + ("" if path.exists() else " (no such file or folder)"))
+    return found

@@ -23,8 +23,10 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from clipscale.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A configuration problem, reported before any work starts."""
 
 
@@ -34,7 +36,9 @@ class RunConfig:
     output_dir: str = "runs"
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    resume: bool = True  # continue from runs/<name>/checkpoints/latest.pt when it exists
+    resume: bool = True  # continue the run in runs/<name> when its config is this one (clipscale/run_dir.py)
+    overwrite: bool = False  # with resume: false, move an existing runs/<name> aside to runs/<name>.old-<time>
+    extend_steps: bool = False  # resume a run with a different train.steps; the cosine schedule is redrawn
 
 
 @dataclass
@@ -101,6 +105,8 @@ class TrainConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     log_every: int = 10
     checkpoint_every: int = 100
+    keep_checkpoints: Optional[int] = 3  # the newest N step checkpoints stay; null keeps all (open_clip_train's way)
+    keep_every: Optional[int] = None  # also keep every checkpoint at a multiple of this many steps
     max_nonfinite_steps: int = 10  # consecutive skipped steps before the run stops
 
 
@@ -197,7 +203,10 @@ def _override_to_nested(override: str) -> dict:
     if "=" not in override:
         raise ConfigError(f"override {override!r} must look like section.key=value")
     dotted, raw = override.split("=", 1)
-    value = yaml.safe_load(raw) if raw != "" else ""
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {override!r}: the value is not valid YAML ({_yaml_problem(err)})") from None
     nested: dict = {}
     node = nested
     parts = dotted.strip().split(".")
@@ -271,6 +280,13 @@ def check_sections(cfg: Config) -> None:
             raise ConfigError(f"{key}: must be positive, got {value}")
     if isinstance(cfg.train.chunk_size, int) and cfg.train.chunk_size <= 0:
         raise ConfigError(f"train.chunk_size: must be positive, null or 'auto', got {cfg.train.chunk_size}")
+    if cfg.train.keep_checkpoints is not None and cfg.train.keep_checkpoints < 1:
+        raise ConfigError(f"train.keep_checkpoints: must be >= 1 or null (keep all), got {cfg.train.keep_checkpoints}")
+    if cfg.train.keep_every is not None and (cfg.train.keep_every <= 0 or cfg.train.keep_every % cfg.train.checkpoint_every):
+        raise ConfigError(f"train.keep_every: must be a positive multiple of train.checkpoint_every "
+                          f"({cfg.train.checkpoint_every}) or null, got {cfg.train.keep_every}")
+    if cfg.run.overwrite and cfg.run.resume:
+        raise ConfigError("run.overwrite=true starts the run afresh: set run.resume=false with it")
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr: must be positive, got {cfg.optim.lr}")
     if cfg.data.workers < 0:
@@ -299,13 +315,30 @@ def check_world(cfg: Config, world_size: int) -> None:
         )
 
 
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's complaint and where (1-based line and column), in one line."""
+    mark = getattr(err, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(getattr(err, "problem", None) or err).split())
+
+
+def _read_yaml(path: Path):
+    if path.is_dir():
+        raise ConfigError(f"--config {path} is a folder; give a YAML file, e.g. configs/digits.yaml")
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: YAML syntax error at {_yaml_problem(err)}") from None
+
+
 def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
     """The configuration with every key and section checked; clipscale.checks.load_checked_config
     adds the checks against the components (architecture, loss, evaluation sets)."""
     raw: dict = {}
     if path is not None:
-        text = Path(path).read_text()
-        raw = yaml.safe_load(text) or {}
+        raw = _read_yaml(Path(path))
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     for override in overrides:

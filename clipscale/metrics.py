@@ -1,15 +1,25 @@
 """Where numbers go: runs/<name>/metrics.jsonl, wandb (when enabled) and the console.
 
 Only rank 0 writes. On resume, lines past the checkpoint's step are dropped so
-the file always reads as one clean curve.
+the file always reads as one clean curve, and so is a last line cut short by a
+crash or a full disk (with a warning naming the file). Every line is strict
+JSON: a non-finite number is written as null and its key listed under
+"nonfinite" (`{"step": 7, "loss": null, "nonfinite": ["loss"]}`), so any JSON
+reader takes the file.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import warnings
 from pathlib import Path
+
 from clipscale.config import Config
+from clipscale.errors import UserError, storage_errors
+
+NONFINITE = "nonfinite"  # the key listing a record's values that were NaN or infinite
 
 
 def _wandb_mode(mode: str) -> str:
@@ -29,8 +39,9 @@ class MetricsLogger:
         if not enabled:
             return
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            kept = [line for line, record in _complete_lines(self.path) if record["step"] <= resume_step]
+            with storage_errors(self.path, "write"):
+                self.path.write_text("".join(line + "\n" for line in kept))
         if cfg.wandb.enabled:
             import wandb
 
@@ -48,20 +59,49 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, **values}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        with storage_errors(self.path, "write"), self.path.open("a") as f:
+            f.write(strict_json(record) + "\n")
         if self.wandb is not None:
             self.wandb.log(values, step=step)
 
     def write_json(self, path: Path, values: dict) -> None:
         if self.enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(values, indent=1) + "\n")
+            with storage_errors(path, "write"):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(strict_json(values, indent=1) + "\n")
 
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
 
 
+def strict_json(record: dict, **options) -> str:
+    """`record` as JSON without NaN or Infinity (which strict readers reject): each non-finite
+    top-level number becomes null and its key is listed under "nonfinite"."""
+    nonfinite = [key for key, value in record.items() if isinstance(value, float) and not math.isfinite(value)]
+    if nonfinite:
+        record = {**{key: None if key in nonfinite else value for key, value in record.items()}, NONFINITE: nonfinite}
+    return json.dumps(record, allow_nan=False, **options)
+
+
+def _complete_lines(path: Path) -> list[tuple[str, dict]]:
+    """(line, record) of every line of a metrics file. A last line that is cut short is
+    dropped with a warning; an unreadable line before it is a UserError naming it."""
+    text = path.read_text()
+    lines = text.splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line:
+            continue
+        try:
+            records.append((line, json.loads(line)))
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                warnings.warn(f"{path}: dropped its last line, cut short by an interrupted write: {line[:80]!r}", stacklevel=3)
+                break
+            raise UserError(f"{path} line {number} is not JSON ({err.msg}); remove or repair that line") from None
+    return records
+
+
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
+    return [record for _, record in _complete_lines(Path(path))]

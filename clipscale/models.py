@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -33,13 +35,14 @@ from open_clip.factory import load_state_dict
 from open_clip.tokenizer import HFTokenizer
 
 from clipscale.config import ModelConfig
+from clipscale.errors import UserError
 
 OPEN_CLIP_CONFIG = "open_clip_config.json"  # what open_clip's `local-dir:` loader reads
 OPEN_CLIP_WEIGHTS = "open_clip_pytorch_model.bin"  # a weights file name that loader looks for
 MAX_KEYS_SHOWN = 8
 
 
-class WeightsError(ValueError):
+class WeightsError(UserError, ValueError):
     """A weights file that does not fit the model; the message names the keys that differ."""
 
 
@@ -54,13 +57,14 @@ class Towers:
 
 def build_model(cfg: ModelConfig) -> Towers:
     architecture = cfg.name if cfg.name is not None else register_custom(cfg.custom)
-    model, train_transform, val_transform = open_clip.create_model_and_transforms(
-        architecture,
-        output_dict=True,
-        # An HF text tower loads its weights from its directory, unless a whole-CLIP checkpoint replaces them.
-        pretrained_text=cfg.pretrained is None,
-        **{f"image_{key}": value for key, value in (cfg.preprocess or {}).items()},
-    )
+    with _without_random_init_warning(cfg.pretrained is not None):
+        model, train_transform, val_transform = open_clip.create_model_and_transforms(
+            architecture,
+            output_dict=True,
+            # An HF text tower loads its weights from its directory, unless a whole-CLIP checkpoint replaces them.
+            pretrained_text=cfg.pretrained is None,
+            **{f"image_{key}": value for key, value in (cfg.preprocess or {}).items()},
+        )
     if cfg.pretrained is not None:
         load_clip_checkpoint(model, cfg.pretrained)
     if cfg.pretrained_image is not None:
@@ -78,6 +82,21 @@ def build_model(cfg: ModelConfig) -> Towers:
         "preprocess_cfg": open_clip.get_model_preprocess_cfg(model),
     }
     return Towers(model, train_transform, val_transform, open_clip.get_tokenizer(architecture), open_clip_config)
+
+
+@contextmanager
+def _without_random_init_warning(weights_follow: bool):
+    """open_clip warns "No pretrained weights loaded ... initialized randomly" (on the root
+    logger) for any model it builds without weights; false when model.pretrained loads next."""
+    def drop(record: logging.LogRecord) -> bool:
+        return not (weights_follow and "initialized randomly" in record.getMessage())
+
+    root = logging.getLogger()
+    root.addFilter(drop)
+    try:
+        yield
+    finally:
+        root.removeFilter(drop)
 
 
 def register_custom(custom: dict) -> str:

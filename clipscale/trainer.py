@@ -16,7 +16,6 @@ into encoder chunks (`TrainStep`, Gradient Cache), nor how the batch reaches the
 from __future__ import annotations
 
 import resource
-import signal
 import time
 import warnings
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from clipscale.metrics import MetricsLogger
 from clipscale.models import OPEN_CLIP_WEIGHTS, Towers, build_model, write_open_clip_folder
 from clipscale.optim import build_optimizer, cosine_lr
 from clipscale.run_state import RunState
+from clipscale.signals import StopRequest, ignore_stop_signals
 from clipscale.step import AUTOCAST_DTYPES, TrainStep
 
 
@@ -52,34 +52,11 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-class Preemption:
-    """SIGTERM / SIGUSR1 (what SLURM and torchrun send before stopping a job) ask the
-    loop to finish its current step, checkpoint and leave. Ranks agree on the step
-    to stop at, so they all write the same checkpoint."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self):
-        self.signum = 0
-        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-
-    def _handle(self, signum, frame):
-        self.signum = signum
-
-    def requested(self, device: torch.device) -> int:
-        """The signal number any rank received (0 for none)."""
-        return int(all_reduce_max(self.signum, device))
-
-    def restore(self) -> None:
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
 def train(cfg: Config) -> dict:
     """Run (or resume) the configured job. Returns the last evaluation's results,
     or {"preempted_by": signal number} when a signal stopped it after a checkpoint."""
     world = init_distributed(cfg.run.device)
-    preemption = Preemption()
+    preemption = StopRequest()
     run = None
     try:
         run = Run.assemble(cfg, world)
@@ -163,7 +140,7 @@ class Run:
         return cls(cfg, world, run_dir, data, towers, model, step, stream_state, state, start_step, batches,
                    decode_pool, evaluator, logger)
 
-    def fit(self, preemption: Preemption) -> dict:
+    def fit(self, preemption: StopRequest) -> dict:
         cfg, world = self.cfg, self.world
         self.enter_train_mode()
         progress = tqdm(total=cfg.train.steps, initial=self.start_step, disable=not world.is_main, desc=cfg.run.name,
@@ -243,7 +220,8 @@ class Run:
     def checkpoint(self, step_number: int) -> None:
         checkpoint = self.state.capture(step_number)
         if checkpoint is not None:
-            save_checkpoint(self.run_dir / "checkpoints", step_number, checkpoint)
+            save_checkpoint(self.run_dir / "checkpoints", step_number, checkpoint, keep=self.cfg.train.keep_checkpoints,
+                            keep_every=self.cfg.train.keep_every)
 
     def close(self) -> None:
         self.batches.close()
@@ -280,7 +258,7 @@ def stream_batches(cfg: Config, data: PreparedData, towers: Towers, world: World
         keep_encoded=cfg.train.offload,
     )
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=cfg.data.workers,
-                                         persistent_workers=cfg.data.workers > 0)
+                                         persistent_workers=cfg.data.workers > 0, worker_init_fn=ignore_stop_signals)
     pool, offloaded = None, None
     if cfg.train.offload:
         pool = DecodePool(split.decode, cfg.data.decode_workers or max(1, cfg.data.workers))

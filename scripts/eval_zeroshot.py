@@ -1,15 +1,18 @@
 """Zero-shot classification or retrieval of a checkpoint, written as CLIP_benchmark-style JSON.
 
-    python scripts/eval_zeroshot.py --checkpoint runs/digits/checkpoints/latest.pt \
+    python scripts/eval_zeroshot.py --checkpoint runs/digits \
         --task imagefolder --data /data/digits-val --output results.json
     python scripts/eval_zeroshot.py --checkpoint ViT-B-32-laion2b.pt --model ViT-B-32 \
         --task imagenet --data /data/imagenet/val
     torchrun --nproc-per-node 8 scripts/eval_zeroshot.py ...   # each GPU evaluates its part
 
-The model comes from the checkpoint's own config (clipscale checkpoints) or
-from --model: an open_clip architecture name or an open_clip model-config JSON
-(embed_dim, vision_cfg, text_cfg). Weights load through open_clip, which reads
-both open_clip's and clipscale's layout ("state_dict", "module." prefixes).
+--checkpoint is a .pt file or a run folder (then its latest checkpoint). The
+model comes from the checkpoint's own config (clipscale checkpoints) or from
+--model: an open_clip architecture name, an open_clip model-config JSON
+(embed_dim, vision_cfg, text_cfg), or a run folder or its open_clip_config.json
+(the model and preprocessing config clipscale writes there). Weights load
+through open_clip, which reads both open_clip's and clipscale's layout
+("state_dict", "module." prefixes).
 --task is a built-in set (see clipscale.eval.tasks) or a YAML/JSON task file;
 the options below override its fields.
 """
@@ -20,19 +23,23 @@ import argparse
 import json
 from pathlib import Path
 
+import open_clip
 import torch
 
+from clipscale.checkpoint import resolve_checkpoint
 from clipscale.checks import check_model
-from clipscale.config import ConfigError, ModelConfig
+from clipscale.config import ModelConfig
 from clipscale.distributed import init_distributed, shutdown_distributed
+from clipscale.errors import UserError, run_main
 from clipscale.eval.tasks import resolve_task, run_task
-from clipscale.models import build_model
+from clipscale.models import OPEN_CLIP_CONFIG, PREPROCESS_KEYS, build_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="local .pt file (clipscale or open_clip)")
-    p.add_argument("--model", help="open_clip model name or model-config JSON; default: the checkpoint's config")
+    p.add_argument("--checkpoint", required=True, help="local .pt file (clipscale or open_clip), or a run folder")
+    p.add_argument("--model", help="open_clip model name, model-config JSON, run folder or its open_clip_config.json; "
+                                   "default: the checkpoint's config")
     p.add_argument("--task", required=True, help="built-in task name or a YAML/JSON task file")
     p.add_argument("--data", help="image folder, shard pattern or caption JSON")
     p.add_argument("--image-root", help="coco: folder the caption JSON's image paths are relative to")
@@ -55,20 +62,25 @@ def model_config(checkpoint: str, model: str | None) -> ModelConfig:
         # mmap: read the config without loading every tensor into memory.
         saved = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
         if not isinstance(saved, dict) or "config" not in saved:
-            raise SystemExit(f"{checkpoint} has no clipscale config; say which architecture with --model")
+            raise UserError(f"{checkpoint} has no clipscale config; say which architecture with --model")
         return ModelConfig(**{**saved["config"]["model"], "pretrained": checkpoint, "grad_checkpointing": False})
-    if Path(model).is_file():
-        return ModelConfig(custom=json.loads(Path(model).read_text()), pretrained=checkpoint)
-    return ModelConfig(name=model, pretrained=checkpoint)
+    path = Path(model) / OPEN_CLIP_CONFIG if Path(model).is_dir() else Path(model)
+    if not path.is_file():
+        if model not in open_clip.list_models():
+            raise UserError(f"--model {model}: no such file or folder, nor an open_clip architecture")
+        return ModelConfig(name=model, pretrained=checkpoint)
+    written = json.loads(path.read_text())
+    if "model_cfg" in written:  # a run folder's open_clip_config.json: the model and its preprocessing
+        preprocess = {k: v for k, v in written.get("preprocess_cfg", {}).items() if k in PREPROCESS_KEYS}
+        return ModelConfig(custom=written["model_cfg"], preprocess=preprocess or None, pretrained=checkpoint)
+    return ModelConfig(custom=written, pretrained=checkpoint)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    args.checkpoint = str(resolve_checkpoint(args.checkpoint))
     model_cfg = model_config(args.checkpoint, args.model)
-    try:
-        check_model(model_cfg)  # the same model checks as a training run, before any work
-    except ConfigError as err:
-        raise SystemExit(f"config error: {err}") from None
+    check_model(model_cfg)  # the same model checks as a training run, before any work
     world = init_distributed(args.device)
     task = resolve_task(
         args.task,
@@ -112,4 +124,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

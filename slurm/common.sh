@@ -17,7 +17,7 @@ RENDEZVOUS_PORT=${RENDEZVOUS_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 # The trap passes SIGTERM on to every task of the job's steps (scancel without
 # --batch skips this script): the trainer then finishes its step, writes a
 # checkpoint on all ranks alike and exits. Once the step has ended, the job is
-# requeued; it keeps its id, and the trainer resumes from latest.pt.
+# requeued; it keeps its id, and the trainer resumes from its newest checkpoint.
 # A plain `scancel <job>` is not a notice: it ends the job for good.
 run_requeueable() {
     local preempted=""

@@ -1,6 +1,7 @@
 """Session setup and fixtures shared by the test modules."""
 
 import os
+import subprocess
 from pathlib import Path
 
 # Triton decides when it is first imported whether its own @jit library functions
@@ -27,3 +28,28 @@ def digits_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("digits")
     write_digits_shards(root, image_size=32)
     return root
+
+
+@pytest.fixture
+def mounted(tmp_path):
+    """mount(size, read_only=False): a fresh tmpfs of `size` under tmp_path, unmounted afterwards:
+    a disk that fills up, or a read-only one (root ignores file modes, not a read-only mount)."""
+    mounts = []
+
+    def mount(size: str, read_only: bool = False) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        point = tmp_path / f"fs{len(mounts)}"
+        point.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+        mounts.append(point)
+        if read_only:
+            (point / "runs").mkdir()
+            subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
+        return point
+
+    yield mount
+    for point in reversed(mounts):
+        subprocess.run(["umount", str(point)], check=True)

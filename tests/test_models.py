@@ -16,6 +16,7 @@ import torch
 from open_clip.tokenizer import HFTokenizer
 
 from clipscale.checks import load_checked_config
+from clipscale.checkpoint import latest_checkpoint
 from clipscale.config import ConfigError, ModelConfig, load_config
 from clipscale.data.digits import CLASSNAMES
 from clipscale.gradcache import GradCache
@@ -229,7 +230,7 @@ def test_our_run_loads_in_open_clip(digits_root, hf_folder, tmp_path):
     assert (run_dir / OPEN_CLIP_WEIGHTS).exists()
 
     ours = build_model(cfg.model)
-    ours.model.load_state_dict(torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)["state_dict"])
+    ours.model.load_state_dict(torch.load(latest_checkpoint(run_dir / "checkpoints"), weights_only=True)["state_dict"])
     theirs = open_clip.create_model(f"local-dir:{run_dir}", output_dict=True)
     tokenizer = open_clip.get_tokenizer(f"local-dir:{run_dir}")
     images, texts = sample_inputs(ours)
@@ -253,7 +254,7 @@ def test_training_starts_from_an_open_clip_checkpoint_with_lit(digits_root, tmp_
     torch.save({"epoch": 3, "state_dict": {f"module.{k}": v for k, v in pretrained.items()}}, tmp_path / "epoch_3.pt")
 
     _, run_dir = train_tiny(digits_root, tmp_path, "lit", f"model.pretrained={tmp_path / 'epoch_3.pt'}", "model.lock_image=true")
-    trained = torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)["state_dict"]
+    trained = torch.load(latest_checkpoint(run_dir / "checkpoints"), weights_only=True)["state_dict"]
     for key, value in trained.items():
         if key.startswith("visual."):
             assert torch.equal(value, pretrained[key]), key

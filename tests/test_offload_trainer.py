@@ -1,13 +1,15 @@
-"""Data offload in the trainer: the batch stays on the host as the shards' encoded bytes.
+"""The streamed batch and data offload in the trainer.
 
-The loader keeps each image's bytes and its drawn crop (`EncodedImages`); GradCache
-decodes a chunk at a time in both passes (`DeferredTransform.decode`, in threads) and
-normalises on the device. These tests hold that path to the decoded one: the same
-pixels bit for bit, the same samples skipped, the same loss curve, the same resume.
+Loader pieces hold uint8 pixels (`SplitTransform`: the float steps run on the device);
+with offload they also keep each image's bytes and its drawn crop (`EncodedImages`), which
+the second Gradient Cache pass decodes again in processes. These tests hold both to the
+whole-transform path: the same pixels bit for bit, the same samples skipped, the same
+batches, the same loss curve, the same resume.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -18,8 +20,11 @@ import torchvision.transforms as T
 from open_clip.transform import image_transform
 
 from clipscale.config import load_config
-from clipscale.data.offload import EncodedSamples
-from clipscale.data.shards import DeferredTransform, EncodedImages, ShardErrors, ShardStream, StreamState
+from clipscale.data.batches import BatchStream
+from clipscale.data.offload import EncodedImages, OffloadedImages
+from clipscale.data.shards import ShardErrors, ShardStream, StreamState
+from clipscale.data.transforms import SplitTransform
+from clipscale.step import TrainStep
 from clipscale.metrics import read_metrics
 
 from tiny_runs import DIGITS_YAML, tiny_run
@@ -33,54 +38,83 @@ def _shards(digits_root) -> list[str]:
     return [str(digits_root / s) for s in manifest["train_shards"]]
 
 
-def _stream(digits_root, transform, offload: bool, state=None, workers=0):
+def _stream(digits_root, transform, offload: bool, state=None, workers=0, split=True, piece_size=50):
     return ShardStream(
-        _shards(digits_root), batch_size=50, rank=0, world_size=1, num_workers=workers, seed=3,
-        image_transform=transform, tokenizer=lambda captions: captions, shuffle_buffer=100, state=state,
-        deferred=DeferredTransform.split(transform) if offload else None,
+        _shards(digits_root), piece_size=piece_size, rank=0, world_size=1, num_workers=workers, seed=3,
+        image_transform=transform, tokenizer=lambda captions: torch.tensor([len(c) for c in captions]),
+        shuffle_buffer=100, state=state, split=SplitTransform.split(transform) if split or offload else None,
+        keep_encoded=offload,
     )
 
 
-def _decode_all(images: EncodedImages, deferred: DeferredTransform) -> torch.Tensor:
-    return deferred.device_transform(torch.stack([deferred.decode(images[i]) for i in range(len(images))]))
-
-
 @pytest.mark.parametrize("transform", [OPEN_CLIP_TRAIN, PLAIN_CROP], ids=["open_clip", "crop_to_tensor"])
-def test_deferred_decode_gives_the_decoded_streams_pixels_bit_for_bit(digits_root, transform):
-    deferred = DeferredTransform.split(transform)
-    assert deferred is not None
-    decoded = iter(_stream(digits_root, transform, offload=False))
+def test_uint8_pieces_and_kept_bytes_give_the_whole_transforms_pixels_bit_for_bit(digits_root, transform):
+    split = SplitTransform.split(transform)
+    assert split is not None
+    whole = iter(_stream(digits_root, transform, offload=False, split=False))
     encoded = iter(_stream(digits_root, transform, offload=True))
     for _ in range(30):  # 1,500 samples: crosses an epoch boundary
-        a, b = next(decoded), next(encoded)
-        assert a["cursor"] == b["cursor"] and a["texts"] == b["texts"]
-        assert isinstance(b["images"], EncodedImages) and len(b["images"]) == 50
+        a, b = next(whole), next(encoded)
+        assert a["cursor"] == b["cursor"] and torch.equal(a["texts"], b["texts"])
+        assert b["images"].dtype == torch.uint8 and b["images"].shape == (50, 3, 32, 32)
+        assert torch.equal(split.to_float(b["images"]), a["images"])
         rng = torch.get_rng_state()
-        pixels = torch.stack([deferred.decode(b["images"][i]) for i in range(50)])
+        again = torch.stack([split.decode(b["encoded"][i]) for i in range(50)])
         assert torch.equal(torch.get_rng_state(), rng), "decode touched the global RNG"
-        assert pixels.dtype == torch.uint8 and pixels.shape == (50, 3, 32, 32)
-        assert torch.equal(deferred.device_transform(pixels), a["images"])
+        assert torch.equal(again, b["images"])
+
+
+def _streamed(loader, batch_size, piece_size, to_float, count):
+    """`count` batches from BatchStream, as the trainer takes them, with the stream state after each."""
+    stream, state, out = BatchStream(loader, batch_size=batch_size, piece_size=piece_size, batches=count,
+                                     to_float=to_float), StreamState(), []
+    for _ in range(count):
+        batch = stream.next()
+        images = torch.cat([batch.images.submit(s, s + piece_size)() for s in range(0, batch_size, piece_size)])
+        texts = batch.texts.submit(0, batch_size)().clone()
+        batch.consumed(state)
+        out.append((to_float(images), texts, copy.deepcopy(state)))
+        stream.release(batch)
+    stream.close()
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_streamed_batch_is_todays_whole_batch_bit_for_bit(digits_root, workers):
+    """Pieces of 16 gathered into batches of 64 on the host == the whole batches of 64 that one
+    worker assembled with the whole transform: pixels, tokens, cursors and counts."""
+    split = SplitTransform.split(OPEN_CLIP_TRAIN)
+
+    def loader(**kwargs):
+        return torch.utils.data.DataLoader(_stream(digits_root, OPEN_CLIP_TRAIN, offload=False, workers=workers, **kwargs),
+                                           batch_size=None, num_workers=workers)
+
+    whole = [(b["images"], b["texts"], b["cursor"]) for b, _ in zip(loader(split=False, piece_size=64), range(8))]
+    streamed = _streamed(loader(piece_size=16), 64, 16, split.to_float, 8)
+    for (images, texts, cursor), (s_images, s_texts, state) in zip(whole, streamed):
+        assert torch.equal(s_images, images) and torch.equal(s_texts, texts)
+        assert state.cursors[cursor[0]] == cursor[1:]
 
 
 @pytest.mark.filterwarnings("ignore:Unused augmentation cfg items")  # open_clip's, about items it does use
-def test_transforms_that_cannot_be_deferred_are_refused():
+def test_transforms_that_cannot_be_split_are_refused():
     jitter = image_transform(32, is_train=True, aug_cfg={"color_jitter_prob": 0.5, "color_jitter": (0.4, 0.4, 0.4, 0.1)})
-    assert DeferredTransform.split(jitter) is None  # a random step without explicit parameters
-    assert DeferredTransform.split(T.Compose([T.Resize(40), T.RandomResizedCrop(32), T.ToTensor()])) is None
-    assert DeferredTransform.split(T.Compose([T.RandomResizedCrop(32), T.ToTensor(), T.RandomErasing()])) is None
-    assert DeferredTransform.split(image_transform(32, is_train=False)) is not None  # resize, centre crop: deterministic
+    assert SplitTransform.split(jitter) is None  # a random step without explicit parameters
+    assert SplitTransform.split(T.Compose([T.Resize(40), T.RandomResizedCrop(32), T.ToTensor()])) is None
+    assert SplitTransform.split(T.Compose([T.RandomResizedCrop(32), T.ToTensor(), T.RandomErasing()])) is None
+    assert SplitTransform.split(image_transform(32, is_train=False)) is not None  # resize, centre crop: deterministic
 
 
-def test_the_offloaded_batch_is_the_encoded_bytes(digits_root):
-    """What the loader hands over is the shards' PNG bytes, in stream order, not pixels."""
+def test_the_offloaded_piece_keeps_the_encoded_bytes(digits_root):
+    """What the loader hands over with offload is the shards' PNG bytes, in stream order."""
     stream = _stream(digits_root, OPEN_CLIP_TRAIN, offload=True)
-    batch = next(iter(stream))
+    piece = next(iter(stream))
     raw = [s["png"] for s, _ in zip(stream._raw_samples(0, 0, 1, ShardErrors()), range(50))]  # digits: none skipped
-    images = batch["images"]
-    assert images.data.numpy().tobytes() == b"".join(raw)
-    assert [images[i][0] for i in range(50)] == raw
-    assert images.nbytes == sum(map(len, raw)) + 51 * 8 + 50 * 4 * 8  # the bytes, the offsets, the crop boxes
-    assert images.nbytes < 50 * 3 * 32 * 32  # smaller even than uint8 pixels (the float batch: 4x that)
+    encoded = piece["encoded"]
+    assert encoded.data.numpy().tobytes() == b"".join(raw)
+    assert [encoded[i][0] for i in range(50)] == raw
+    assert encoded.nbytes == sum(map(len, raw)) + 51 * 8 + 50 * 4 * 8  # the bytes, the offsets, the crop boxes
+    assert encoded.nbytes < 50 * 3 * 32 * 32  # smaller even than uint8 pixels
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -89,8 +123,8 @@ def test_an_offloaded_stream_resumes_exactly(digits_root, workers):
         loader = torch.utils.data.DataLoader(_stream(digits_root, OPEN_CLIP_TRAIN, True, state, workers),
                                              batch_size=None, num_workers=workers)
         out = []
-        for batch in loader:
-            out.append(batch)
+        for piece in loader:
+            out.append(piece)
             if len(out) == count:
                 return out
 
@@ -100,8 +134,8 @@ def test_an_offloaded_stream_resumes_exactly(digits_root, workers):
         state.update(batch)
     resumed = batches(state, 15)
     for a, b in zip(uninterrupted[21:], resumed):
-        assert a["cursor"] == b["cursor"] and a["texts"] == b["texts"]
-        assert isinstance(b["images"], EncodedImages) and a["images"] == b["images"]
+        assert a["cursor"] == b["cursor"] and torch.equal(a["texts"], b["texts"])
+        assert torch.equal(a["images"], b["images"]) and torch.equal(a["encoded"].data, b["encoded"].data)
 
 
 # --- the trainer -------------------------------------------------------------------------
@@ -111,20 +145,15 @@ def _train(digits_root, tmp_path, name, *extra, monkeypatch=None, record=None):
     import clipscale.trainer as trainer
 
     if record is not None:
-        real_build_step = trainer.build_step
+        real_call = TrainStep.__call__
 
-        def recording_build_step(*args):
-            step = real_build_step(*args)
+        def recording_call(step, images, texts, lr=None):
+            record.append((images, texts))
+            if len(record) == preempt_at:
+                os.kill(os.getpid(), signal.SIGTERM)  # as SLURM would: checkpoint after this step and stop
+            return real_call(step, images, texts, lr)
 
-            def run(images, texts):
-                record.append((images, texts))
-                if len(record) == preempt_at:
-                    os.kill(os.getpid(), signal.SIGTERM)  # as SLURM would: checkpoint after this step and stop
-                return step(images, texts)
-
-            return run
-
-        monkeypatch.setattr(trainer, "build_step", recording_build_step)
+        monkeypatch.setattr(TrainStep, "__call__", recording_call)
     preempt_at = next((int(e.split("=")[1]) for e in extra if e.startswith("preempt_at=")), None)
     extra = [e for e in extra if not e.startswith("preempt_at=")]
     overrides = tiny_run(digits_root, tmp_path, f"run.name={name}", "eval.zeroshot=false", "train.steps=6",
@@ -133,15 +162,22 @@ def _train(digits_root, tmp_path, name, *extra, monkeypatch=None, record=None):
     return result, [m["loss"] for m in read_metrics(tmp_path / name / "metrics.jsonl")]
 
 
-def test_the_trainer_streams_encoded_images_to_gradcache(digits_root, tmp_path, monkeypatch, recwarn):
+def test_the_trainer_streams_offloaded_images_to_the_step(digits_root, tmp_path, monkeypatch, recwarn):
     record: list = []
     _train(digits_root, tmp_path, "offload", "data.workers=1", "train.offload=true", monkeypatch=monkeypatch, record=record)
     assert len(record) == 6
     for images, texts in record:
-        assert isinstance(images, EncodedSamples) and isinstance(images.samples, EncodedImages)
+        assert isinstance(images, OffloadedImages)
         assert len(images) == len(texts) == 64
-        assert images.samples.nbytes < 64 * 3 * 32 * 32  # PNG bytes, about 1.1 KB a digit
-    assert not [w for w in recwarn if "cannot be deferred" in str(w.message)]
+        assert sum(e.nbytes for _, e in images.encoded) < 64 * 3 * 32 * 32  # PNG bytes, about 1.1 KB a digit
+    assert not [w for w in recwarn if "does not split" in str(w.message)]
+
+
+def test_an_offloaded_run_follows_the_streamed_runs_curve(digits_root, tmp_path):
+    """Pass 2 decodes the kept bytes again in processes: the same losses as holding the pixels."""
+    _, streamed = _train(digits_root, tmp_path, "pixels", "data.workers=1")
+    _, offloaded = _train(digits_root, tmp_path, "bytes", "data.workers=1", "train.offload=true")
+    assert offloaded == pytest.approx(streamed, rel=1e-6, abs=1e-6)
 
 
 def test_an_offloaded_run_resumes_on_the_same_curve(digits_root, tmp_path, monkeypatch):

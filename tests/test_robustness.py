@@ -18,6 +18,7 @@ import torchvision.transforms as T
 import webdataset as wds
 from PIL import Image
 
+from clipscale.checkpoint import latest_checkpoint
 from clipscale.config import load_config
 from clipscale.data.shards import ShardErrors, ShardStream, StreamState
 from clipscale.data.transforms import SplitTransform
@@ -125,7 +126,7 @@ def test_training_on_broken_shards_runs_to_the_end_and_logs_the_counts(broken_sh
         last = metrics[-1]
         assert sum(m["skipped_samples"] for m in metrics) == last["skipped_samples_total"] >= 2 * 16
         assert sum(m["shard_errors"] for m in metrics) == last["shard_errors_total"] >= 2  # 320 samples: 2+ epochs
-        checkpoint = torch.load(tmp_path / name / "checkpoints" / "latest.pt", weights_only=True)
+        checkpoint = torch.load(latest_checkpoint(tmp_path / name / "checkpoints"), weights_only=True)
         assert checkpoint["data"][0]["skipped_samples"] == last["skipped_samples_total"]
         # The same samples, cursors and counts; the offloaded run's loader pieces are smaller (its chunks are).
         stream = [{k: v for k, v in rank.items() if k != "pieces"} for rank in checkpoint["data"]]
@@ -166,7 +167,7 @@ def test_a_worker_killed_mid_run_is_restarted_from_the_latest_checkpoint(digits_
     assert agent.returncode == 0, stderr[-3000:]
     assert "exitcode: -9" in stderr  # the agent saw the kill, and the restarted world finished
 
-    final = {name: torch.load(tmp_path / name / "checkpoints" / "latest.pt", weights_only=True) for name in ("reference", "killed")}
+    final = {name: torch.load(latest_checkpoint(tmp_path / name / "checkpoints"), weights_only=True) for name in ("reference", "killed")}
     assert final["killed"]["step"] == 40
     for key, tensor in final["reference"]["state_dict"].items():
         assert torch.equal(final["killed"]["state_dict"][key], tensor), key

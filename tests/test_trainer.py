@@ -13,6 +13,8 @@ import time
 import pytest
 import torch
 
+from clipscale.checkpoint import latest_checkpoint
+from clipscale.checks import load_checked_config
 from clipscale.config import ConfigError, check_world, load_config
 from clipscale.data.digits import CAPTION_TEMPLATES, ZEROSHOT_TEMPLATES
 from clipscale.data.shards import ShardStream, StreamState
@@ -40,7 +42,7 @@ from tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
 )
 def test_config_errors_name_the_key(override, expected):
     with pytest.raises(ConfigError, match=None) as err:
-        load_config(DIGITS_YAML, [override])
+        load_checked_config(DIGITS_YAML, [override])
     assert expected in str(err.value)
 
 
@@ -91,7 +93,7 @@ def _stream(digits_root, workers, state=None):
 
     return ShardStream(
         [str(digits_root / s) for s in manifest["train_shards"]],
-        batch_size=50, rank=0, world_size=1, num_workers=workers, seed=3,
+        piece_size=50, rank=0, world_size=1, num_workers=workers, seed=3,
         image_transform=T.Compose([T.RandomResizedCrop(32, scale=(0.5, 1.0)), T.ToTensor()]),
         tokenizer=lambda captions: captions, shuffle_buffer=100, state=state,
     )
@@ -179,7 +181,7 @@ def test_torchrun_two_processes(digits_root, tmp_path):
     run_dir = tmp_path / "tiny"
     losses = [m["loss"] for m in read_metrics(run_dir / "metrics.jsonl") if "loss" in m]
     assert len(losses) == 12 and losses[-1] < losses[0]
-    ckpt = torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)
+    ckpt = torch.load(latest_checkpoint(run_dir / "checkpoints"), weights_only=True)
     assert ckpt["step"] == 12 and len(ckpt["data"]) == 2  # both ranks' data cursors
     assert (run_dir / "eval" / "step_00000012.json").exists()
 
@@ -246,19 +248,18 @@ def test_wandb_logs_offline_without_a_key(digits_root, tmp_path, monkeypatch):
 
 def test_gradient_cache_and_offload_follow_the_plain_curve(digits_root, tmp_path, monkeypatch):
     """train.chunk_size splits each step into Gradient Cache chunks; the training is the same.
-    With train.offload the batch stays on the host as PNG bytes, decoded a chunk at a time in
-    each pass (in the loader process or a worker's); with a transform that cannot be deferred,
-    as decoded floats."""
-    from clipscale.data.shards import DeferredTransform
+    With train.offload the batch keeps PNG bytes, decoded again in processes for the second
+    pass; with a transform that cannot be split, the pieces hold the whole transform's floats."""
+    from clipscale.data.transforms import SplitTransform
     from clipscale.trainer import train
 
     offload = ["train.chunk_size=24", "train.offload=true"]
     runs = {"plain": [], "chunked": ["train.chunk_size=24"], "offload": offload,
-            "offload_worker": [*offload, "data.workers=1"], "offload_decoded": offload}
+            "offload_worker": [*offload, "data.workers=1"], "float_pieces": ["train.chunk_size=24"]}
     curves = {}
     for name, extra in runs.items():
-        if name == "offload_decoded":
-            monkeypatch.setattr(DeferredTransform, "split", classmethod(lambda cls, transform: None))
+        if name == "float_pieces":
+            monkeypatch.setattr(SplitTransform, "split", classmethod(lambda cls, transform: None))
         overrides = tiny_run(digits_root, tmp_path, f"run.name={name}", "data.workers=0", "eval.zeroshot=false", "train.steps=5", *extra)
         train(load_config(DIGITS_YAML, overrides))
         curves[name] = [m["loss"] for m in read_metrics(tmp_path / name / "metrics.jsonl")]

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import webdataset as wds
 
-from clipscale.config import DataConfig
+from clipscale.config import ConfigError, DataConfig
 from clipscale.data.digits import write_digits_shards
 from clipscale.distributed import World
 
@@ -42,9 +42,19 @@ class PreparedData:
             yield torch.stack(batch_images), torch.tensor(batch_labels)
 
 
+def local_shards(pattern: str, key: str) -> list[str]:
+    """The shards a brace pattern names; a ConfigError when a local one is missing (URLs and pipes are not checked)."""
+    shards = wds.shardlists.expand_urls(pattern)
+    missing = [s for s in shards if "://" not in s and not s.startswith("pipe:") and not Path(s).is_file()]
+    if missing:
+        which = "no file" if len(missing) == len(shards) else f"{len(missing)} missing files of {len(shards)}"
+        raise ConfigError(f"{key}: {pattern!r} matches {which} (first missing: {missing[0]})")
+    return shards
+
+
 def prepare_data(cfg: DataConfig, world: World) -> PreparedData:
     if cfg.kind == "webdataset":
-        return PreparedData(train_shards=wds.shardlists.expand_urls(cfg.train_shards), num_train=0)
+        return PreparedData(train_shards=local_shards(cfg.train_shards, "data.train_shards"), num_train=0)
     if world.is_main:  # one writer; the others wait for the manifest
         write_digits_shards(cfg.root, cfg.image_size)
     if dist.is_initialized():

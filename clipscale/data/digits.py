@@ -21,6 +21,8 @@ import numpy as np
 import webdataset as wds
 from PIL import Image
 
+from clipscale.config import ConfigError
+
 CLASSNAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
 # Training captions: the class appears as a word or a numeral in varied phrasing.
@@ -93,8 +95,8 @@ def write_digits_shards(root: str | Path, image_size: int) -> dict:
         manifest = json.loads(manifest_path.read_text())
         if manifest["image_size"] == image_size:
             return manifest
-        raise ValueError(
-            f"{root} holds digits shards of image size {manifest['image_size']}, not {image_size}: "
+        raise ConfigError(
+            f"data.root: {root} holds digits shards of image size {manifest['image_size']}, not {image_size}: "
             "choose another data.root or delete the folder"
         )
     from sklearn.datasets import load_digits
@@ -125,4 +127,6 @@ def write_digits_shards(root: str | Path, image_size: int) -> dict:
     for name in ("classnames.txt", "templates.txt", "manifest.json"):  # the manifest last: it marks the shards done
         (partial / name).replace(root / name)
     partial.rmdir()
+    print(f"wrote the digits shards to {root}: {len(train_idx)} training images in {len(train)} shards, "
+          f"{len(val_idx)} held out in {len(val)}", flush=True)
     return manifest

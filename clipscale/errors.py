@@ -1,0 +1,76 @@
+"""Errors the user can fix, reported as one line; everything else keeps its traceback.
+
+A `UserError` (a bad config value, a YAML syntax error, a missing file, a full
+disk, a read-only folder) is printed once, by rank 0, as `error: <message>`,
+and every rank exits with status 2. Any other exception is a bug: its
+traceback stays. Entry points run their main function through `run_main`:
+
+    if __name__ == "__main__":
+        run_main(main)
+"""
+
+from __future__ import annotations
+
+import errno
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+USER_ERROR_EXIT = 2  # what argparse uses for a bad command line
+STORAGE_ERRNOS = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
+
+
+class UserError(Exception):
+    """A problem the user can fix from its message alone (no traceback is shown)."""
+
+
+class StorageError(UserError):
+    """A folder that cannot be written: full disk, quota, read-only, permissions."""
+
+
+@contextmanager
+def storage_errors(path: Path, doing: str) -> Iterator[None]:
+    """Report a full disk or an unwritable folder as a StorageError naming `path`;
+    other OS errors are not the user's and pass through."""
+    try:
+        yield
+    except OSError as err:
+        reason = STORAGE_ERRNOS.get(err.errno)
+        if reason is None:
+            raise
+        raise StorageError(f"cannot {doing} {path}: {reason}") from err
+
+
+def reporting_rank() -> bool:
+    """Whether this process prints user errors: rank 0 of the launcher's world (or a single process)."""
+    from clipscale.distributed import launcher_ranks
+
+    return launcher_ranks()[0] == 0
+
+
+def _close_progress_bars() -> None:
+    """A progress bar that the error left open would have the message continue its line."""
+    from tqdm import tqdm
+
+    for bar in list(tqdm._instances):
+        bar.close()
+
+
+def run_main(main: Callable[[], object]) -> None:
+    """Call `main` and exit with its return value where that is an exit status (an int),
+    else 0; a UserError exits 2 on every rank, printed by rank 0 only as `error: ...`."""
+    try:
+        status = main()
+    except UserError as err:
+        if reporting_rank():
+            _close_progress_bars()
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(USER_ERROR_EXIT)
+    sys.exit(status if isinstance(status, int) else 0)

@@ -1,0 +1,107 @@
+"""Stop signals, delivered for real to a whole process group (as Slurm, torchrun and a terminal
+do), to a process that iterates a DataLoader with worker processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tiny_runs import REPO
+
+# Iterates a DataLoader with 2 workers (ignore_stop_signals as worker_init_fn unless argv[1] is
+# "plain") under a StopRequest. After a stop request it takes 8 more batches, more than the
+# loader holds prefetched (2 workers x 2), so the workers must still be producing, then exits
+# 128 + signal. With argv[2] == "wait" it never stops by itself (for the second Ctrl-C).
+LOADER = """
+import sys, time, torch
+from clipscale.signals import StopRequest, ignore_stop_signals
+
+class Counting(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        for i in range(10**9):
+            time.sleep(0.02)
+            yield i
+
+init = None if sys.argv[1] == "plain" else ignore_stop_signals
+loader = torch.utils.data.DataLoader(Counting(), batch_size=None, num_workers=2, worker_init_fn=init)
+after_request = 0
+with StopRequest() as stop:
+    for batch in loader:
+        print("batch", batch, flush=True)
+        after_request += bool(stop.signum)
+        if after_request == 8 and sys.argv[2] != "wait":
+            print("stopping on signal", stop.signum, flush=True)
+            sys.exit(128 + stop.signum)
+"""
+
+
+def _start(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    return subprocess.Popen([sys.executable, "-c", LOADER, *args], cwd=REPO, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _read_until(process: subprocess.Popen, text: str, seen: list[str]) -> None:
+    for line in process.stdout:
+        seen.append(line)
+        if text in line:
+            return
+    pytest.fail(f"the process ended before printing {text!r}: {''.join(seen)[-3000:]}")
+
+
+def _ended(process: subprocess.Popen, seen: list[str]) -> str:
+    """The whole output once the process has ended, and its loader workers with it."""
+    output = "".join(seen) + process.communicate(timeout=60)[0]
+    deadline = time.time() + 10  # orphaned workers notice within 5 s (their watchdog's interval)
+    while _group_alive(process.pid):
+        assert time.time() < deadline, f"loader workers outlived their process: {output[-3000:]}"
+        time.sleep(0.1)
+    return output
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _signal_group_after_batches(process: subprocess.Popen, signum: int, seen: list[str]) -> None:
+    for _ in range(3):  # the workers are up and producing
+        _read_until(process, "batch", seen)
+    os.killpg(process.pid, signum)  # the trainer and its loader workers alike
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=lambda s: signal.Signals(s).name)
+def test_loader_workers_outlive_a_stop_signal_to_the_process_group(signum):
+    process, seen = _start("ignoring", "stop"), []
+    _signal_group_after_batches(process, signum, seen)
+    output = _ended(process, seen)
+    assert process.returncode == 128 + signum, output[-3000:]
+    assert f"stopping on signal {signum}" in output and "killed by signal" not in output
+
+
+def test_without_it_a_process_group_sigterm_kills_the_workers_first():
+    """Why the workers need ignore_stop_signals: PyTorch's own worker handler dies of it."""
+    process, seen = _start("plain", "stop"), []
+    _signal_group_after_batches(process, signal.SIGTERM, seen)
+    output = _ended(process, seen)
+    assert process.returncode == 1 and "is killed by signal: Terminated" in output, output[-3000:]
+
+
+def test_a_second_ctrl_c_aborts_at_once():
+    process, seen = _start("ignoring", "wait"), []
+    _signal_group_after_batches(process, signal.SIGINT, seen)
+    _read_until(process, "Ctrl-C: stopping after this step with a checkpoint; Ctrl-C again aborts at once", seen)
+    _read_until(process, "batch", seen)  # the first Ctrl-C did not stop it
+    os.killpg(process.pid, signal.SIGINT)
+    output = _ended(process, seen)
+    assert process.returncode in (-signal.SIGINT, 128 + signal.SIGINT), output[-3000:]  # Python re-raises SIGINT
+    assert "KeyboardInterrupt" in output and "stopping on signal" not in output
