@@ -225,7 +225,8 @@ def test_nonfinite_steps_are_skipped_without_touching_weights(digits_root, tmp_p
     assert scales[1] != scales[2] and scales[4] != scales[5]  # the others stepped
     metrics = read_metrics(tmp_path / "tiny" / "metrics.jsonl")
     assert [m["nonfinite_steps"] for m in metrics] == [0, 0, 1, 2, 2, 2]
-    assert math.isnan(metrics[2]["loss"]) and math.isfinite(metrics[5]["loss"])
+    assert metrics[2]["loss"] is None and "loss" in metrics[2]["nonfinite"]  # strict JSON: null and a flag
+    assert math.isfinite(metrics[5]["loss"])
 
 
 def test_a_run_that_keeps_failing_stops_with_a_clear_message(digits_root, tmp_path):
@@ -272,19 +273,16 @@ def test_lit_keeps_the_locked_tower_in_eval_mode(digits_root, tmp_path, monkeypa
     also after an evaluation put the model back to training."""
     import clipscale.trainer as trainer
 
+    from clipscale.step import TrainStep
+
     modes = []
-    real_build_step = trainer.build_step
+    real_call = TrainStep.__call__
 
-    def recording_build_step(cfg, model, *args):
-        step = real_build_step(cfg, model, *args)
+    def recording_call(step, images, texts, lr=None):
+        modes.append((step.module.visual.training, step.module.transformer.training))
+        return real_call(step, images, texts, lr)
 
-        def run(images, texts):
-            modes.append((model.visual.training, model.transformer.training))
-            return step(images, texts)
-
-        return run
-
-    monkeypatch.setattr(trainer, "build_step", recording_build_step)
+    monkeypatch.setattr(TrainStep, "__call__", recording_call)
     overrides = tiny_run(digits_root, tmp_path, "data.workers=0", "train.steps=4", "eval.every_n_steps=2", "model.lock_image=true")
     trainer.train(load_config(DIGITS_YAML, overrides))
     assert modes == [(False, True)] * 4
