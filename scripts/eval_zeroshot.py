@@ -28,11 +28,11 @@ import torch
 
 from clipscale.checkpoint import resolve_checkpoint
 from clipscale.checks import check_model
-from clipscale.config import ModelConfig
+from clipscale.config import PREPROCESS_KEYS, ModelConfig
 from clipscale.distributed import init_distributed, shutdown_distributed
 from clipscale.errors import UserError, run_main
 from clipscale.eval.tasks import resolve_task, run_task
-from clipscale.models import OPEN_CLIP_CONFIG, PREPROCESS_KEYS, build_model
+from clipscale.models import OPEN_CLIP_CONFIG, build_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:
