@@ -262,11 +262,12 @@ def stream_batches(cfg: Config, data: PreparedData, towers: Towers, world: World
     pool, offloaded = None, None
     if cfg.train.offload:
         pool = DecodePool(split.decode, cfg.data.decode_workers or max(1, cfg.data.workers))
-        window = 2 * max(1, chunk // piece)
+        # Without workers the batch is gathered whole before the step (BatchStream's in_thread): no bound then.
+        window = 2 * max(1, chunk // piece) if cfg.data.workers else 0
 
         def offloaded(batch_size, arrivals, to_float):
             return OffloadedImages(batch_size, arrivals, to_float, pool, window)
     to_float = split.to_float if split is not None else None
     batches = BatchStream(loader, batch_size=per_rank, piece_size=piece, batches=steps, to_float=to_float,
-                          offloaded=offloaded)
+                          offloaded=offloaded, in_thread=cfg.data.workers > 0)
     return batches, pool

@@ -199,12 +199,16 @@ class BatchStream:
                 the pieces already hold the final images.
     offloaded:  None, or a factory (batch_size, arrivals, to_float) -> a column that takes the
                 images piece by piece (`offload.OffloadedImages`) instead of one pinned buffer.
+    in_thread:  gather in a background thread, one batch ahead. Off when the loader decodes in
+                this process (no workers): its per-sample seeding sets the process-wide RNG,
+                which a thread would race with the step's dropout and Gradient Cache's replays.
+                The whole batch is then gathered inside `next()`.
     """
 
     SLOTS = 2  # the batch in use and the next one
 
     def __init__(self, loader: Iterable[dict], *, batch_size: int, piece_size: int, batches: int,
-                 to_float: DeviceTransform | None = None, offloaded=None):
+                 to_float: DeviceTransform | None = None, offloaded=None, in_thread: bool = True):
         if batch_size % piece_size:
             raise ValueError(f"batch_size {batch_size} is not a multiple of piece_size {piece_size}")
         self.loader = iter(loader)
@@ -217,11 +221,17 @@ class BatchStream:
             self.free.put(slot)
         self.ready: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._gather, name="clipscale-batches", daemon=True)
-        self.thread.start()
+        self.thread = None
+        if in_thread:
+            self.thread = threading.Thread(target=self._gather, name="clipscale-batches", daemon=True)
+            self.thread.start()
 
     def next(self) -> StreamedBatch:
         """The next step's batch, as soon as its first piece is on its way."""
+        if self.thread is None:
+            gathered: list = []
+            self._gather_batch(self.free.get_nowait(), gathered.append)
+            return gathered[0]
         batch = self.ready.get()
         if isinstance(batch, BaseException):
             raise RuntimeError("the data loader failed") from batch
@@ -236,7 +246,8 @@ class BatchStream:
         a thread still inside the loader then aborts the process)."""
         self.stopping.set()
         self.free.put(None)  # wakes the thread if it waits for a slot
-        self.thread.join(timeout=10)
+        if self.thread is not None:
+            self.thread.join(timeout=10)
         shutdown = getattr(self.loader, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
@@ -251,42 +262,45 @@ class BatchStream:
         return buffer
 
     def _gather(self) -> None:
-        pieces_per_batch = self.batch_size // self.piece_size
-        batch = None
         try:
             for _ in range(self.batches):
                 slot = self.free.get()
                 if slot is None or self.stopping.is_set():
                     return
-                piece = next(self.loader)
-                arrivals = Arrivals()
-                if self.offloaded is not None:
-                    images = self.offloaded(self.batch_size, arrivals, self.to_float)
-                else:
-                    images = ArrivingTensor(self._buffer(slot, "images", piece["images"]), arrivals, self.to_float)
-                texts = ArrivingTensor(self._buffer(slot, "texts", piece["texts"]), arrivals)
-                batch = StreamedBatch(images, texts, arrivals, slot)
-                self.ready.put(batch)
-                for k in range(pieces_per_batch):
-                    if self.stopping.is_set():
-                        raise RuntimeError("the batch stream was closed")
-                    if k:
-                        piece = next(self.loader)
-                    rows = slice(k * self.piece_size, (k + 1) * self.piece_size)
-                    if len(piece["texts"]) != self.piece_size:
-                        raise RuntimeError(f"a loader piece has {len(piece['texts'])} samples, expected {self.piece_size}")
-                    if self.offloaded is not None:
-                        images.put(rows, piece)
-                    else:
-                        images.tensor[rows].copy_(piece["images"])
-                    texts.tensor[rows].copy_(piece["texts"])
-                    batch.records.append({key: piece[key] for key in ("cursor", "skipped_samples", "shard_errors")})
-                    arrivals.add(self.piece_size)
-                batch = None
+                self._gather_batch(slot, self.ready.put)
         except BaseException as error:  # noqa: BLE001 - handed to the training thread, which raises it
-            if batch is not None:
-                batch.arrivals.fail(error)
             self.ready.put(error)
+
+    def _gather_batch(self, slot: int, publish: Callable[[StreamedBatch], None]) -> None:
+        """Gather one batch into `slot`, publishing it as soon as its first piece is there."""
+        piece = next(self.loader)
+        arrivals = Arrivals()
+        if self.offloaded is not None:
+            images = self.offloaded(self.batch_size, arrivals, self.to_float)
+        else:
+            images = ArrivingTensor(self._buffer(slot, "images", piece["images"]), arrivals, self.to_float)
+        texts = ArrivingTensor(self._buffer(slot, "texts", piece["texts"]), arrivals)
+        batch = StreamedBatch(images, texts, arrivals, slot)
+        publish(batch)
+        try:
+            for k in range(self.batch_size // self.piece_size):
+                if self.stopping.is_set():
+                    raise RuntimeError("the batch stream was closed")
+                if k:
+                    piece = next(self.loader)
+                rows = slice(k * self.piece_size, (k + 1) * self.piece_size)
+                if len(piece["texts"]) != self.piece_size:
+                    raise RuntimeError(f"a loader piece has {len(piece['texts'])} samples, expected {self.piece_size}")
+                if self.offloaded is not None:
+                    images.put(rows, piece)
+                else:
+                    images.tensor[rows].copy_(piece["images"])
+                texts.tensor[rows].copy_(piece["texts"])
+                batch.records.append({key: piece[key] for key in ("cursor", "skipped_samples", "shard_errors")})
+                arrivals.add(self.piece_size)
+        except BaseException as error:
+            arrivals.fail(error)
+            raise
 
 
 def piece_size_for(batch_size: int, chunk_size: int) -> int:
