@@ -87,10 +87,3 @@ def largest_chunk(module: torch.nn.Module, loss_fn, *, batch_size: int, precisio
 def _feature_dim(module, device, autocast, context_length: int) -> int:
     with torch.no_grad(), autocast():
         return encode(module, None, torch.ones(1, context_length, dtype=torch.long, device=device)).text.shape[-1]
-
-
-def resolve_chunk_size(chunk_size, per_rank_batch: int) -> int | None:
-    """A configured chunk (int or None) as the step uses it; None for "auto", decided by the probe."""
-    if chunk_size == "auto":
-        return None
-    return min(chunk_size or per_rank_batch, per_rank_batch)

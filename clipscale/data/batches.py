@@ -38,7 +38,7 @@ MAX_PIECE = 1024
 DeviceTransform = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _identity(x: torch.Tensor) -> torch.Tensor:
+def identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
@@ -79,7 +79,7 @@ class HostTensor:
         if torch.cuda.is_available() and not tensor.is_pinned():
             tensor = tensor.pin_memory()
         self.tensor = tensor
-        self.device_transform = device_transform or _identity
+        self.device_transform = device_transform or identity
 
     def __len__(self) -> int:
         return len(self.tensor)

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from clipscale.data.batches import Arrivals, DeviceTransform, _identity, copy_to_device
+from clipscale.data.batches import Arrivals, DeviceTransform, identity, copy_to_device
 
 POLL_S = 1.0  # how often a waiting first pass checks whether the loader failed
 
@@ -102,7 +102,7 @@ class OffloadedImages:
                  window: int):
         self.batch_size = batch_size
         self.arrivals = arrivals
-        self.device_transform = to_float or _identity
+        self.device_transform = to_float or identity
         self.pool = pool
         self.pixels: queue.Queue = queue.Queue(maxsize=window)  # (first row, uint8 piece), in order
         self.encoded: list[tuple[int, EncodedImages]] = []
