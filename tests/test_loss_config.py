@@ -58,15 +58,17 @@ def test_every_built_in_loss_is_covered():
 
 
 TRAIN_EACH = """
-import json, runpy, sys
+import contextlib, io, json, runpy, sys
 outcomes = []
 for overrides in json.loads(sys.argv[1]):
     sys.argv = ["train.py", "--config", sys.argv[2], *overrides]
+    printed = io.StringIO()
     try:
-        runpy.run_path(sys.argv[0], run_name="__main__")
+        with contextlib.redirect_stderr(printed):
+            runpy.run_path(sys.argv[0], run_name="__main__")
         outcomes.append("finished")
     except SystemExit as stop:
-        outcomes.append(str(stop.code))
+        outcomes.append(f"{stop.code}|{printed.getvalue().strip()}")
 print(json.dumps(outcomes))
 """
 
@@ -83,7 +85,7 @@ def test_a_wrong_loss_stops_train_py_before_the_data_is_written(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     outcomes = json.loads(result.stdout.splitlines()[-1])
     for (overrides, expected), outcome in zip(cases, outcomes, strict=True):
-        assert outcome.startswith("config error: ") and expected in outcome, (overrides, outcome)
+        assert outcome.startswith("2|error: ") and expected in outcome, (overrides, outcome)
     assert not root.exists() and not runs.exists()
 
 

@@ -22,7 +22,7 @@ def _keep_captions(captions):
 
 
 def _rank_batches(pattern_shards, rank, count):
-    stream = ShardStream(pattern_shards, batch_size=BATCH, rank=rank, world_size=WORLD, num_workers=WORKERS, seed=11,
+    stream = ShardStream(pattern_shards, piece_size=BATCH, rank=rank, world_size=WORLD, num_workers=WORKERS, seed=11,
                          image_transform=T.ToTensor(), tokenizer=_keep_captions, shuffle_buffer=7)
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=WORKERS)
     return [batch["texts"] for batch in islice(loader, count)]

@@ -99,7 +99,8 @@ def test_an_intermediate_checkpoint_loads_in_open_clip(digits_run):
 
 
 def _in_process(digits_root, output, name, *extra):
-    overrides = tiny_run(digits_root, output, f"run.name={name}", "eval.zeroshot=false", "data.workers=1", "train.checkpoint_every=1", *extra)
+    overrides = tiny_run(digits_root, output, f"run.name={name}", "eval.zeroshot=false", "data.workers=1", "train.checkpoint_every=1",
+                         "train.keep_checkpoints=null", *extra)
     train(load_config(DIGITS_YAML, overrides))
     return {step: load(path) for step, path in step_checkpoints(output / name).items()}
 

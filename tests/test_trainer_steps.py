@@ -20,7 +20,9 @@ from trainer_harness import load, max_difference, step_checkpoints, training_rec
 
 
 def _train(digits_root, output_dir, name, *extra):
-    overrides = tiny_run(digits_root, output_dir, f"run.name={name}", "eval.zeroshot=false", "data.workers=1", *extra)
+    # Every checkpoint is kept: these tests read the weights of each step.
+    overrides = tiny_run(digits_root, output_dir, f"run.name={name}", "eval.zeroshot=false", "data.workers=1",
+                         "train.keep_checkpoints=null", *extra)
     return train(load_config(DIGITS_YAML, overrides)), output_dir / name
 
 

@@ -3,6 +3,8 @@ reading a run's files (metrics.jsonl, checkpoints/step_*.pt) without the trainer
 
 from __future__ import annotations
 
+import math
+
 import io
 import os
 import signal
@@ -92,8 +94,10 @@ def newest_checkpoint(run_dir: Path) -> dict:
 
 
 def training_records(run_dir: Path) -> list[dict]:
-    """metrics.jsonl's per-step records (those with a loss), in order."""
-    return [m for m in read_metrics(run_dir / "metrics.jsonl") if "loss" in m]
+    """metrics.jsonl's per-step records (those with a loss), in order; a value written as null
+    with its key under "nonfinite" reads back as NaN."""
+    return [{**m, **{key: math.nan for key in m.get("nonfinite", [])}}
+            for m in read_metrics(run_dir / "metrics.jsonl") if "loss" in m]
 
 
 def max_difference(a: dict, b: dict) -> float:
