@@ -72,6 +72,10 @@ class DataConfig:
     image_size: int = 32
     workers: int = 2
     shuffle_buffer: int = 1000
+    # Who decodes training images. "loader": the loader workers, with PIL (open_clip_train's way).
+    # "device": the workers only read and draw crops; each Gradient Cache pass decodes its chunk
+    # on the training device (nvJPEG on a GPU), and the host holds the batch as encoded bytes.
+    decoder: Literal["loader", "device"] = "loader"
     # train.offload: processes per rank decoding the kept image bytes again for Gradient Cache's
     # second pass (the first pass takes the loader's pixels); null = data.workers
     decode_workers: Optional[int] = None

@@ -30,6 +30,7 @@ from clipscale.checkpoint import latest_checkpoint, load_checkpoint, save_atomic
 from clipscale.config import Config, check_world
 from clipscale.data import PreparedData, prepare_data
 from clipscale.data.batches import BatchStream, piece_size_for
+from clipscale.data.device_decode import DeviceDecodedImages, DeviceDecoder
 from clipscale.data.offload import DecodePool, OffloadedImages
 from clipscale.data.shards import ShardStream, StreamState
 from clipscale.data.transforms import SplitTransform
@@ -101,7 +102,7 @@ class Run:
     state: RunState
     start_step: int
     batches: BatchStream
-    decode_pool: DecodePool | None
+    decode_pool: DecodePool | DeviceDecoder | None  # whoever decodes images apart from the loader
     evaluator: Evaluator
     logger: MetricsLogger
 
@@ -231,7 +232,7 @@ class Run:
 
 
 def stream_batches(cfg: Config, data: PreparedData, towers: Towers, world: World, stream_state: StreamState,
-                   chunk: int, steps: int) -> tuple[BatchStream, DecodePool | None]:
+                   chunk: int, steps: int) -> tuple[BatchStream, DecodePool | DeviceDecoder | None]:
     """The loader (worker processes decoding pieces of the rank's shard stream) and the thread
     that gathers the pieces into each step's pinned host batch."""
     per_rank = cfg.train.batch_size // world.world_size
@@ -240,8 +241,10 @@ def stream_batches(cfg: Config, data: PreparedData, towers: Towers, world: World
     if split is None and world.is_main:
         warnings.warn(f"the image transform {towers.train_transform} does not split into uint8 host steps and float "
                       "device steps: loader pieces and the host batch hold float32 images (4x the memory)")
-    if cfg.train.offload and split is None:
-        raise ValueError("train.offload needs an image transform whose random crop can be kept with the image bytes "
+    keep_encoded = cfg.train.offload or cfg.data.decoder == "device"
+    if keep_encoded and split is None:
+        setting = "data.decoder=device" if cfg.data.decoder == "device" else "train.offload"
+        raise ValueError(f"{setting} needs an image transform whose random crop can be kept with the image bytes "
                          f"(open_clip's RandomResizedCrop pipelines); got {towers.train_transform}")
     stream = ShardStream(
         data.train_shards,
@@ -255,19 +258,25 @@ def stream_batches(cfg: Config, data: PreparedData, towers: Towers, world: World
         shuffle_buffer=cfg.data.shuffle_buffer,
         state=stream_state,
         split=split,
-        keep_encoded=cfg.train.offload,
+        keep_encoded=keep_encoded,
+        decode=cfg.data.decoder == "loader",
     )
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=cfg.data.workers,
                                          persistent_workers=cfg.data.workers > 0, worker_init_fn=ignore_stop_signals)
-    pool, offloaded = None, None
-    if cfg.train.offload:
+    pool, image_column = None, None
+    if cfg.data.decoder == "device":
+        pool = DeviceDecoder(split, world.device)
+
+        def image_column(batch_size, arrivals, to_float):
+            return DeviceDecodedImages(batch_size, arrivals, to_float, pool)
+    elif cfg.train.offload:
         pool = DecodePool(split.decode, cfg.data.decode_workers or max(1, cfg.data.workers))
         # Without workers the batch is gathered whole before the step (BatchStream's in_thread): no bound then.
         window = 2 * max(1, chunk // piece) if cfg.data.workers else 0
 
-        def offloaded(batch_size, arrivals, to_float):
+        def image_column(batch_size, arrivals, to_float):
             return OffloadedImages(batch_size, arrivals, to_float, pool, window)
     to_float = split.to_float if split is not None else None
     batches = BatchStream(loader, batch_size=per_rank, piece_size=piece, batches=steps, to_float=to_float,
-                          offloaded=offloaded, in_thread=cfg.data.workers > 0)
+                          image_column=image_column, in_thread=cfg.data.workers > 0)
     return batches, pool

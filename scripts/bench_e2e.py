@@ -12,7 +12,8 @@ nvidia-smi reports it).
         --case runner=clipscale,model=ViT-B-16,batch=32768,chunk=512,steps=3 --out results/bench_e2e.json
 
 Case keys: runner (clipscale | openclip), model, batch (global), chunk (clipscale: an int,
-auto or none), steps, offload (0/1), loss (clipscale, default infcl), nproc (torchrun
+auto or none), steps, offload (0/1), loss (clipscale, default infcl), decoder (clipscale: loader
+or device, default loader), nproc (torchrun
 processes, default 1), pythonpath (prepended for this case only: open_clip_train needs
 webdataset 0.2.x). Cases past --budget seconds are recorded as not run.
 """
@@ -83,7 +84,7 @@ def clipscale_command(case: dict, shards: str, workers: int, out_dir: Path) -> l
             f"model.name={case['model']}", "data.kind=webdataset", f"data.train_shards={shards}", f"data.workers={workers}",
             f"train.batch_size={case['batch']}", f"train.chunk_size={'null' if chunk == 'none' else chunk}",
             f"train.steps={case['steps']}", f"train.offload={'true' if int(case.get('offload', 0)) else 'false'}",
-            f"loss.name={case.get('loss', 'infcl')}", "train.log_every=1", "train.checkpoint_every=1000000",
+            f"loss.name={case.get('loss', 'infcl')}", f"data.decoder={case.get('decoder', 'loader')}", "train.log_every=1", "train.checkpoint_every=1000000",
             "optim.warmup_steps=1", "eval.zeroshot=false", "run.name=bench", f"run.output_dir={out_dir}"]
 
 

@@ -197,8 +197,9 @@ class BatchStream:
     batch_size: this rank's samples per step, a multiple of piece_size.
     to_float:   the device transform of the images (uint8 -> normalised float), or None when
                 the pieces already hold the final images.
-    offloaded:  None, or a factory (batch_size, arrivals, to_float) -> a column that takes the
-                images piece by piece (`offload.OffloadedImages`) instead of one pinned buffer.
+    image_column: None, or a factory (batch_size, arrivals, to_float) -> a column that takes the
+                images piece by piece (`offload.OffloadedImages`, `device_decode.DeviceDecodedImages`)
+                instead of one pinned buffer.
     in_thread:  gather in a background thread, one batch ahead. Off when the loader decodes in
                 this process (no workers): its per-sample seeding sets the process-wide RNG,
                 which a thread would race with the step's dropout and Gradient Cache's replays.
@@ -208,13 +209,13 @@ class BatchStream:
     SLOTS = 2  # the batch in use and the next one
 
     def __init__(self, loader: Iterable[dict], *, batch_size: int, piece_size: int, batches: int,
-                 to_float: DeviceTransform | None = None, offloaded=None, in_thread: bool = True):
+                 to_float: DeviceTransform | None = None, image_column=None, in_thread: bool = True):
         if batch_size % piece_size:
             raise ValueError(f"batch_size {batch_size} is not a multiple of piece_size {piece_size}")
         self.loader = iter(loader)
         self.batch_size, self.piece_size, self.batches = batch_size, piece_size, batches
         self.to_float = to_float
-        self.offloaded = offloaded
+        self.image_column = image_column
         self.buffers: list[dict] = [{} for _ in range(self.SLOTS)]  # per slot: column name -> pinned tensor
         self.free: queue.Queue = queue.Queue()
         for slot in range(self.SLOTS):
@@ -275,8 +276,8 @@ class BatchStream:
         """Gather one batch into `slot`, publishing it as soon as its first piece is there."""
         piece = next(self.loader)
         arrivals = Arrivals()
-        if self.offloaded is not None:
-            images = self.offloaded(self.batch_size, arrivals, self.to_float)
+        if self.image_column is not None:
+            images = self.image_column(self.batch_size, arrivals, self.to_float)
         else:
             images = ArrivingTensor(self._buffer(slot, "images", piece["images"]), arrivals, self.to_float)
         texts = ArrivingTensor(self._buffer(slot, "texts", piece["texts"]), arrivals)
@@ -291,7 +292,7 @@ class BatchStream:
                 rows = slice(k * self.piece_size, (k + 1) * self.piece_size)
                 if len(piece["texts"]) != self.piece_size:
                     raise RuntimeError(f"a loader piece has {len(piece['texts'])} samples, expected {self.piece_size}")
-                if self.offloaded is not None:
+                if self.image_column is not None:
                     images.put(rows, piece)
                 else:
                     images.tensor[rows].copy_(piece["images"])

@@ -48,12 +48,27 @@ class EncodedImages:
         return len(self.offsets) - 1
 
     def __getitem__(self, i: int) -> tuple[bytes, tuple]:
-        offsets = self.offsets.numpy()
-        return self.data.numpy()[offsets[i] : offsets[i + 1]].tobytes(), tuple(self.params.numpy()[i].tolist())
+        return self.blob(i).numpy().tobytes(), self.params_of(i)
+
+    def blob(self, i: int) -> torch.Tensor:
+        """Sample i's bytes, a view."""
+        return self.data[self.offsets[i] : self.offsets[i + 1]]
+
+    def params_of(self, i: int) -> tuple:
+        return tuple(self.params[i].tolist())
+
+    def clone(self) -> "EncodedImages":
+        return EncodedImages(self.data.clone(), self.offsets.clone(), self.params.clone())
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.offsets, self.params))
+
+
+def encoded_rows(pieces: list[tuple[int, EncodedImages]], start: int, stop: int) -> list[tuple[EncodedImages, int, int]]:
+    """Rows [start, stop) of a batch kept as (first row, EncodedImages) pieces: (piece, first, stop) within each."""
+    return [(encoded, max(start, first) - first, min(stop, first + len(encoded)) - first)
+            for first, encoded in pieces if first < stop and first + len(encoded) > start]
 
 
 _decode: Callable | None = None  # in a decode process: the SplitTransform's decode
@@ -120,12 +135,8 @@ class OffloadedImages:
         if start >= self.first_pass_rows:
             self.first_pass_rows = stop
             return lambda: self._take_pixels(start, stop)
-        futures = [
-            future
-            for first, encoded in self.encoded
-            if first < stop and first + len(encoded) > start
-            for future in self.pool.decode(encoded, max(start, first) - first, min(stop, first + len(encoded)) - first)
-        ]
+        futures = [future for encoded, lo, hi in encoded_rows(self.encoded, start, stop)
+                   for future in self.pool.decode(encoded, lo, hi)]
         return lambda: self._pinned([future.result() for future in futures])
 
     def _take_pixels(self, start: int, stop: int) -> torch.Tensor:

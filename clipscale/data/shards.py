@@ -29,7 +29,8 @@ Images leave the worker as uint8 when the transform splits (`SplitTransform`: th
 float conversion runs on the device). With data offload (`keep_encoded`), a piece
 also keeps each image's bytes as read from the shard and the crop it drew
 (`EncodedImages`), so the batch can be decoded again in the second Gradient Cache
-pass without holding its pixels.
+pass without holding its pixels. When the training device decodes (`decode=False`,
+`clipscale.data.device_decode`), a piece holds only the bytes and crops.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import torch
 import webdataset as wds
 from PIL import Image
 
+from clipscale.data.device_decode import is_whole_jpeg
 from clipscale.data.offload import EncodedImages
 from clipscale.data.transforms import SplitTransform
 
@@ -93,12 +95,15 @@ class ShardErrors:
         yield from wds.tarfile_to_samples(handler=self)(iter([{"url": url}]))
 
 
-def load_sample(raw: dict, transform: Callable, split: Optional[SplitTransform], keep_encoded: bool) -> Optional[tuple]:
+def load_sample(raw: dict, transform: Callable, split: Optional[SplitTransform], keep_encoded: bool,
+                decode: bool = True) -> Optional[tuple]:
     """(pixels, (bytes, crop) or None, caption), or None when the sample is unusable.
 
     Pixels are uint8 when the transform splits (`SplitTransform`), else the whole
     transform's float tensor. With `keep_encoded` (offload) the image's bytes and the crop
-    it drew are kept too, so the batch can be decoded again later without the loader."""
+    it drew are kept too, so the batch can be decoded again later without the loader.
+    Without `decode` (the device decodes) a whole JPEG is only opened, for the size its crop
+    is drawn from, and pixels is None; anything else is still decoded, to be judged."""
     image_key = next((k for k in IMAGE_KEYS if k in raw), None)
     text_key = next((k for k in TEXT_KEYS if k in raw), None)
     if image_key is None or text_key is None:
@@ -106,12 +111,15 @@ def load_sample(raw: dict, transform: Callable, split: Optional[SplitTransform],
     try:
         data = raw[image_key]
         with Image.open(io.BytesIO(data)) as img:
-            img = img.convert("RGB")  # PIL decodes lazily; this forces it, so bad bytes fail here
-            if split is None:
-                params, pixels = (), transform(img)
+            if not decode and is_whole_jpeg(data):
+                params, pixels = split.draw(img), None  # the header holds the size; PIL has decoded nothing
             else:
-                params = split.draw(img)
-                pixels = split.apply(img, params)
+                img = img.convert("RGB")  # PIL decodes lazily; this forces it, so bad bytes fail here
+                if split is None:
+                    params, pixels = (), transform(img)
+                else:
+                    params = split.draw(img)
+                    pixels = split.apply(img, params)
         caption = raw[text_key].decode("utf-8").strip()
     except Exception:  # noqa: BLE001 - any undecodable sample is skipped and counted
         return None
@@ -124,7 +132,8 @@ class ShardStream(torch.utils.data.IterableDataset):
     """Pieces of `piece_size` samples from one rank's share of the shards (see the module doc).
 
     A piece is a dict: "images" (uint8 [n, 3, H, W] with `split`, else the transform's float
-    tensor), "texts" (token ids), "encoded" (offload: an `EncodedImages` of the same samples),
+    tensor; absent without `decode`), "texts" (token ids), "encoded" (offload, or without
+    `decode`: an `EncodedImages` of the same samples),
     "cursor" (worker, epoch, raw samples consumed), "skipped_samples", "shard_errors"."""
 
     def __init__(
@@ -142,10 +151,11 @@ class ShardStream(torch.utils.data.IterableDataset):
         state: Optional[StreamState] = None,
         split: Optional[SplitTransform] = None,
         keep_encoded: bool = False,
+        decode: bool = True,
     ):
         if not shards:
             raise ValueError("no training shards given")
-        if keep_encoded and split is None:
+        if (keep_encoded or not decode) and split is None:
             raise ValueError("keeping images encoded needs a split transform (the crop drawn apart from the decode)")
         self.shards = list(shards)
         self.piece_size = piece_size
@@ -157,7 +167,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.tokenizer = tokenizer
         self.shuffle_buffer = shuffle_buffer
         self.split = split
-        self.keep_encoded = keep_encoded
+        self.keep_encoded = keep_encoded or not decode
+        self.decode = decode
         state = state or StreamState()
         self.cursors = dict(state.cursors)
         self.first_worker = state.pieces % self.num_workers
@@ -177,12 +188,13 @@ class ShardStream(torch.utils.data.IterableDataset):
     def _piece(self, samples: list[tuple], cursor: tuple, skipped: int, shard_errors: int) -> dict:
         pixels, encoded, captions = zip(*samples)
         piece = {
-            "images": torch.stack(pixels),
             "texts": self.tokenizer(list(captions)),
             "cursor": cursor,
             "skipped_samples": skipped,
             "shard_errors": shard_errors,
         }
+        if self.decode:
+            piece["images"] = torch.stack(pixels)
         if self.keep_encoded:
             piece["encoded"] = EncodedImages.from_samples(*zip(*encoded))
         return piece
@@ -205,9 +217,12 @@ class ShardStream(torch.utils.data.IterableDataset):
                 position = index + 1
                 # Augmentation randomness is a function of the sample's place in the
                 # stream, so a resumed run draws the same crops as an uninterrupted one.
+                # Only the CPU generator: torch.manual_seed also queues a CUDA reseed, whose stack capture
+                # cost a third of a sample's loading time, and reseeded a GPU's RNG under an in-process loader.
+                sample_seed = zlib.crc32(f"{self.seed}/{epoch}/{consumer}/{position}".encode())
                 with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(zlib.crc32(f"{self.seed}/{epoch}/{consumer}/{position}".encode()))
-                    sample = load_sample(raw, self.image_transform, self.split, self.keep_encoded)
+                    torch.random.default_generator.manual_seed(sample_seed)
+                    sample = load_sample(raw, self.image_transform, self.split, self.keep_encoded, self.decode)
                 if sample is None:
                     skipped += 1
                     continue

@@ -31,6 +31,7 @@ class SplitTransform:
       draw(img)          the random parameters (the crop box) for one decoded image, from the
                          global RNG, consumed exactly as the whole transform consumes it.
       apply(img, params) the PIL steps with those parameters -> uint8 [3, H, W].
+      apply_to_tensor    `apply` on a decoded uint8 tensor (on the GPU).
       decode(sample)     (bytes, params) -> uint8 [3, H, W]: decode and apply; pure, no RNG.
       to_float(uint8 [n, 3, H, W]) -> what ToTensor and Normalize give, on the tensor's device.
     """
@@ -74,6 +75,17 @@ class SplitTransform:
             else:
                 img = step(img)
         return TF.pil_to_tensor(img)
+
+    def apply_to_tensor(self, img: torch.Tensor, params: tuple) -> torch.Tensor:
+        """`apply` on a decoded uint8 [3, H, W] tensor, on its device (the GPU decoder's path):
+        the same crop, resized by torchvision's tensor kernels (within a grey level or two of PIL's)."""
+        for step in self.pil_steps:
+            if isinstance(step, T.RandomResizedCrop):
+                img = TF.resized_crop(img, *params, step.size, step.interpolation, antialias=step.antialias)
+            elif isinstance(step, (T.Resize, T.CenterCrop)):
+                img = step(img)
+            # MaybeConvertMode: the decoder already gave RGB
+        return img
 
     def decode(self, sample: tuple[bytes, tuple]) -> torch.Tensor:
         data, params = sample

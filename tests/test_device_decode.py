@@ -1,0 +1,184 @@
+"""JPEG decoding on the training device (`data.decoder: device`).
+
+The workers only read the shards and draw each image's crop from its header; the device
+decodes. These tests hold that path to the loader's PIL path on JPEG shards with damage
+in them: the same samples skipped and counted, the same crops, pixels within the
+resampling kernels' rounding, Gradient Cache's two passes on identical pixels, and the
+trainer's loss curve. On a CPU the device decoder is torchvision's CPU decoder, the code
+the GPU runs but for nvJPEG itself (that half is measured in scripts/bench_e2e.py).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+
+import pytest
+import torch
+import webdataset as wds
+from open_clip.transform import image_transform
+from PIL import Image
+
+from clipscale.config import load_config
+from clipscale.data.batches import Arrivals, HostTensor
+from clipscale.data.device_decode import DeviceDecodedImages, DeviceDecoder, decode_rows, is_whole_jpeg
+from clipscale.data.offload import EncodedImages
+from clipscale.data.shards import ShardStream
+from clipscale.data.transforms import SplitTransform
+from clipscale.metrics import read_metrics
+from clipscale.step import TrainStep
+
+from test_gradcache import float64_clip_loss, gradcache_grads, make_batch, relative_error, tiny_clip
+from tiny_runs import DIGITS_YAML, tiny_run
+
+# Shards of 48-px JPEGs (so the crop is resized down, through the antialiasing kernels) cropped to 32.
+TRAIN = image_transform(32, is_train=True, aug_cfg={"scale": (0.5, 1.0)})
+SPLIT = SplitTransform.split(TRAIN)
+DAMAGED = {7: "truncated", 40: "png", 77: "garbage", 123: "trailing"}  # sample index -> what it holds
+
+
+def _jpeg(img: Image.Image) -> bytes:
+    out = io.BytesIO()
+    img.save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def jpeg_shards(digits_root, tmp_path_factory) -> list[str]:
+    """The digits' training samples as 48-px JPEGs in 3 shards, with DAMAGED's samples mixed in."""
+    manifest = json.loads((digits_root / "manifest.json").read_text())
+    samples = [s for url in manifest["train_shards"] for s in wds.WebDataset(str(digits_root / url), shardshuffle=False)]
+    root = tmp_path_factory.mktemp("jpeg_shards")
+    urls = [str(root / f"train-{k}.tar") for k in range(3)]
+    sinks = [wds.TarWriter(url) for url in urls]
+    for i, sample in enumerate(samples[:600]):
+        img = Image.open(io.BytesIO(sample["png"])).convert("RGB").resize((48, 48), Image.BICUBIC)
+        data = _jpeg(img)
+        kind = DAMAGED.get(i)
+        if kind == "truncated":
+            data = data[: len(data) // 2]
+        elif kind == "png":
+            out = io.BytesIO()
+            img.save(out, format="PNG")
+            data = out.getvalue()
+        elif kind == "garbage":
+            data = b"\xff\xd8\xff" + bytes(range(256)) * 4 + b"\xff\xd9"  # the markers of a JPEG, nothing inside
+        elif kind == "trailing":
+            data += b"\x00" * 16  # decodable, but not whole by the end marker: the worker judges it
+        sinks[i % 3].write({"__key__": sample["__key__"], "jpg": data, "txt": sample["txt"]})
+    for sink in sinks:
+        sink.close()
+    return urls
+
+
+def _stream(urls, decode: bool, piece_size=50):
+    return ShardStream(urls, piece_size=piece_size, rank=0, world_size=1, num_workers=1, seed=5, image_transform=TRAIN,
+                       tokenizer=lambda captions: torch.tensor([len(c) for c in captions]), shuffle_buffer=64,
+                       split=SPLIT, keep_encoded=True, decode=decode)
+
+
+def test_whole_jpegs_are_told_by_their_markers():
+    data = _jpeg(Image.new("RGB", (8, 8)))
+    assert is_whole_jpeg(data) and is_whole_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8).numpy())
+    assert not is_whole_jpeg(data[:-1]) and not is_whole_jpeg(data + b"\x00") and not is_whole_jpeg(b"\x89PNG\r\n")
+
+
+def test_the_device_path_skips_the_same_samples_and_draws_the_same_crops(jpeg_shards):
+    """Over two epochs: the same cursors, skip counts, tokens, bytes and crop boxes as the loader
+    path, no pixels from the workers, and pixels decoded on the device within the resampling
+    kernels' rounding of PIL's (PNG and judged samples go through PIL there too: equal)."""
+    loader_path, device_path = iter(_stream(jpeg_shards, decode=True)), iter(_stream(jpeg_shards, decode=False))
+    skipped = 0
+    for _ in range(24):  # 1,200 samples of 597 usable a pass
+        a, b = next(loader_path), next(device_path)
+        assert "images" not in b
+        assert a["cursor"] == b["cursor"] and a["skipped_samples"] == b["skipped_samples"]
+        assert torch.equal(a["texts"], b["texts"])
+        for column in ("data", "offsets", "params"):
+            assert torch.equal(getattr(a["encoded"], column), getattr(b["encoded"], column))
+        skipped += b["skipped_samples"]
+        pixels = decode_rows(SPLIT, b["encoded"], 0, 50, torch.device("cpu"))
+        assert pixels.dtype == torch.uint8 and pixels.shape == a["images"].shape
+        difference = (pixels.int() - a["images"].int()).abs()
+        assert difference.max() <= 8 and difference.float().mean() < 0.5
+        for i in range(50):
+            if not is_whole_jpeg(b["encoded"].blob(i).numpy()):
+                assert torch.equal(pixels[i], a["images"][i])
+    assert skipped >= 4  # the truncated and the garbage sample, in each of two epochs
+
+
+def test_device_decoded_chunks_give_gradient_cache_identical_pixels_in_both_passes(jpeg_shards):
+    """The column decodes each chunk again in the second pass: the gradients equal those of the
+    same decoded batch held whole."""
+    piece = next(iter(_stream(jpeg_shards, decode=False, piece_size=12)))
+    kept = decode_rows(SPLIT, piece["encoded"], 0, 12, torch.device("cpu"))
+    model, (_, texts) = tiny_clip(), make_batch(12, seed=1)
+    arrivals = Arrivals()
+    decoder = DeviceDecoder(SPLIT, torch.device("cpu"))
+    images = DeviceDecodedImages(12, arrivals, SPLIT.to_float, decoder)
+
+    def arrive():
+        for start in range(0, 12, 3):
+            encoded = piece["encoded"]
+            rows = range(start, start + 3)
+            part = EncodedImages.from_samples(tuple(encoded[i][0] for i in rows), tuple(encoded[i][1] for i in rows))
+            images.put(slice(start, start + 3), {"encoded": part})
+            arrivals.add(3)
+
+    filler = threading.Thread(target=arrive)
+    filler.start()
+    _, decoded_twice = gradcache_grads(model, float64_clip_loss, images, HostTensor(texts), chunk_size=4)
+    filler.join()
+    decoder.close()
+    _, held = gradcache_grads(model, float64_clip_loss, SPLIT.to_float(kept), texts, chunk_size=4)
+    assert relative_error(decoded_twice, held) == 0.0
+
+
+def _train(digits_root, tmp_path, jpeg_shards, name, *extra, monkeypatch=None, record=None):
+    import clipscale.trainer as trainer
+
+    if record is not None:
+        real_call = TrainStep.__call__
+
+        def recording_call(step, images, texts, lr=None):
+            record.append(images)
+            return real_call(step, images, texts, lr)
+
+        monkeypatch.setattr(TrainStep, "__call__", recording_call)
+    shards = jpeg_shards[0].replace("train-0", "train-{0..2}")
+    overrides = tiny_run(digits_root, tmp_path, f"run.name={name}", "eval.zeroshot=false", "train.steps=6",
+                         "train.chunk_size=24", "data.kind=webdataset", f"data.train_shards={shards}", *extra)
+    trainer.train(load_config(DIGITS_YAML, overrides))
+    return read_metrics(tmp_path / name / "metrics.jsonl")
+
+
+def test_the_trainer_decodes_on_the_device_on_the_loaders_curve(digits_root, tmp_path, jpeg_shards, monkeypatch):
+    """With the default loader workers: the step gets the device column, the host holds bytes
+    only, and the run follows the loader-decoded run's curve (the same samples and crops; the
+    pixels differ by the resize kernels' rounding) and counts the same skipped samples."""
+    record: list = []
+    device = _train(digits_root, tmp_path, jpeg_shards, "device", "data.decoder=device", monkeypatch=monkeypatch,
+                    record=record)
+    monkeypatch.undo()
+    loader = _train(digits_root, tmp_path, jpeg_shards, "loader")
+    assert len(record) == 6 and all(isinstance(images, DeviceDecodedImages) for images in record)
+    assert all(sum(e.nbytes for _, e in images.encoded) < 64 * 3 * 32 * 32 for images in record)
+    assert [m["loss"] for m in device] == pytest.approx([m["loss"] for m in loader], rel=1e-3)
+    assert [m["skipped_samples_total"] for m in device] == [m["skipped_samples_total"] for m in loader]
+    assert device[-1]["skipped_samples_total"] >= 1  # the stretch of six steps holds one damaged sample
+
+
+def test_an_image_whose_data_does_not_decode_is_trained_black_with_a_warning():
+    """A header that parses (the worker keeps the sample) over data neither nvJPEG nor PIL decodes:
+    the batch keeps its size, the image is black, and the run is told."""
+    good = _jpeg(Image.new("RGB", (48, 48), (200, 30, 30)))
+    broken = good[:20] + b"\x00" * 30 + good[50:]  # the quantisation tables overwritten
+    with Image.open(io.BytesIO(broken)) as img:
+        assert img.size == (48, 48)  # what the worker sees
+    encoded = EncodedImages.from_samples((good, broken, good), ((0, 0, 48, 48),) * 3)
+    with pytest.warns(UserWarning, match="does not decode"):
+        pixels = decode_rows(SPLIT, encoded, 0, 3, torch.device("cpu"))
+    assert pixels.shape == (3, 3, 32, 32)
+    assert torch.equal(pixels[1], torch.zeros(3, 32, 32, dtype=torch.uint8))
+    assert torch.equal(pixels[0], pixels[2]) and pixels[0].float().mean() > 50
