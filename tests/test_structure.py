@@ -107,3 +107,28 @@ def test_package_metadata_names_the_requirements():
     listed = [line for line in lines if line and not line.startswith(("#", "-e"))]
     assert requirement_set(project["dependencies"]) == requirement_set(listed)
     assert "-e ." in lines  # the README's install command installs clipscale itself
+
+
+STEP_PARTS = {"GradCache", "clip_grad_norm_", "unscale_"}  # what a training step is assembled from
+STEP_USERS = ["clipscale/trainer.py", "scripts/bench_train.py", "scripts/bench_step.py", "scripts/reproduce/training_step.py"]
+
+
+def called_names(path: Path) -> set[str]:
+    """The names a module calls: f(...) gives f, a.b.f(...) gives f."""
+    calls = [node.func for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)]
+    return {f.id if isinstance(f, ast.Name) else f.attr for f in calls if isinstance(f, (ast.Name, ast.Attribute))}
+
+
+def test_every_training_step_is_the_one_train_py_runs():
+    """The trainer and the benchmarks build clipscale.step.TrainStep; nothing but step.py (and
+    gradcache.py, a part of it) assembles a step from its parts or steps an optimizer, so no
+    benchmark measures a copy of the step that train.py does not run."""
+    for user in STEP_USERS:
+        assert "TrainStep" in called_names(REPO / user), f"{user} does not build TrainStep"
+    for path in sorted([*PACKAGE.rglob("*.py"), *(REPO / "scripts").rglob("*.py")]):
+        if path.relative_to(REPO).as_posix() in ("clipscale/step.py", "clipscale/gradcache.py"):
+            continue
+        source = path.read_text()
+        copied = called_names(path) & STEP_PARTS
+        assert not copied, f"{path.relative_to(REPO)} calls {sorted(copied)}: a training step outside clipscale/step.py"
+        assert "optimizer.step(" not in source, f"{path.relative_to(REPO)} steps an optimizer outside clipscale/step.py"
