@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from clipscale.checkpoint import latest_checkpoint, load_checkpoint, save_atomic, save_checkpoint
-from clipscale.config import Config, check_world
+from clipscale.config import Config, ConfigError, check_world
 from clipscale.data import PreparedData, prepare_data
 from clipscale.data.batches import BatchStream, piece_size_for
 from clipscale.data.device_decode import DeviceDecodedImages, DeviceDecoder
@@ -244,7 +244,7 @@ def stream_batches(cfg: Config, data: PreparedData, towers: Towers, world: World
     keep_encoded = cfg.train.offload or cfg.data.decoder == "device"
     if keep_encoded and split is None:
         setting = "data.decoder=device" if cfg.data.decoder == "device" else "train.offload"
-        raise ValueError(f"{setting} needs an image transform whose random crop can be kept with the image bytes "
+        raise ConfigError(f"{setting} needs an image transform whose random crop can be kept with the image bytes "
                          f"(open_clip's RandomResizedCrop pipelines); got {towers.train_transform}")
     stream = ShardStream(
         data.train_shards,
