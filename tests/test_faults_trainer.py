@@ -1,8 +1,5 @@
 """What clusters and people do to a run, end to end through train.py: a stop signal to the whole
 process group with loader workers on, Ctrl-C, a damaged newest checkpoint, a reused run name.
-
-These need the trainer to use clipscale.signals, clipscale.run_dir, clipscale.checkpoint's
-load_latest and clipscale.console (issue 18's components); until it does they are expected to fail.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ from clipscale.metrics import read_metrics
 
 from tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
 
-NEEDS_WIRING = pytest.mark.xfail(reason="needs trainer wiring (issue 18 components)", strict=False)
 STEPS = 12
 
 
@@ -46,7 +42,6 @@ def _wait_for_steps(process: subprocess.Popen, metrics: Path, steps: int) -> Non
         time.sleep(0.05)
 
 
-@NEEDS_WIRING
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
 def test_a_stop_signal_to_the_process_group_checkpoints_and_the_same_command_resumes(digits_root, tmp_path, signum):
     overrides = _overrides(digits_root, tmp_path)
@@ -65,7 +60,6 @@ def test_a_stop_signal_to_the_process_group_checkpoints_and_the_same_command_res
         assert [m["step"] for m in read_metrics(tmp_path / "tiny" / "metrics.jsonl")] == list(range(1, STEPS + 1))
 
 
-@NEEDS_WIRING
 def test_a_process_group_sigterm_under_torchrun_checkpoints_on_every_rank(digits_root, tmp_path):
     """torchrun passes SIGTERM on to each worker's process group: its loader workers get it too."""
     run = _start_in_own_group(_overrides(digits_root, tmp_path), nproc=2)
@@ -81,7 +75,6 @@ def _losses(run_dir: Path) -> dict:
     return {m["step"]: m["loss"] for m in read_metrics(run_dir / "metrics.jsonl") if "loss" in m}
 
 
-@NEEDS_WIRING
 def test_a_damaged_newest_checkpoint_falls_back_and_retrains_the_same_steps(digits_root, tmp_path):
     overrides = _overrides(digits_root, tmp_path, "train.steps=4", "train.checkpoint_every=2")
     first = run_train(overrides)
@@ -97,7 +90,6 @@ def test_a_damaged_newest_checkpoint_falls_back_and_retrains_the_same_steps(digi
     assert torch.load(newest, weights_only=True)["step"] == 4
 
 
-@NEEDS_WIRING
 def test_a_reused_run_name_resumes_stops_or_moves_aside_but_never_mixes_two_runs(digits_root, tmp_path):
     overrides = _overrides(digits_root, tmp_path, "train.steps=3")
     run_dir = tmp_path / "tiny"
