@@ -240,7 +240,6 @@ def test_digits_job_trains_and_evaluates(uninterrupted):
     assert script["acc1"] > 0.1  # better than chance (ten classes) after 30 tiny steps
 
 
-@pytest.mark.xfail(reason="needs trainer wiring: loader workers with clipscale.signals.ignore_stop_signals", strict=False)
 @pytest.mark.parametrize("template", sorted(TWO_PROCESSES))
 def test_preempted_job_is_requeued_and_resumes_on_the_same_curve(cluster, uninterrupted, digits_root, tmp_path, template):
     """A preemption notice mid-run checkpoints and requeues the job; the requeued job continues
