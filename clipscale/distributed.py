@@ -13,6 +13,8 @@ and needs no process group.
 from __future__ import annotations
 
 import os
+import time
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -80,17 +82,47 @@ def init_distributed(device: str = "auto") -> World:
         torch_device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size))
-        # torchrun's agent keeps one store across elastic restarts. Without a prefix per
-        # attempt, a restarted worker reads the address of the peer that died and fails to connect.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo",
-            store=dist.PrefixStore(f"attempt_{attempt}", store),
+            store=dist.PrefixStore(attempt_namespace(store, rank, world_size), store),
             rank=rank,
             world_size=world_size,
             device_id=torch_device if use_cuda else None,
         )
     return World(rank, world_size, local_rank, torch_device)
+
+
+NAMESPACE_KEY = "clipscale/namespace"
+
+
+def attempt_namespace(store: dist.Store, rank: int, world_size: int, timeout: float = 1800) -> str:
+    """A key prefix that only this attempt's processes use in `store`.
+
+    torchrun's agents keep one store across elastic restarts, so the keys of a previous
+    attempt's processes are still there: a restarted worker would read the address of a peer
+    that died and fail to connect. TORCHELASTIC_RESTART_COUNT cannot tell attempts apart on
+    several nodes: each agent counts only its own workers' failures, so after one node's worker
+    fails the nodes disagree (pytorch/pytorch#135712). Rank 0 therefore draws a new namespace;
+    another rank may first read the previous attempt's, so it announces itself there with a
+    nonce of its own and takes the namespace in which rank 0 answers with that nonce."""
+    if rank == 0:
+        namespace = f"clipscale/{uuid.uuid4().hex}"
+        store.set(NAMESPACE_KEY, namespace)
+        for other in range(1, world_size):
+            store.set(f"{namespace}/ack/{other}", store.get(f"{namespace}/hello/{other}"))  # get waits for it
+        return namespace
+    nonce, announced = uuid.uuid4().hex.encode(), None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        namespace = store.get(NAMESPACE_KEY).decode()  # waits for the first attempt's rank 0
+        if namespace != announced:
+            store.set(f"{namespace}/hello/{rank}", nonce)
+            announced = namespace
+        ack = f"{namespace}/ack/{rank}"
+        if store.check([ack]) and store.get(ack) == nonce:
+            return namespace
+        time.sleep(0.05)
+    raise RuntimeError(f"rank {rank}: rank 0 did not answer within {timeout:.0f} s in the process-group store")
 
 
 def shutdown_distributed() -> None:

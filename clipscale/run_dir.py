@@ -40,7 +40,7 @@ CONFIG_FILE = "config.yaml"
 IGNORED = (
     "run.name", "run.resume", "run.overwrite", "run.extend_steps", "run.output_dir", "run.device",
     "model.compile", "model.grad_checkpointing", "model.channels_last",
-    "data.decode_workers",
+    "data.decode_workers", "data.decoder",  # the decoder: the same samples and crops, pixels within rounding
     "train.chunk_size", "train.offload", "train.log_every", "train.checkpoint_every",
     "train.keep_checkpoints", "train.keep_every", "train.max_nonfinite_steps",
     "eval", "wandb",

@@ -1,8 +1,9 @@
 """The training loop. Read top to bottom, it is the algorithm:
 
+    decide what the run does with runs/<name> before any work: new, resume (from the
+        newest checkpoint that loads), or stop on another configuration   (run_dir.py)
     assemble the run once: world, data, towers, loss, optimizer, the training step,
         the state a checkpoint holds, the streamed batches   (each its own module)
-    resume from runs/<name>/checkpoints/latest.pt if it exists
     for each step: the next batch (its pieces still arriving) -> lr schedule
                    -> the training step (forward, loss, backward, clip, optimizer)
                    -> log / evaluate / checkpoint / stop on a signal
@@ -16,17 +17,18 @@ into encoder chunks (`TrainStep`, Gradient Cache), nor how the batch reaches the
 from __future__ import annotations
 
 import resource
+import sys
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from clipscale.checkpoint import latest_checkpoint, load_checkpoint, save_atomic, save_checkpoint
+from clipscale import console
+from clipscale.checkpoint import CHECKPOINTS, load_latest, save_atomic, save_checkpoint
 from clipscale.config import Config, ConfigError, check_world
 from clipscale.data import PreparedData, prepare_data
 from clipscale.data.batches import BatchStream, piece_size_for
@@ -42,6 +44,7 @@ from clipscale.memory import largest_chunk
 from clipscale.metrics import MetricsLogger
 from clipscale.models import OPEN_CLIP_WEIGHTS, Towers, build_model, write_open_clip_folder
 from clipscale.optim import build_optimizer, cosine_lr
+from clipscale.run_dir import plan_run
 from clipscale.run_state import RunState
 from clipscale.signals import StopRequest, ignore_stop_signals
 from clipscale.step import AUTOCAST_DTYPES, TrainStep
@@ -60,13 +63,44 @@ def train(cfg: Config) -> dict:
     preemption = StopRequest()
     run = None
     try:
-        run = Run.assemble(cfg, world)
+        check_world(cfg, world.world_size)
+        run_dir, checkpoint = open_run_dir(cfg, world)
+        if checkpoint is not None and checkpoint["step"] >= cfg.train.steps:
+            say(world, console.run_already_complete(run_dir, checkpoint["step"]))
+            return {}
+        run = Run.assemble(cfg, world, run_dir, checkpoint)
         return run.fit(preemption)
     finally:
         if run is not None:
             run.close()
         preemption.restore()
         shutdown_distributed()
+
+
+def say(world: World, line: str) -> None:
+    """One console line, from rank 0, above the progress bar (not through it)."""
+    if world.is_main:
+        tqdm.write(line)
+        sys.stdout.flush()  # a Slurm log or a pipe shows it now, not when the buffer fills
+
+
+def open_run_dir(cfg: Config, world: World) -> tuple[Path, dict | None]:
+    """runs/<name> for this configuration (run_dir.plan_run: a UserError before any data or model
+    work when it holds another run or cannot be written), and the newest checkpoint in it that
+    loads when the run resumes."""
+    plan = plan_run(cfg)
+    barrier()  # every rank has read the folder before rank 0 moves it aside or records the config
+    if world.is_main:
+        for line in plan.apply():
+            say(world, line)
+    barrier()  # and none looks for checkpoints in it before that
+    if plan.action != "resume":
+        return plan.run_dir, None
+    found = load_latest(plan.run_dir / CHECKPOINTS, report=lambda line: say(world, line))
+    step = found[1]["step"] if found else 0
+    if step < cfg.train.steps:
+        say(world, console.run_resumed(plan.run_dir, step))
+    return plan.run_dir, found[1] if found else None
 
 
 def chunk_size(cfg: Config, towers: Towers, loss_fn, world: World) -> int:
@@ -107,9 +141,8 @@ class Run:
     logger: MetricsLogger
 
     @classmethod
-    def assemble(cls, cfg: Config, world: World) -> "Run":
-        check_world(cfg, world.world_size)
-        run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    def assemble(cls, cfg: Config, world: World, run_dir: Path, checkpoint: dict | None) -> "Run":
+        """`checkpoint`: the one the run resumes from (open_run_dir), or None for a new run."""
         torch.manual_seed(cfg.run.seed)
         data = prepare_data(cfg.data, world)
         towers = build_model(cfg.model)
@@ -125,13 +158,8 @@ class Run:
 
         stream_state = StreamState()
         state = RunState(cfg, module, step, stream_state, world, data.num_train)
-        start_step = 0
-        resume_path = latest_checkpoint(run_dir / "checkpoints") if cfg.run.resume else None
-        if resume_path is not None:
-            start_step = state.restore(load_checkpoint(resume_path))
+        start_step = state.restore(checkpoint) if checkpoint is not None else 0
         if world.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             write_open_clip_folder(run_dir, towers)  # with OPEN_CLIP_WEIGHTS, open_clip's `local-dir:` loads the run
         logger = MetricsLogger(run_dir, cfg, enabled=world.is_main, resume_step=start_step)
         batches, decode_pool = stream_batches(cfg, data, towers, world, stream_state, chunk, cfg.train.steps - start_step)
@@ -191,16 +219,12 @@ class Run:
                 # would end the step at the first rank's exit status 128+signal.
                 barrier()
                 progress.close()
-                if world.is_main:
-                    print(f"stopped by signal {signum} after step {done}; the same command resumes from the checkpoint")
+                say(world, console.stopped_by_signal(signum, done))
                 return {"preempted_by": signum}
         progress.close()
         if world.is_main:
             save_atomic(self.step.module.state_dict(), self.run_dir / OPEN_CLIP_WEIGHTS)
-        results = self.evaluate(cfg.train.steps)
-        if world.is_main and "zeroshot_acc1" in results:
-            print(f"zero-shot top-1 on the held-out split: {100 * results['zeroshot_acc1']:.2f}%")
-        return results
+        return self.evaluate(cfg.train.steps)
 
     def data_errors(self) -> list[int]:
         return all_reduce_sum_list([self.stream_state.skipped_samples, self.stream_state.shard_errors], self.world.device)
@@ -216,13 +240,15 @@ class Run:
         if results:
             self.logger.log(step_number, results)
             self.logger.write_json(self.run_dir / "eval" / f"step_{step_number:08d}.json", {"step": step_number, **results})
+            say(self.world, console.evaluation_ended(step_number, results))
         return results
 
     def checkpoint(self, step_number: int) -> None:
         checkpoint = self.state.capture(step_number)
         if checkpoint is not None:
-            save_checkpoint(self.run_dir / "checkpoints", step_number, checkpoint, keep=self.cfg.train.keep_checkpoints,
-                            keep_every=self.cfg.train.keep_every)
+            path = save_checkpoint(self.run_dir / CHECKPOINTS, step_number, checkpoint, keep=self.cfg.train.keep_checkpoints,
+                                   keep_every=self.cfg.train.keep_every)
+            say(self.world, console.checkpoint_saved(path, step_number))
 
     def close(self) -> None:
         self.batches.close()

@@ -5,10 +5,12 @@
 cd "${CLIPSCALE_DIR:-$SLURM_SUBMIT_DIR}" || exit 1
 PYTHON=${PYTHON:-python}
 
-# The first node of the allocation hosts the rendezvous. The port is derived
-# from the job id so that two jobs sharing a node do not collide, and a
-# requeued job (same id) finds the same one.
+# The first node of the allocation hosts the rendezvous, at the address Slurm
+# itself reaches it by (NodeAddr, which is the node name unless slurm.conf says
+# otherwise). The port is derived from the job id so that two jobs sharing a
+# node do not collide, and a requeued job (same id) finds the same one.
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+HEAD_NODE=$(scontrol show node "$HEAD_NODE" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
 RENDEZVOUS_PORT=${RENDEZVOUS_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 
 # Run a job step so that a preemption notice stops it cleanly and requeues the job.

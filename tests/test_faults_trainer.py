@@ -1,12 +1,11 @@
 """What clusters and people do to a run, end to end through train.py: a stop signal to the whole
-process group with loader workers on, Ctrl-C, a damaged newest checkpoint, a reused run name.
-
-These need the trainer to use clipscale.signals, clipscale.run_dir, clipscale.checkpoint's
-load_latest and clipscale.console (issue 18's components); until it does they are expected to fail.
+process group with loader workers on, Ctrl-C, a damaged newest checkpoint, a reused run name, and
+the lines the console prints about them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -22,7 +21,6 @@ from clipscale.metrics import read_metrics
 
 from tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
 
-NEEDS_WIRING = pytest.mark.xfail(reason="needs trainer wiring (issue 18 components)", strict=False)
 STEPS = 12
 
 
@@ -46,7 +44,6 @@ def _wait_for_steps(process: subprocess.Popen, metrics: Path, steps: int) -> Non
         time.sleep(0.05)
 
 
-@NEEDS_WIRING
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
 def test_a_stop_signal_to_the_process_group_checkpoints_and_the_same_command_resumes(digits_root, tmp_path, signum):
     overrides = _overrides(digits_root, tmp_path)
@@ -57,22 +54,31 @@ def test_a_stop_signal_to_the_process_group_checkpoints_and_the_same_command_res
     assert run.returncode == 128 + signum, output[-3000:]
     assert "killed by signal" not in output, output[-3000:]
     stopped = int(output.split(f"stopped by signal {signum} after step ")[1].split(";")[0])
-    assert step_checkpoints(tmp_path / "tiny" / "checkpoints")[0][0] == stopped < STEPS
+    checkpoints = tmp_path / "tiny" / "checkpoints"
+    assert step_checkpoints(checkpoints)[0][0] == stopped < STEPS
+    assert f"step {stopped}: checkpoint saved to {checkpoints / f'step_{stopped:08d}.pt'}" in output, output[-3000:]
     if signum == signal.SIGTERM:
+        # What a harder kill leaves: a metrics line cut short, a save's temporary file.
+        metrics = tmp_path / "tiny" / "metrics.jsonl"
+        with metrics.open("a") as f:
+            f.write('{"step": %d, "loss": 2.3' % (stopped + 1))
+        killed_save = checkpoints / f".step_{stopped + 1:08d}.pt.999-0a1b2c3d.tmp"
+        killed_save.write_bytes(b"half a checkpoint")
         resumed = run_train(overrides)
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-        assert f"resuming {tmp_path / 'tiny'} from step {stopped}" in resumed.stdout + resumed.stderr
-        assert [m["step"] for m in read_metrics(tmp_path / "tiny" / "metrics.jsonl")] == list(range(1, STEPS + 1))
+        output = resumed.stdout + resumed.stderr
+        assert resumed.returncode == 0, output[-3000:]
+        assert f"resuming {tmp_path / 'tiny'} from step {stopped}" in output
+        assert f"{metrics}: dropped its last line" in output and not killed_save.exists(), output[-3000:]
+        assert [m["step"] for m in read_metrics(metrics)] == list(range(1, STEPS + 1))
 
 
-@NEEDS_WIRING
 def test_a_process_group_sigterm_under_torchrun_checkpoints_on_every_rank(digits_root, tmp_path):
     """torchrun passes SIGTERM on to each worker's process group: its loader workers get it too."""
     run = _start_in_own_group(_overrides(digits_root, tmp_path), nproc=2)
     _wait_for_steps(run, tmp_path / "tiny" / "metrics.jsonl", 3)
     os.killpg(run.pid, signal.SIGTERM)
     output = run.communicate(timeout=120)[0]
-    assert "killed by signal" not in output and "stopped by signal 15 after step " in output, output[-3000:]
+    assert "killed by signal" not in output and output.count("stopped by signal 15 after step ") == 1, output[-3000:]  # rank 0 says it
     checkpoint = torch.load(latest_checkpoint(tmp_path / "tiny" / "checkpoints"), weights_only=True)
     assert len(checkpoint["data"]) == 2 and 3 <= checkpoint["step"] < STEPS  # both ranks' cursors, mid-run
 
@@ -81,7 +87,6 @@ def _losses(run_dir: Path) -> dict:
     return {m["step"]: m["loss"] for m in read_metrics(run_dir / "metrics.jsonl") if "loss" in m}
 
 
-@NEEDS_WIRING
 def test_a_damaged_newest_checkpoint_falls_back_and_retrains_the_same_steps(digits_root, tmp_path):
     overrides = _overrides(digits_root, tmp_path, "train.steps=4", "train.checkpoint_every=2")
     first = run_train(overrides)
@@ -97,7 +102,6 @@ def test_a_damaged_newest_checkpoint_falls_back_and_retrains_the_same_steps(digi
     assert torch.load(newest, weights_only=True)["step"] == 4
 
 
-@NEEDS_WIRING
 def test_a_reused_run_name_resumes_stops_or_moves_aside_but_never_mixes_two_runs(digits_root, tmp_path):
     overrides = _overrides(digits_root, tmp_path, "train.steps=3")
     run_dir = tmp_path / "tiny"
@@ -119,3 +123,28 @@ def test_a_reused_run_name_resumes_stops_or_moves_aside_but_never_mixes_two_runs
     [aside] = tmp_path.glob("tiny.old-*")
     assert (aside / "metrics.jsonl").read_text() == metrics and (aside / "config.yaml").read_text() == config
     assert [m["step"] for m in read_metrics(run_dir / "metrics.jsonl") if "loss" in m] == [1, 2, 3]
+
+    # More steps change the learning-rate schedule: only with an explicit extension, which says how.
+    overrides = [*overrides, "loss.name=infcl"]
+    longer = run_train([*overrides, "train.steps=5"])
+    assert longer.returncode == 2 and "train.steps: 3 -> 5" in longer.stderr and "run.extend_steps=true" in longer.stderr, longer.stderr[-3000:]
+    extended = run_train([*overrides, "train.steps=5", "run.extend_steps=true"])
+    output = extended.stdout + extended.stderr
+    assert extended.returncode == 0 and f"extending {run_dir} from 3 to 5 steps: the cosine learning-rate schedule" in output, output[-3000:]
+    assert f"resuming {run_dir} from step 3" in output
+    assert [m["step"] for m in read_metrics(run_dir / "metrics.jsonl") if "loss" in m] == [1, 2, 3, 4, 5]
+
+
+def test_the_console_says_once_what_happened_beside_the_progress_bar(digits_root, tmp_path):
+    """Two processes: a checkpoint and an evaluation each get one line (from rank 0), the
+    evaluation's with its figure; the final accuracy is the one in eval/step_<n>.json."""
+    result = run_train(_overrides(digits_root, tmp_path, "train.steps=4", "train.checkpoint_every=2", "eval.every_n_steps=2",
+                                  "eval.zeroshot=true", "data.workers=0"), nproc=2)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    checkpoints = tmp_path / "tiny" / "checkpoints"
+    for step in (2, 4):
+        assert output.count(f"step {step}: checkpoint saved to {checkpoints / f'step_{step:08d}.pt'}\n") == 1, output[-3000:]
+    final = json.loads((tmp_path / "tiny" / "eval" / "step_00000004.json").read_text())
+    assert output.count(f"step 4: zeroshot_acc1 {100 * final['zeroshot_acc1']:.2f}%, zeroshot_acc5 ") == 1, output[-3000:]
+    assert output.count("step 2: zeroshot_acc1 ") == 1

@@ -7,6 +7,7 @@ saved to a temporary folder, a small open_clip ViT. Nothing is downloaded.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import open_clip
@@ -272,3 +273,14 @@ def test_example_configs_are_valid(name, hf_folder, tmp_path):
                             f"model.custom.text_cfg.hf_tokenizer_name={hf_folder}"],
     }
     load_checked_config(str(REPO / "configs" / f"{name}.yaml"), local_files.get(name, []))
+
+
+def test_no_random_init_warning_when_model_pretrained_loads_next(tmp_path, caplog):
+    """open_clip logs "No pretrained weights loaded ... initialized randomly" for every model it
+    builds without weights; with model.pretrained the weights load right after, so it is false."""
+    caplog.set_level(logging.WARNING)
+    torch.save(build_model(ModelConfig(custom=VIT)).model.state_dict(), tmp_path / "weights.pt")
+    assert "initialized randomly" in caplog.text  # without weights it is said, and seen here
+    caplog.clear()
+    build_model(ModelConfig(custom=VIT, pretrained=str(tmp_path / "weights.pt")))
+    assert "initialized randomly" not in caplog.text

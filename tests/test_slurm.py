@@ -1,9 +1,11 @@
-"""The sbatch templates on a real one-node Slurm: a 2-process digits job trains and is evaluated,
-and a preempted job is requeued and resumes on the same loss curve.
+"""The sbatch templates on a real Slurm of two nodes: a 2-process digits job trains and is
+evaluated, and a preempted job, on one node or over both, is requeued and resumes on the same
+loss curve.
 
 The fixture installs Debian's slurm-wlm and munge when they are missing (as root, with apt),
-starts munged, slurmctld and slurmd as root from a slurm.conf in a temporary folder, and stops
-them at the end. Where that is impossible the tests are skipped with the reason.
+starts munged, slurmctld and two slurmd (`slurmd -N <node>`: two nodes on this one host, which
+Debian's build allows) as root from a slurm.conf in a temporary folder, and stops them at the
+end. Where that is impossible the tests are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -26,12 +28,19 @@ from clipscale.metrics import read_metrics
 from tiny_runs import REPO, tiny_run
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
+NODES = ("n1", "n2")
 CLIENTS = ("sbatch", "scontrol", "scancel", "sinfo", "srun")
 SBIN_PATH = f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"
 STEPS = 30
-TWO_PROCESSES = {  # sbatch options for a 2-process job on one node
-    "train_torchrun.sbatch": ("--ntasks-per-node=1", "--cpus-per-task=2"),  # one torchrun, NPROC_PER_NODE workers
-    "train_srun.sbatch": ("--ntasks-per-node=2", "--cpus-per-task=1"),
+TWO_PROCESSES = {  # sbatch options for a 2-process job: {nodes: options}
+    "train_torchrun.sbatch": {  # one torchrun per node, NPROC_PER_NODE workers each
+        1: ("--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=2"),
+        2: ("--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--export=ALL,NPROC_PER_NODE=1"),
+    },
+    "train_srun.sbatch": {
+        1: ("--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"),
+        2: ("--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1"),
+    },
 }
 
 
@@ -62,27 +71,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _slurm_conf(root: Path, node: str) -> str:
-    # proctrack/linuxproc and task/none: no cgroups, which containers often lack. The node offers
+def _slurm_conf(root: Path, host: str) -> str:
+    # proctrack/linuxproc and task/none: no cgroups, which containers often lack. Each node offers
     # 4 CPUs whatever the machine has (config_overrides) so that the 2-process jobs always fit.
+    # Two nodes on one host: each slurmd its own port, and %n (the node name) in its files.
     # cred_expire is also how long a requeued job waits before it starts again (default 120 s),
     # and sched_interval how often the scheduler looks again (default 60 s).
+    nodes = "\n".join(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} CPUs=4 RealMemory=2000 "
+                      "State=UNKNOWN" for node in NODES)
     return f"""\
 ClusterName=clipscale-test
-SlurmctldHost={node}(127.0.0.1)
+SlurmctldHost={host}(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 AuthInfo=socket={root}/munge.socket,cred_expire=10
 CredType=cred/munge
 SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
+SlurmdLogFile={root}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -95,13 +106,13 @@ SchedulerParameters=sched_interval=2
 MpiDefault=none
 ReturnToService=2
 MinJobAge=600
-NodeName={node} NodeAddr=127.0.0.1 CPUs=4 RealMemory=2000 State=UNKNOWN
-PartitionName=test Nodes={node} Default=YES MaxTime=INFINITE State=UP
+{nodes}
+PartitionName=test Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
 """
 
 
 class Cluster:
-    """A running one-node Slurm; `run` calls its client programs with our slurm.conf."""
+    """A running Slurm of two nodes; `run` calls its client programs with our slurm.conf."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -118,14 +129,14 @@ class Cluster:
         """Start the daemons; the reason when they do not come up."""
         (self.root / "munge.key").write_bytes(os.urandom(1024))
         (self.root / "munge.key").chmod(0o400)
-        for path in ("state", "spool"):
-            (self.root / path).mkdir()
+        for path in ("state", *(f"spool/{node}" for node in NODES)):
+            (self.root / path).mkdir(parents=True)
         (self.root / "slurm.conf").write_text(_slurm_conf(self.root, socket.gethostname().split(".")[0]))
         commands = [
             ["munged", "--force", f"--socket={self.root}/munge.socket", f"--key-file={self.root}/munge.key",
              f"--pid-file={self.root}/munged.pid", f"--log-file={self.root}/munged.log", f"--seed-file={self.root}/munge.seed"],
             ["slurmctld", "-f", str(self.root / "slurm.conf")],
-            ["slurmd", "-f", str(self.root / "slurm.conf")],
+            *(["slurmd", "-f", str(self.root / "slurm.conf"), "-N", node] for node in NODES),
         ]
         for command in commands:
             result = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=30)
@@ -137,11 +148,11 @@ class Cluster:
             if state == "idle":
                 return None
             time.sleep(0.5)
-        return f"the node did not become idle within 30 s (state {state!r}) {self._log_tails()}"
+        return f"the nodes did not become idle within 30 s (states {state!r}) {self._log_tails()}"
 
     def stop(self) -> None:
         subprocess.run(["scancel", "--full", "--state=RUNNING,PENDING", "--user", "root"], env=self.env, capture_output=True, timeout=30)
-        for daemon in reversed(DAEMONS):
+        for daemon in (*(f"slurmd-{node}" for node in NODES), "slurmctld", "munged"):
             pid_file = self.root / f"{daemon}.pid"
             if pid_file.exists():
                 pid = int(pid_file.read_text())
@@ -152,7 +163,7 @@ class Cluster:
         return " | ".join(f"{log.name}: {log.read_text()[-300:]}" for log in self.root.glob("*.log"))
 
     def submit(self, template: str, *args: str, options: tuple = ()) -> str:
-        return self.run("sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--time=10",
+        return self.run("sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--time=10",  # options may say otherwise (the last --nodes wins)
                         f"--output={self.root}/job-%j.out", *options, f"slurm/{template}", *args).strip()
 
     def job(self, job_id: str) -> dict:
@@ -216,7 +227,7 @@ def uninterrupted(cluster, digits_root, tmp_path_factory) -> Path:
     evaluation template on its final checkpoint once it has succeeded."""
     output_dir = tmp_path_factory.mktemp("torchrun")
     train = cluster.submit("train_torchrun.sbatch", "--config", "configs/digits.yaml", *_overrides(digits_root, output_dir),
-                           options=TWO_PROCESSES["train_torchrun.sbatch"])
+                           options=TWO_PROCESSES["train_torchrun.sbatch"][1])
     manifest = json.loads((digits_root / "manifest.json").read_text())
     evaluation = cluster.submit(
         "eval.sbatch", "--checkpoint", str(output_dir / "tiny"), "--task", "wds",
@@ -240,13 +251,15 @@ def test_digits_job_trains_and_evaluates(uninterrupted):
     assert script["acc1"] > 0.1  # better than chance (ten classes) after 30 tiny steps
 
 
-@pytest.mark.xfail(reason="needs trainer wiring: loader workers with clipscale.signals.ignore_stop_signals", strict=False)
+@pytest.mark.parametrize("nodes", [1, 2], ids=["one node", "two nodes"])
 @pytest.mark.parametrize("template", sorted(TWO_PROCESSES))
-def test_preempted_job_is_requeued_and_resumes_on_the_same_curve(cluster, uninterrupted, digits_root, tmp_path, template):
+def test_preempted_job_is_requeued_and_resumes_on_the_same_curve(cluster, uninterrupted, digits_root, tmp_path, template, nodes):
     """A preemption notice mid-run checkpoints and requeues the job; the requeued job continues
-    the loss curve of the uninterrupted job (same world size, so the same data and steps)."""
+    the loss curve of the uninterrupted job (same world size, so the same data and steps). Over
+    two nodes the notice reaches the processes of both, and they meet again at the first node's
+    address when the job starts again."""
     job_id = cluster.submit(template, "--config", "configs/digits.yaml", *_overrides(digits_root, tmp_path),
-                            options=TWO_PROCESSES[template])
+                            options=TWO_PROCESSES[template][nodes])
     metrics = tmp_path / "tiny" / "metrics.jsonl"
     deadline = time.time() + 180
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
@@ -256,7 +269,7 @@ def test_preempted_job_is_requeued_and_resumes_on_the_same_curve(cluster, uninte
 
     job = cluster.wait_until_done(job_id)
     log = cluster.full_output(job_id)
-    assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1", log[-3000:]
+    assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1" and job["NumNodes"] == str(nodes), log[-3000:]
     stopped = re.search(r"stopped by signal \d+ after step (\d+)", log)
     assert stopped and int(stopped.group(1)) < STEPS, log[-3000:]
     reference, resumed = _curve(uninterrupted / "tiny"), _curve(tmp_path / "tiny")

@@ -83,7 +83,6 @@ def test_a_full_disk_while_checkpointing_names_the_file(digits_root, mounted):
     assert message == f"cannot write {output_dir / 'tiny' / 'checkpoints' / 'step_00000002.pt'}: no space left on the device"
 
 
-@pytest.mark.xfail(reason="needs trainer wiring: plan_run (check_writable) before data and model", strict=False)
 def test_a_read_only_output_folder_is_reported_before_any_work(digits_root, mounted):
     read_only = mounted("64k", read_only=True)
     result = run_train(tiny_run(digits_root, read_only / "runs"))
