@@ -1,4 +1,5 @@
-"""Checkpoints are atomic: a process killed while it writes one leaves every checkpoint file loadable."""
+"""Checkpoints are atomic: a process killed while it writes one leaves every checkpoint file loadable,
+and a file is on the disk before it is renamed into place."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 import time
 
 import torch
+
+from clipscale.checkpoint import save_checkpoint
 
 from tiny_runs import REPO
 from trainer_harness import load, step_checkpoints
@@ -48,3 +51,29 @@ def test_a_process_killed_while_saving_leaves_every_checkpoint_loadable(tmp_path
     for step, path in checkpoints.items():
         assert load(path)["step"] == step, path  # a truncated file would fail to load
     assert torch.equal(load(checkpoints[1])["state_dict"]["w"], torch.ones(3))
+
+
+def test_a_checkpoint_reaches_the_disk_before_it_takes_the_final_name(tmp_path, monkeypatch):
+    """A kill cannot show a missing fsync (the page cache outlives the process); a power loss
+    can: the rename may reach the disk before the data, leaving an empty file under the final
+    name. Only the order of the calls shows it: each file renamed into place was fsynced first."""
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        calls.append(("replace", os.path.realpath(src), os.path.realpath(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    folder = tmp_path / "checkpoints"
+    save_checkpoint(folder, 1, {"step": 1, "state_dict": {"w": torch.ones(3)}})
+    renamed = {call[2] for call in calls if call[0] == "replace"}
+    assert os.path.realpath(folder / "step_00000001.pt") in renamed
+    for i, call in enumerate(calls):
+        if call[0] == "replace":
+            assert ("fsync", call[1]) in calls[:i], f"{call[2]} was renamed into place before its data was fsynced"

@@ -1,7 +1,7 @@
 """README promises about what a run produces and how its parts are used: evaluation sets inside a
-run, open_clip's class names and templates for the built-in tasks, the eval script under torchrun,
-intermediate checkpoints in open_clip, LiT's locked tower without optimizer state, SigLIP's
-logit_bias through Gradient Cache and the trainer."""
+run, open_clip's class names and templates for the built-in tasks, the eval script under torchrun and
+its --precision, intermediate checkpoints in open_clip, LiT's locked tower without optimizer state,
+SigLIP's logit_bias through Gradient Cache and the trainer."""
 
 from __future__ import annotations
 
@@ -66,6 +66,12 @@ def test_every_builtin_task_defaults_to_the_80_openai_templates():
     assert {name: len(prompt_templates(task)) for name, task in BUILTIN_TASKS.items()} == {name: 80 for name in BUILTIN_TASKS}
 
 
+def _eval_script_args(run_dir, val, digits_root, precision, output) -> list[str]:
+    return ["--checkpoint", str(step_checkpoints(run_dir)[4]), "--task", "wds", "--data", val,
+            "--classnames", str(digits_root / "classnames.txt"), "--templates", str(digits_root / "templates.txt"),
+            "--device", "cpu", "--workers", "0", "--precision", precision, "--no-progress", "--output", str(output)]
+
+
 def test_the_eval_script_under_torchrun_agrees_with_the_training_hook(digits_run, digits_root, tmp_path):
     """Two processes, each evaluating its part, gathered once: in fp32 the same accuracy as the
     in-training evaluation; with --precision bf16 close to it."""
@@ -76,14 +82,34 @@ def test_the_eval_script_under_torchrun_agrees_with_the_training_hook(digits_run
         output = tmp_path / f"{precision}.json"
         script = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-             str(REPO / "scripts" / "eval_zeroshot.py"), "--checkpoint", str(step_checkpoints(run_dir)[4]), "--task", "wds",
-             "--data", val, "--classnames", str(digits_root / "classnames.txt"), "--templates", str(digits_root / "templates.txt"),
-             "--device", "cpu", "--workers", "0", "--precision", precision, "--no-progress", "--output", str(output)],
+             str(REPO / "scripts" / "eval_zeroshot.py"), *_eval_script_args(run_dir, val, digits_root, precision, output)],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
         )
         assert script.returncode == 0, script.stderr[-3000:]
         metrics = json.loads(output.read_text())["metrics"]
         assert metrics["acc1"] == pytest.approx(hook["zeroshot_acc1"], abs=tolerance), precision
+
+
+def test_the_eval_scripts_precision_is_the_towers_compute_dtype(digits_run, digits_root, tmp_path, monkeypatch):
+    """On these digits bf16 and fp32 give the same accuracy, so the test above passes whether or not
+    --precision is applied; the image tower's output dtype shows which precision it ran in."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import eval_zeroshot
+
+    dtypes = []
+    real_build_model = eval_zeroshot.build_model
+
+    def build_model(cfg):
+        towers = real_build_model(cfg)
+        towers.model.visual.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
+        return towers
+
+    monkeypatch.setattr(eval_zeroshot, "build_model", build_model)
+    run_dir, val = digits_run
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        dtypes.clear()
+        eval_zeroshot.main(_eval_script_args(run_dir, val, digits_root, precision, tmp_path / f"{precision}.json"))
+        assert dtypes and set(dtypes) == {dtype}, precision
 
 
 def test_an_intermediate_checkpoint_loads_in_open_clip(digits_run):

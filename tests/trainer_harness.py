@@ -3,9 +3,9 @@ reading a run's files (metrics.jsonl, checkpoints/step_*.pt) without the trainer
 
 from __future__ import annotations
 
-import math
-
+import contextlib
 import io
+import math
 import os
 import signal
 import subprocess
@@ -67,10 +67,29 @@ def launch(overrides: list[str], *, nproc: int = 1, timeout: float = 300) -> sub
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        # torchrun starts each worker in a session of its own: killing the launcher's group would
+        # leave them running, holding the output pipes open, and the test would wait forever.
+        for pid in [proc.pid, *_descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         raise AssertionError(f"run did not end within {timeout} s (a hang?):\n{stderr[-3000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):  # a process that ended meanwhile
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the name in (...) may hold spaces
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
 
 
 def checked(result: subprocess.CompletedProcess, returncode: int = 0) -> subprocess.CompletedProcess:
