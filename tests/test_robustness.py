@@ -146,7 +146,7 @@ def test_a_worker_killed_mid_run_is_restarted_from_the_latest_checkpoint(digits_
     restarts, resumes from latest.pt and ends with the weights of a run never interrupted."""
     def overrides(name):
         return tiny_run(digits_root, tmp_path, f"run.name={name}", "train.steps=40", "train.checkpoint_every=10",
-                        "data.workers=0", "eval.zeroshot=false")
+                        "eval.zeroshot=false")
 
     reference = run_train(overrides("reference"), nproc=2)
     assert reference.returncode == 0, reference.stderr[-3000:]

@@ -77,7 +77,7 @@ def test_a_shard_pattern_that_matches_nothing(tmp_path):
 def test_a_full_disk_while_checkpointing_names_the_file(digits_root, mounted):
     """1 MB holds the run's config and metrics, not its first checkpoint (about 40 MB)."""
     output_dir = mounted("1m")
-    result = run_train(tiny_run(digits_root, output_dir, "train.steps=2", "train.checkpoint_every=2", "data.workers=0",
+    result = run_train(tiny_run(digits_root, output_dir, "train.steps=2", "train.checkpoint_every=2",
                                 "eval.zeroshot=false"))
     message = _one_line_error(result)
     assert message == f"cannot write {output_dir / 'tiny' / 'checkpoints' / 'step_00000002.pt'}: no space left on the device"
