@@ -97,10 +97,11 @@ def open_run_dir(cfg: Config, world: World) -> tuple[Path, dict | None]:
     if plan.action != "resume":
         return plan.run_dir, None
     found = load_latest(plan.run_dir / CHECKPOINTS, report=lambda line: say(world, line))
-    step = found[1]["step"] if found else 0
+    checkpoint = found[1] if found else None
+    step = checkpoint["step"] if checkpoint else 0
     if step < cfg.train.steps:
         say(world, console.run_resumed(plan.run_dir, step))
-    return plan.run_dir, found[1] if found else None
+    return plan.run_dir, checkpoint
 
 
 def chunk_size(cfg: Config, towers: Towers, loss_fn, world: World) -> int:
@@ -115,9 +116,8 @@ def chunk_size(cfg: Config, towers: Towers, loss_fn, world: World) -> int:
                                    precision_dtype=AUTOCAST_DTYPES[cfg.train.precision], image_size=image_size,
                                    context_length=towers.model.context_length, vocab_size=towers.model.vocab_size)
     chunk = int(min(all_reduce_max(-chunk, world.device) * -1, per_rank))  # the smallest over ranks
-    if world.is_main:
-        shown = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
-        print(f"train.chunk_size=auto: {chunk} samples per encoder pass ({shown})")
+    shown = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
+    say(world, f"train.chunk_size=auto: {chunk} samples per encoder pass ({shown})")
     return chunk
 
 
