@@ -5,9 +5,8 @@ Also `torchrun --nproc_per_node N train.py --config ...` (gloo on CPU, NCCL on G
 
 import argparse
 
-from clipscale.checks import load_checked_config
+from clipscale.config import load_config
 from clipscale.errors import run_main
-from clipscale.trainer import train
 
 
 def main() -> int:
@@ -15,7 +14,12 @@ def main() -> int:
     parser.add_argument("--config", default="configs/digits.yaml", help="YAML run configuration")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 loss.name=infcl")
     args = parser.parse_args()
-    cfg = load_checked_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)
+    # torch and open_clip take seconds to import: a mistake in the YAML or a key is reported before them.
+    from clipscale.checks import check_config
+    from clipscale.trainer import train
+
+    check_config(cfg)
     results = train(cfg)
     return 128 + results["preempted_by"] if "preempted_by" in results else 0  # the shell's "killed by signal N"
 

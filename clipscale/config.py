@@ -8,8 +8,8 @@ names the key, the expected type and (for choices) the allowed values.
 
 This module knows the schema and imports none of the components (but for
 `eval_task`, see there). Checks that need them (an open_clip architecture exists, the loss's options
-and inputs fit it, the evaluation sets resolve) live in clipscale.checks,
-whose `load_checked_config` is what train.py calls.
+and inputs fit it, the evaluation sets resolve) live in clipscale.checks;
+train.py runs load_config before it imports them, so a mistake here is reported at once.
 """
 
 from __future__ import annotations

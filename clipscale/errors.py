@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+from clipscale.launcher import launcher_ranks
+
 USER_ERROR_EXIT = 2  # what argparse uses for a bad command line
 STORAGE_ERRNOS = {
     errno.ENOSPC: "no space left on the device",
@@ -50,8 +52,6 @@ def storage_errors(path: Path, doing: str) -> Iterator[None]:
 
 def reporting_rank() -> bool:
     """Whether this process prints user errors: rank 0 of the launcher's world (or a single process)."""
-    from clipscale.distributed import launcher_ranks
-
     return launcher_ranks()[0] == 0
 
 

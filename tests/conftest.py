@@ -4,6 +4,10 @@ import os
 import subprocess
 from pathlib import Path
 
+# One thread per test process, inherited by the runs it starts: pytest-xdist runs a worker per
+# core, and OpenMP threads spinning for a core that another worker holds cost more than they give.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Triton decides when it is first imported whether its own @jit library functions
 # are interpreted, and torch, timm or open_clip may import it before the kernel
 # tests set TRITON_INTERPRET=1; kernels run later would then fail. Import it here,
@@ -53,3 +57,10 @@ def mounted(tmp_path):
     yield mount
     for point in reversed(mounts):
         subprocess.run(["umount", str(point)], check=True)
+
+
+def pytest_collection_modifyitems(items):
+    """Modules that are slow as a whole (chains of real runs, the Slurm cluster) first: with
+    `--dist loadfile` pytest-xdist hands modules out in this order, so the longest start early
+    and the short ones fill in the end."""
+    items.sort(key=lambda item: getattr(item.module, "pytestmark", None) != pytest.mark.slow)

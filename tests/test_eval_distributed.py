@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from clipscale.eval import evaluate_retrieval, evaluate_zeroshot, zeroshot_classifier
@@ -17,6 +18,8 @@ from test_eval_metrics import (
     retrieval_model,
     tied_classifier_model,
 )
+
+pytestmark = pytest.mark.slow
 
 
 def random_tied_sets():

@@ -8,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from clipscale.config import ModelConfig
 from clipscale.eval.tasks import resolve_task, run_task
 from clipscale.models import build_model
 from test_eval_data import picture, write_lines
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_CLIP = {

@@ -14,6 +14,7 @@ import time
 import uuid
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -21,6 +22,8 @@ from clipscale.checkpoint import latest_checkpoint
 from clipscale.distributed import attempt_namespace
 
 from tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
+
+pytestmark = pytest.mark.slow
 
 
 def _free_port() -> int:

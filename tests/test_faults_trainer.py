@@ -21,6 +21,8 @@ from clipscale.metrics import read_metrics
 
 from tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
 
+pytestmark = pytest.mark.slow
+
 STEPS = 12
 
 

@@ -375,6 +375,7 @@ def gather_with_grad(local: torch.Tensor) -> torch.Tensor:
     return _Gather.apply(local)
 
 
+@pytest.mark.slow
 def test_ddp_gloo_world_matches_plain_step():
     results = run_in_gloo_world(ddp_worker, WORLD, args=(LOSSES,), timeout=150)
     for errors in results:

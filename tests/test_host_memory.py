@@ -20,6 +20,8 @@ import pytest
 
 from tiny_runs import DIGITS_YAML, REPO
 
+pytestmark = pytest.mark.slow
+
 SIZE = 64  # the model's input: 3 * 64 * 64 = 12,288 uint8 bytes a sample
 CHILD = """
 import sys

@@ -73,6 +73,7 @@ print(json.dumps(outcomes))
 """
 
 
+@pytest.mark.slow
 def test_a_wrong_loss_stops_train_py_before_the_data_is_written(tmp_path):
     cases = wrong_cases()
     root, runs = tmp_path / "digits", tmp_path / "runs"

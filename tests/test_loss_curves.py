@@ -10,6 +10,8 @@ from tiny_runs import REPO, tiny_run
 sys.path.insert(0, str(REPO / "scripts" / "reproduce"))
 import loss_curves  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(400)
 def test_every_loss_follows_the_same_curve_on_two_processes(digits_root, tmp_path):

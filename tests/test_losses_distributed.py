@@ -175,6 +175,7 @@ def assert_matches_reference(case: Case, world: int, per_rank: list[dict], scale
         assert relative_error(mean_grad, getattr(reference, f"{name}_grad")) <= scale_grad_tol, f"{name} gradient"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

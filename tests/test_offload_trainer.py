@@ -21,7 +21,7 @@ from open_clip.transform import image_transform
 
 from clipscale.config import load_config
 from clipscale.data.batches import BatchStream
-from clipscale.data.offload import EncodedImages, OffloadedImages
+from clipscale.data.offload import OffloadedImages
 from clipscale.data.shards import ShardErrors, ShardStream, StreamState
 from clipscale.data.transforms import SplitTransform
 from clipscale.step import TrainStep
@@ -47,6 +47,7 @@ def _stream(digits_root, transform, offload: bool, state=None, workers=0, split=
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transform", [OPEN_CLIP_TRAIN, PLAIN_CROP], ids=["open_clip", "crop_to_tensor"])
 def test_uint8_pieces_and_kept_bytes_give_the_whole_transforms_pixels_bit_for_bit(digits_root, transform):
     split = SplitTransform.split(transform)
@@ -162,6 +163,7 @@ def _train(digits_root, tmp_path, name, *extra, monkeypatch=None, record=None):
     return result, [m["loss"] for m in read_metrics(tmp_path / name / "metrics.jsonl")]
 
 
+@pytest.mark.slow
 def test_the_trainer_streams_offloaded_images_to_the_step(digits_root, tmp_path, monkeypatch, recwarn):
     record: list = []
     _train(digits_root, tmp_path, "offload", "data.workers=1", "train.offload=true", monkeypatch=monkeypatch, record=record)
@@ -173,6 +175,7 @@ def test_the_trainer_streams_offloaded_images_to_the_step(digits_root, tmp_path,
     assert not [w for w in recwarn if "does not split" in str(w.message)]
 
 
+@pytest.mark.slow
 def test_an_offloaded_run_follows_the_streamed_runs_curve(digits_root, tmp_path):
     """Pass 2 decodes the kept bytes again in processes: the same losses as holding the pixels."""
     _, streamed = _train(digits_root, tmp_path, "pixels", "data.workers=1")
@@ -180,6 +183,7 @@ def test_an_offloaded_run_follows_the_streamed_runs_curve(digits_root, tmp_path)
     assert offloaded == pytest.approx(streamed, rel=1e-6, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_an_offloaded_run_resumes_on_the_same_curve(digits_root, tmp_path, monkeypatch):
     """SIGTERM after step 3 of an offloaded run, rerun: the same losses as an uninterrupted one."""
     _, uninterrupted = _train(digits_root, tmp_path, "whole", "data.workers=1", "train.offload=true")

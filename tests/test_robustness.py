@@ -110,6 +110,7 @@ def test_a_stream_without_one_usable_sample_stops_with_a_clear_message(tmp_path)
         next(iter(_stream([shard])))
 
 
+@pytest.mark.slow
 def test_training_on_broken_shards_runs_to_the_end_and_logs_the_counts(broken_shards, tmp_path):
     """In a loader worker process, as in a real run: nothing kills the worker or hangs. With
     train.offload the batch keeps encoded bytes, and the same samples are skipped and counted."""
@@ -141,6 +142,7 @@ def _children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_run_is_restarted_from_the_latest_checkpoint(digits_root, tmp_path):
     """SIGKILL one of two torchrun workers after a checkpoint: with --max-restarts 1 the world
     restarts, resumes from latest.pt and ends with the weights of a run never interrupted."""
@@ -173,6 +175,7 @@ def test_a_worker_killed_mid_run_is_restarted_from_the_latest_checkpoint(digits_
         assert torch.equal(final["killed"]["state_dict"][key], tensor), key
 
 
+@pytest.mark.slow
 def test_jobs_that_start_together_on_one_data_root_all_get_the_digits_shards(tmp_path):
     """Two jobs sharing `data.root` used to race on one half-written folder (a FileNotFoundError)."""
     write = "import sys; from clipscale.data.digits import write_digits_shards; write_digits_shards(sys.argv[1], 32)"

@@ -79,6 +79,7 @@ def _signal_group_after_batches(process: subprocess.Popen, signum: int, seen: li
     os.killpg(process.pid, signum)  # the trainer and its loader workers alike
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=lambda s: signal.Signals(s).name)
 def test_loader_workers_outlive_a_stop_signal_to_the_process_group(signum):
     process, seen = _start("ignoring", "stop"), []

@@ -27,6 +27,8 @@ from clipscale.metrics import read_metrics
 
 from tiny_runs import REPO, tiny_run
 
+pytestmark = pytest.mark.slow
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 NODES = ("n1", "n2")
 CLIENTS = ("sbatch", "scontrol", "scancel", "sinfo", "srun")
@@ -179,10 +181,12 @@ class Cluster:
 
     def output(self, job_id: str) -> str:
         path = self.root / f"job-{job_id}.out"
-        return path.read_text()[-3000:] if path.exists() else "(no output)"
+        return self.full_output(job_id)[-3000:] if path.exists() else "(no output)"
 
     def full_output(self, job_id: str) -> str:
-        return (self.root / f"job-{job_id}.out").read_text()
+        # The nodes' tasks append to one file, each its own buffered writes: one node's bytes can
+        # split another's multi-byte character (the progress bar's blocks).
+        return (self.root / f"job-{job_id}.out").read_bytes().decode(errors="replace")
 
 
 def _wait_for_exit(pid: int, timeout: float = 30) -> None:

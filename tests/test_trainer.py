@@ -99,6 +99,7 @@ def _stream(digits_root, workers, state=None):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_stream_resumes_exactly(digits_root, workers):
     """Batches after a resume equal the uninterrupted stream's, crops and worker order included."""
@@ -125,6 +126,7 @@ def test_stream_resumes_exactly(digits_root, workers):
 # --- training ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_training_improves_and_resumes_on_the_same_curve(digits_root, tmp_path):
     """Stop a run with SIGTERM mid-way, rerun the same command: every later step's
     loss equals that of a run that was never interrupted."""
@@ -175,6 +177,7 @@ def test_training_improves_and_resumes_on_the_same_curve(digits_root, tmp_path):
     assert script_metrics["acc5"] == pytest.approx(evaluation["zeroshot_acc5"], abs=1e-9)
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes(digits_root, tmp_path):
     result = run_train(tiny_run(digits_root, tmp_path, "train.steps=12", "data.workers=1"), nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -247,6 +250,7 @@ def test_wandb_logs_offline_without_a_key(digits_root, tmp_path, monkeypatch):
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
 
 
+@pytest.mark.slow
 def test_gradient_cache_and_offload_follow_the_plain_curve(digits_root, tmp_path, monkeypatch):
     """train.chunk_size splits each step into Gradient Cache chunks; the training is the same.
     With train.offload the batch keeps PNG bytes, decoded again in processes for the second

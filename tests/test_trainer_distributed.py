@@ -14,6 +14,8 @@ import pytest
 
 from trainer_harness import checked, launch, load, max_difference, newest_checkpoint, shard_run, step_checkpoints, training_records, write_shards
 
+pytestmark = pytest.mark.slow
+
 STEPS, BATCH = 6, 24  # 48 samples: an epoch is 2 steps
 
 

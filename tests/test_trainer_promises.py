@@ -38,6 +38,7 @@ def digits_run(digits_root, tmp_path_factory):
     return output / "tiny", val
 
 
+@pytest.mark.slow
 def test_eval_sets_run_inside_training_and_log_set_metric_keys(digits_run):
     run_dir, _ = digits_run
     for step in (2, 4):
@@ -72,6 +73,7 @@ def _eval_script_args(run_dir, val, digits_root, precision, output) -> list[str]
             "--device", "cpu", "--workers", "0", "--precision", precision, "--no-progress", "--output", str(output)]
 
 
+@pytest.mark.slow
 def test_the_eval_script_under_torchrun_agrees_with_the_training_hook(digits_run, digits_root, tmp_path):
     """Two processes, each evaluating its part, gathered once: in fp32 the same accuracy as the
     in-training evaluation; with --precision bf16 close to it."""

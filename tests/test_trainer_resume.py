@@ -11,10 +11,11 @@ from __future__ import annotations
 import signal
 
 import pytest
-import torch
 
 from tiny_runs import TINY_MODEL
 from trainer_harness import checked, launch, max_difference, newest_checkpoint, shard_run, step_checkpoints, training_records, write_shards
+
+pytestmark = pytest.mark.slow
 
 STEPS = 12
 LOG_EVERY = 3
@@ -22,21 +23,21 @@ DROPOUT_MODEL = TINY_MODEL.replace("mlp_ratio: 2.0}, text_cfg", "mlp_ratio: 2.0,
 assert DROPOUT_MODEL != TINY_MODEL
 
 
-def _overrides(shards, output_dir, name, model, signal_call=None):
+def _overrides(shards, output_dir, name, signal_call=None):
     faults = f", signal_calls: [{signal_call}], signal_marker: {output_dir / name}.signalled" if signal_call else ""
     return shard_run(
-        shards, output_dir, name, model, f"train.steps={STEPS}", "train.batch_size=48", f"train.log_every={LOG_EVERY}",
+        shards, output_dir, name, DROPOUT_MODEL, f"train.steps={STEPS}", "train.batch_size=48", f"train.log_every={LOG_EVERY}",
         "train.checkpoint_every=100", "data.workers=2", "data.shuffle_buffer=20",
         "loss.name=scripted_faults", f"loss.options={{inner: infcl, inner_options: {{backend: reference, tile_size: 16}}{faults}}}",
     )
 
 
-# name: (model, the step whose SIGUSR1 stops the first launch; None: never stopped)
+# name: the step whose SIGUSR1 stops the first launch (None: never stopped). The model has
+# dropout: a resume must also restore the RNG the masks are drawn from.
 RUNS = {
-    "reference": (TINY_MODEL, None),
-    "on_window": (TINY_MODEL, 6),  # stopped right after a record (log_every=3)
-    "dropout_reference": (DROPOUT_MODEL, None),
-    "dropout_off_window": (DROPOUT_MODEL, 7),  # stopped between two records
+    "reference": None,
+    "on_window": 6,  # stopped right after a record (log_every=3)
+    "off_window": 7,  # stopped between two records
 }
 
 
@@ -47,17 +48,17 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
     shards = write_shards(root / "shards", shards=6, per_shard=40, corrupt_every=7)
     out = {}
-    for name, (model, call) in RUNS.items():
-        first = launch(_overrides(shards, root, name, model, call))
+    for name, call in RUNS.items():
+        first = launch(_overrides(shards, root, name, call))
         stopped_at = max(step_checkpoints(root / name), default=None)
         if call is not None:
-            checked(launch(_overrides(shards, root, name, model, call)))
+            checked(launch(_overrides(shards, root, name, call)))
         out[name] = (first.returncode, root / name, stopped_at, first.stderr)
     return out
 
 
 def test_sigusr1_finishes_the_step_writes_a_checkpoint_and_exits_138(runs):
-    for name, (_, call) in RUNS.items():
+    for name, call in RUNS.items():
         returncode, _, stopped_at, stderr = runs[name]
         assert returncode == (0 if call is None else 128 + signal.SIGUSR1), stderr[-3000:]
         assert stopped_at == (call or STEPS), name
@@ -84,7 +85,7 @@ def test_a_resumed_run_reads_exactly_the_samples_of_the_uninterrupted_run(runs):
 def test_a_resumed_run_with_dropout_draws_the_uninterrupted_runs_masks(runs):
     """open_clip's patch dropout draws from the global RNG: the checkpoint's RNG state must
     be the one the next step starts from, or every loss after the resume changes."""
-    _check_same_curve_and_weights(runs["dropout_reference"][1], runs["dropout_off_window"][1])
+    _check_same_curve_and_weights(runs["reference"][1], runs["off_window"][1])
 
 
 def _counts(run_dir):
@@ -110,4 +111,4 @@ def test_data_error_counts_since_the_previous_record_survive_a_resume(runs):
 
 
 def test_data_error_counts_since_the_previous_record_survive_a_resume_between_records(runs):
-    _check_counts_since_previous_record(runs["dropout_reference"][1], runs["dropout_off_window"][1])
+    _check_counts_since_previous_record(runs["reference"][1], runs["off_window"][1])

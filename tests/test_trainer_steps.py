@@ -154,6 +154,7 @@ def test_the_logit_scale_is_clamped_at_100(optim_run):
 # --- precision -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bf16_and_fp16_runs_follow_the_fp32_curve(digits_root, tmp_path):
     curves = {}
     for precision in ("fp32", "bf16", "fp16"):

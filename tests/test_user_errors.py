@@ -48,6 +48,17 @@ def result_is_quiet(message: str) -> bool:
     return "\n" not in message and "yaml." not in message  # no exception class or module named
 
 
+def test_a_config_mistake_is_reported_before_torch_is_imported(tmp_path):
+    """torch and open_clip take seconds to load; a typo in a key should not wait for them."""
+    probe = ("import runpy, sys\n"
+             "sys.argv = ['train.py', '--config', 'configs/digits.yaml', 'train.stepz=3']\n"
+             "try:\n    runpy.run_path('train.py', run_name='__main__')\n"
+             "finally:\n    print('torch imported' if 'torch' in sys.modules else 'torch not imported', file=sys.stderr)\n")
+    result = _run("-c", probe)
+    assert _one_line_error(result).startswith("unknown key train.stepz; allowed keys in train: batch_size, ")
+    assert "torch not imported" in result.stderr, result.stderr[-3000:]
+
+
 @pytest.mark.parametrize("kind", ["folder", "missing"])
 def test_a_config_path_that_is_a_folder_or_missing(tmp_path, kind):
     path = tmp_path if kind == "folder" else tmp_path / "nope.yaml"
@@ -56,6 +67,7 @@ def test_a_config_path_that_is_a_folder_or_missing(tmp_path, kind):
     assert message.startswith(expected), message
 
 
+@pytest.mark.slow
 def test_a_batch_that_does_not_split_over_the_processes_is_reported_once(digits_root, tmp_path):
     """Two processes under torchrun: only rank 0 prints. (torchrun's own report of the failed
     workers, with the launcher's traceback, follows: it is torchrun's, not clipscale's.)"""
@@ -67,6 +79,7 @@ def test_a_batch_that_does_not_split_over_the_processes_is_reported_once(digits_
     assert "exitcode  : 2" in output and "ConfigError" not in output and "train.py\", line" not in output, output[-3000:]
 
 
+@pytest.mark.slow
 def test_a_shard_pattern_that_matches_nothing(tmp_path):
     pattern = str(tmp_path / "shards-{000..009}.tar")
     message = _one_line_error(_run("train.py", "--config", DIGITS_YAML, f"run.output_dir={tmp_path}", "data.kind=webdataset",
@@ -74,6 +87,7 @@ def test_a_shard_pattern_that_matches_nothing(tmp_path):
     assert message == f"data.train_shards: {pattern!r} matches no file (first missing: {tmp_path / 'shards-000.tar'})"
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_checkpointing_names_the_file(digits_root, mounted):
     """1 MB holds the run's config and metrics, not its first checkpoint (about 40 MB)."""
     output_dir = mounted("1m")
@@ -83,6 +97,7 @@ def test_a_full_disk_while_checkpointing_names_the_file(digits_root, mounted):
     assert message == f"cannot write {output_dir / 'tiny' / 'checkpoints' / 'step_00000002.pt'}: no space left on the device"
 
 
+@pytest.mark.slow
 def test_a_read_only_output_folder_is_reported_before_any_work(digits_root, mounted):
     read_only = mounted("64k", read_only=True)
     result = run_train(tiny_run(digits_root, read_only / "runs"))
@@ -90,11 +105,13 @@ def test_a_read_only_output_folder_is_reported_before_any_work(digits_root, moun
     assert "tiny" not in result.stdout  # no progress bar: it stopped before the model and the data
 
 
+@pytest.mark.slow
 def test_eval_of_a_missing_checkpoint(tmp_path):
     result = _run(EVAL_SCRIPT, "--checkpoint", str(tmp_path / "runs" / "gone"), "--task", "imagefolder", "--data", str(tmp_path))
     assert _one_line_error(result) == f"no checkpoint at {tmp_path / 'runs' / 'gone'} (no such file or folder)"
 
 
+@pytest.mark.slow
 def test_eval_takes_a_run_folder_and_its_open_clip_config(tmp_path):
     """A run folder as clipscale writes it (open_clip_config.json, checkpoints/ with `latest`) as
     --checkpoint, and it or its open_clip_config.json as --model; no false random-init warning."""

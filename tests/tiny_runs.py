@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DIGITS_YAML = str(REPO / "configs" / "digits.yaml")
+TRAIN = str(REPO / "train.py")
 
 # A model small enough for a few seconds of CPU training.
 TINY_MODEL = (
@@ -33,11 +36,38 @@ def tiny_run(digits_root: Path, output_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def run_train(overrides: list[str], *, nproc: int = 1, timeout: float = 240) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
+def run_train(overrides: list[str], *, nproc: int = 1, timeout: float = 240, script: str = TRAIN) -> subprocess.CompletedProcess:
+    """`script` (train.py) in its own process group, under torchrun for nproc > 1 (standalone: a
+    free port of its own, so runs in parallel test workers never meet); on a timeout every
+    process below it is killed, then it raises."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] \
+        if nproc > 1 else [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    return subprocess.run(
-        [*launcher, str(REPO / "train.py"), "--config", DIGITS_YAML, *overrides],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
-    )
+    proc = subprocess.Popen([*launcher, script, "--config", DIGITS_YAML, *overrides], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # torchrun starts each worker in a session of its own: killing the launcher's group would
+        # leave them running, holding the output pipes open, and the test would wait forever.
+        kill_tree(proc.pid)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"run did not end within {timeout} s (a hang?):\n{stderr[-3000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it, found through /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):  # a process that ended meanwhile
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the name in (...) may hold spaces
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [pid], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    for each in found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGKILL)

@@ -3,13 +3,9 @@ reading a run's files (metrics.jsonl, checkpoints/step_*.pt) without the trainer
 
 from __future__ import annotations
 
-import contextlib
 import io
 import math
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -18,7 +14,7 @@ from PIL import Image
 
 from clipscale.metrics import read_metrics
 
-from tiny_runs import DIGITS_YAML, REPO, TINY_MODEL
+from tiny_runs import TINY_MODEL, run_train
 
 PLUGIN_TRAIN = str(Path(__file__).resolve().parent / "train_with_plugins.py")
 CORRUPT_JPEG = b"\xff\xd8\xff\xe0" + bytes(300)  # a JPEG header, then nothing decodable
@@ -57,39 +53,8 @@ def shard_run(shards: str, output_dir: Path, name: str, *extra: str) -> list[str
 
 
 def launch(overrides: list[str], *, nproc: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
-    """train.py (with the test losses registered) in its own process group, under torchrun
-    for nproc > 1; on a timeout every process of the group is killed, then it raises."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] \
-        if nproc > 1 else [sys.executable]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    proc = subprocess.Popen([*launcher, PLUGIN_TRAIN, "--config", DIGITS_YAML, *overrides], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # torchrun starts each worker in a session of its own: killing the launcher's group would
-        # leave them running, holding the output pipes open, and the test would wait forever.
-        for pid in [proc.pid, *_descendants(proc.pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"run did not end within {timeout} s (a hang?):\n{stderr[-3000:]}") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid`, from /proc's parent links."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):  # a process that ended meanwhile
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the name in (...) may hold spaces
-            children.setdefault(parent, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
+    """train.py with the test losses registered (train_with_plugins.py)."""
+    return run_train(overrides, nproc=nproc, timeout=timeout, script=PLUGIN_TRAIN)
 
 
 def checked(result: subprocess.CompletedProcess, returncode: int = 0) -> subprocess.CompletedProcess:

@@ -1,0 +1,25 @@
+"""Which process this is, as the launcher says (torchrun, or srun under Slurm).
+
+Read from the environment alone, without torch: train.py reports a mistake in
+its configuration from rank 0 only, before torch has been imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def launcher_ranks() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun or srun set them; (0, 1, 0) otherwise.
+
+    SLURM's task variables count only inside a job step (`srun`): the batch
+    script itself also sees SLURM_PROCID=0 and the job's SLURM_NTASKS, and a
+    `python train.py` started there directly must not wait for ranks that
+    will never come."""
+    if "RANK" in os.environ or "SLURM_STEP_ID" not in os.environ:
+        return _env_int("RANK", default=0), _env_int("WORLD_SIZE", default=1), _env_int("LOCAL_RANK", default=0)
+    return _env_int("SLURM_PROCID", default=0), _env_int("SLURM_NTASKS", default=1), _env_int("SLURM_LOCALID", default=0)
