@@ -22,6 +22,11 @@ def run_already_complete(run_dir: Path, step: int) -> str:
             "or choose a new run.name")
 
 
+def run_finishing(run_dir: Path, step: int) -> str:
+    return (f"{run_dir} has trained and checkpointed its {step} steps but stopped before its final evaluation "
+            "and weights were written; writing them now")
+
+
 def checkpoint_saved(path: Path, step: int) -> str:
     return f"step {step}: checkpoint saved to {path}"
 

@@ -7,7 +7,7 @@
     for each step: the next batch (its pieces still arriving) -> lr schedule
                    -> the training step (forward, loss, backward, clip, optimizer)
                    -> log / evaluate / checkpoint / stop on a signal
-    final evaluation and weights
+    final evaluation, then the weights (the sign that the run has ended)
 
 The loop does not know how the loss is computed (`build_loss`), how the batch is split
 into encoder chunks (`TrainStep`, Gradient Cache), nor how the batch reaches the host
@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from clipscale import console
-from clipscale.checkpoint import CHECKPOINTS, load_latest, save_atomic, save_checkpoint
+from clipscale.checkpoint import CHECKPOINTS, load_checkpoint, load_latest, save_atomic, save_checkpoint
 from clipscale.config import Config, ConfigError, check_world
 from clipscale.data import PreparedData, prepare_data
 from clipscale.data.batches import BatchStream, piece_size_for
@@ -66,8 +66,10 @@ def train(cfg: Config) -> dict:
         check_world(cfg, world.world_size)
         run_dir, checkpoint = open_run_dir(cfg, world)
         if checkpoint is not None and checkpoint["step"] >= cfg.train.steps:
-            say(world, console.run_already_complete(run_dir, checkpoint["step"]))
-            return {}
+            if final_weights_written(run_dir, checkpoint):
+                say(world, console.run_already_complete(run_dir, checkpoint["step"]))
+                return {}
+            say(world, console.run_finishing(run_dir, checkpoint["step"]))  # Run.fit trains no step, then ends the run
         run = Run.assemble(cfg, world, run_dir, checkpoint)
         return run.fit(preemption)
     finally:
@@ -102,6 +104,20 @@ def open_run_dir(cfg: Config, world: World) -> tuple[Path, dict | None]:
     if step < cfg.train.steps:
         say(world, console.run_resumed(plan.run_dir, step))
     return plan.run_dir, checkpoint
+
+
+def final_weights_written(run_dir: Path, checkpoint: dict) -> bool:
+    """Whether the run has ended: the open_clip weights, written last (after the final evaluation),
+    are those of its final checkpoint. A run killed between the two is ended on its next start."""
+    path = run_dir / OPEN_CLIP_WEIGHTS
+    if not path.is_file():
+        return False
+    try:
+        weights = load_checkpoint(path)
+    except Exception:  # a damaged file raises anything from EOFError to a zip or unpickling error
+        return False
+    final = checkpoint["state_dict"]
+    return weights.keys() == final.keys() and all(torch.equal(weights[key], final[key]) for key in final)
 
 
 def chunk_size(cfg: Config, towers: Towers, loss_fn, world: World) -> int:
@@ -222,9 +238,10 @@ class Run:
                 say(world, console.stopped_by_signal(signum, done))
                 return {"preempted_by": signum}
         progress.close()
-        if world.is_main:
+        results = self.evaluate(cfg.train.steps)
+        if world.is_main:  # last: these weights, equal to the final checkpoint's, say that the run has ended
             save_atomic(self.step.module.state_dict(), self.run_dir / OPEN_CLIP_WEIGHTS)
-        return self.evaluate(cfg.train.steps)
+        return results
 
     def data_errors(self) -> list[int]:
         return all_reduce_sum_list([self.stream_state.skipped_samples, self.stream_state.shard_errors], self.world.device)

@@ -150,3 +150,29 @@ def test_the_console_says_once_what_happened_beside_the_progress_bar(digits_root
     final = json.loads((tmp_path / "tiny" / "eval" / "step_00000004.json").read_text())
     assert output.count(f"step 4: zeroshot_acc1 {100 * final['zeroshot_acc1']:.2f}%, zeroshot_acc5 ") == 1, output[-3000:]
     assert output.count("step 2: zeroshot_acc1 ") == 1
+
+
+def test_a_run_killed_after_its_final_checkpoint_ends_on_the_next_start(digits_root, tmp_path):
+    """Killed during its final evaluation, a run has its final checkpoint but neither the
+    evaluation's results nor the open_clip weights (written last). The same command evaluates and
+    writes them; only then does it count as ended."""
+    overrides = _overrides(digits_root, tmp_path, "train.steps=2", "train.checkpoint_every=2", "eval.zeroshot=true")
+    run_dir = tmp_path / "tiny"
+    assert run_train(overrides).returncode == 0
+    evaluation, weights = run_dir / "eval" / "step_00000002.json", run_dir / "open_clip_pytorch_model.bin"
+    assert weights.stat().st_mtime_ns >= evaluation.stat().st_mtime_ns  # the weights last: they mark the end
+    expected = json.loads(evaluation.read_text())
+    evaluation.unlink()
+    weights.unlink()  # what the kill leaves: the final checkpoint alone
+
+    finished = run_train(overrides)
+    output = finished.stdout + finished.stderr
+    assert finished.returncode == 0, output[-3000:]
+    assert f"{run_dir} has trained and checkpointed its 2 steps but stopped before its final evaluation" in output
+    assert json.loads(evaluation.read_text()) == expected
+    final = torch.load(step_checkpoints(run_dir / "checkpoints")[0][1], weights_only=True)["state_dict"]
+    written = torch.load(weights, weights_only=True)
+    assert written.keys() == final.keys() and all(torch.equal(written[key], final[key]) for key in final)
+
+    again = run_train(overrides)
+    assert f"{run_dir} has already trained its 2 steps" in again.stdout + again.stderr, again.stderr[-3000:]
