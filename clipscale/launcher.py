@@ -1,7 +1,8 @@
-"""Which process this is, as the launcher says (torchrun, or srun under Slurm).
+"""Which process and which job this is, as the launcher says (torchrun, or srun under Slurm).
 
 Read from the environment alone, without torch: train.py reports a mistake in
-its configuration from rank 0 only, before torch has been imported.
+its configuration from rank 0 only, before torch has been imported; and a run
+folder remembers the job that started it (run_dir.py).
 """
 
 from __future__ import annotations
@@ -23,3 +24,13 @@ def launcher_ranks() -> tuple[int, int, int]:
     if "RANK" in os.environ or "SLURM_STEP_ID" not in os.environ:
         return _env_int("RANK", default=0), _env_int("WORLD_SIZE", default=1), _env_int("LOCAL_RANK", default=0)
     return _env_int("SLURM_PROCID", default=0), _env_int("SLURM_NTASKS", default=1), _env_int("SLURM_LOCALID", default=0)
+
+
+def launch_id() -> str | None:
+    """What a launcher keeps when it starts the same job again and changes between jobs: the Slurm
+    job id (a requeued job keeps it), else torchrun's run id (its restarts keep it; `--standalone`
+    draws a new one per command, and torchrun's default id "none" names no job); None otherwise."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"Slurm job {os.environ['SLURM_JOB_ID']}"
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return f"torchrun run {run_id}" if run_id and run_id != "none" else None

@@ -18,6 +18,9 @@
   the new number of steps (`cosine_lr(step, ..., total_steps)`), so the rate
   at the resumed step changes from what the old schedule would have given.
 - `run.resume=false` on an existing run without `run.overwrite=true`: an error.
+- A run that `run.overwrite=true` started is not moved aside by its own job when
+  the launcher starts that job again (a Slurm requeue, a torchrun restart): it
+  resumes. The folder remembers which job made it (`LAUNCHED_BY`).
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ import yaml
 
 from clipscale.checkpoint import CHECKPOINTS, check_writable, remove_partial_saves, step_checkpoints, write_text_atomic
 from clipscale.config import Config, ConfigError
+from clipscale.launcher import launch_id
 from clipscale.optim import cosine_lr
 
 CONFIG_FILE = "config.yaml"
+LAUNCHED_BY = "launched_by"  # the job that started the run folder (launcher.launch_id), when it had one
 # Keys that change where or how the run is computed, recorded or evaluated (or the name of its
 # folder), not the weights it trains (train.chunk_size and train.offload: Gradient Cache gives
 # the same gradients), so a resumed run may change them. A prefix covers its whole section.
@@ -69,6 +74,9 @@ class RunPlan:
                 notices.append(f"removed {len(removed)} temporary files of interrupted saves in {self.run_dir}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.run_dir / CONFIG_FILE, yaml.safe_dump(self.config, sort_keys=False))
+        launcher = launch_id()
+        if self.action != "resume" and launcher:
+            write_text_atomic(self.run_dir / LAUNCHED_BY, launcher + "\n")
         return notices
 
 
@@ -80,15 +88,18 @@ def plan_run(cfg: Config) -> RunPlan:
     new = cfg.to_dict()
     if not run_dir.exists() or not any(run_dir.iterdir()):
         return RunPlan(run_dir, "new", new)
-    if cfg.run.overwrite:
+    restarted = cfg.run.overwrite and _started_by_this_job(run_dir)
+    if cfg.run.overwrite and not restarted:
         return RunPlan(run_dir, "overwrite", new)
+    notices = [f"run.overwrite=true, but {run_dir} was started by this same {launch_id()}, which its launcher has "
+               "started again: resuming it instead of moving it aside"] if restarted else []
     steps_done = max((step for step, _ in step_checkpoints(run_dir / CHECKPOINTS)), default=0)
     ways_on = (f"choose a new run.name to keep both, or add run.resume=false run.overwrite=true to move "
                f"{run_dir} aside to {run_dir}.old-<time> and start afresh")
     saved_path = run_dir / CONFIG_FILE
     if not saved_path.is_file():
         raise ConfigError(f"{run_dir} is not empty and has no {CONFIG_FILE}, so it is not a clipscale run: {ways_on}")
-    if not cfg.run.resume:
+    if not cfg.run.resume and not restarted:
         raise ConfigError(f"run.resume=false, but {run_dir} already holds a run (at step {steps_done}): {ways_on}")
     saved = yaml.safe_load(saved_path.read_text()) or {}
     differences = config_differences(saved, new)
@@ -104,8 +115,14 @@ def plan_run(cfg: Config) -> RunPlan:
         if cfg.train.steps < steps_done:
             raise ConfigError(f"train.steps={cfg.train.steps}: {run_dir} is already at step {steps_done}")
         notice = f"extending {run_dir} from {steps[0]} to {steps[1]} steps: {_schedule_change(cfg, steps[0], steps_done)}"
-        return RunPlan(run_dir, "resume", new, [notice])
-    return RunPlan(run_dir, "resume", new)
+        return RunPlan(run_dir, "resume", new, [*notices, notice])
+    return RunPlan(run_dir, "resume", new, notices)
+
+
+def _started_by_this_job(run_dir: Path) -> bool:
+    marker = run_dir / LAUNCHED_BY
+    launcher = launch_id()
+    return launcher is not None and marker.is_file() and marker.read_text().strip() == launcher
 
 
 def config_differences(old: dict, new: dict) -> dict[str, tuple]:

@@ -145,7 +145,9 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.slow
 def test_a_worker_killed_mid_run_is_restarted_from_the_latest_checkpoint(digits_root, tmp_path):
     """SIGKILL one of two torchrun workers after a checkpoint: with --max-restarts 1 the world
-    restarts, resumes from latest.pt and ends with the weights of a run never interrupted."""
+    restarts, resumes from latest.pt and ends with the weights of a run never interrupted. The
+    job replaces an older run (run.overwrite=true): its restart resumes, it does not move aside
+    the run it started itself."""
     def overrides(name):
         return tiny_run(digits_root, tmp_path, f"run.name={name}", "train.steps=40", "train.checkpoint_every=10",
                         "eval.zeroshot=false")
@@ -153,10 +155,13 @@ def test_a_worker_killed_mid_run_is_restarted_from_the_latest_checkpoint(digits_
     reference = run_train(overrides("reference"), nproc=2)
     assert reference.returncode == 0, reference.stderr[-3000:]
 
+    older = tmp_path / "killed"  # the run this job replaces
+    older.mkdir()
+    (older / "config.yaml").write_text("run: {name: killed}\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     agent = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-         str(REPO / "train.py"), "--config", DIGITS_YAML, *overrides("killed")],
+         str(REPO / "train.py"), "--config", DIGITS_YAML, *overrides("killed"), "run.resume=false", "run.overwrite=true"],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     checkpoints, metrics = tmp_path / "killed" / "checkpoints", tmp_path / "killed" / "metrics.jsonl"
@@ -168,6 +173,7 @@ def test_a_worker_killed_mid_run_is_restarted_from_the_latest_checkpoint(digits_
     _, stderr = agent.communicate(timeout=240)
     assert agent.returncode == 0, stderr[-3000:]
     assert "exitcode: -9" in stderr  # the agent saw the kill, and the restarted world finished
+    assert len(list(tmp_path.glob("killed.old-*"))) == 1, "the restart moved its own run aside as well"
 
     final = {name: torch.load(latest_checkpoint(tmp_path / name / "checkpoints"), weights_only=True) for name in ("reference", "killed")}
     assert final["killed"]["step"] == 40

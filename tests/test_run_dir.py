@@ -8,9 +8,16 @@ import yaml
 
 from clipscale.config import ConfigError, load_config
 from clipscale.console import run_resumed
-from clipscale.run_dir import CONFIG_FILE, plan_run
+from clipscale.run_dir import CONFIG_FILE, LAUNCHED_BY, plan_run
 
 from tiny_runs import DIGITS_YAML
+
+
+@pytest.fixture(autouse=True)
+def no_launcher(monkeypatch):
+    """A plain start, as if by `python` (these tests may themselves run inside a Slurm job)."""
+    for name in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
 
 
 def _config(tmp_path, *overrides):
@@ -69,6 +76,42 @@ def test_resume_false_on_an_existing_run_needs_overwrite_which_moves_it_aside(tm
     assert moved == f"moved the previous run {run_dir} aside to {aside}"
     assert (aside / "checkpoints" / "step_00000100.pt").exists() and (aside / "metrics.jsonl").exists()
     assert sorted(p.name for p in run_dir.iterdir()) == [CONFIG_FILE]
+
+
+@pytest.mark.parametrize("job, other_job", [({"SLURM_JOB_ID": "4242"}, {"SLURM_JOB_ID": "4243"}),
+                                            ({"TORCHELASTIC_RUN_ID": "3f2a"}, {"TORCHELASTIC_RUN_ID": "77c1"})],
+                         ids=["Slurm requeue", "torchrun restart"])
+def test_an_overwriting_job_started_again_by_its_launcher_resumes_its_own_run(tmp_path, monkeypatch, job, other_job):
+    """run.overwrite=true moves another run aside once; when Slurm requeues the job (same job id) or
+    torchrun restarts its workers (same run id), the same command resumes the run it started."""
+    _started(tmp_path)  # a run of an earlier job
+    overwrite = ("run.resume=false", "run.overwrite=true")
+    for name, value in job.items():
+        monkeypatch.setenv(name, value)
+    first = plan_run(_config(tmp_path, *overwrite))
+    assert first.action == "overwrite"
+    first.apply()
+    (first.run_dir / "checkpoints").mkdir()
+    (first.run_dir / "checkpoints" / "step_00000005.pt").write_bytes(b"")
+
+    again = plan_run(_config(tmp_path, *overwrite))
+    assert again.action == "resume"
+    [notice] = again.apply()
+    assert notice.startswith(f"run.overwrite=true, but {first.run_dir} was started by this same ") and "resuming it" in notice
+    assert len(list(tmp_path.glob("tiny.old-*"))) == 1 and (first.run_dir / "checkpoints" / "step_00000005.pt").exists()
+
+    for name, value in other_job.items():
+        monkeypatch.setenv(name, value)
+    assert plan_run(_config(tmp_path, *overwrite)).action == "overwrite"  # another job's overwrite moves it aside
+
+
+def test_torchruns_default_run_id_names_no_job(tmp_path, monkeypatch):
+    """Without --rdzv-id or --standalone every torchrun command has the run id "none": two such
+    commands are two jobs, and the second's overwrite moves the first's run aside."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    plan_run(_config(tmp_path)).apply()
+    assert not (tmp_path / "tiny" / LAUNCHED_BY).exists()
+    assert plan_run(_config(tmp_path, "run.resume=false", "run.overwrite=true")).action == "overwrite"
 
 
 def test_more_steps_need_an_explicit_extension_whose_effect_on_the_lr_is_stated(tmp_path):
