@@ -21,7 +21,8 @@ from open_clip.transform import image_transform
 
 from clipscale.config import load_config
 from clipscale.data.batches import BatchStream
-from clipscale.data.offload import OffloadedImages
+from clipscale.data.device_decode import DeviceDecodedImages
+from clipscale.data.offload import EncodedImages, OffloadedImages
 from clipscale.data.shards import ShardErrors, ShardStream, StreamState
 from clipscale.data.transforms import SplitTransform
 from clipscale.step import TrainStep
@@ -195,3 +196,21 @@ def test_an_offloaded_run_resumes_on_the_same_curve(digits_root, tmp_path, monke
     _, resumed = _train(digits_root, tmp_path, "stopped", "data.workers=1", "train.offload=true")
     assert len(resumed) == 6
     assert resumed == pytest.approx(uninterrupted, rel=1e-6, abs=1e-6)
+
+
+class _OnePiece(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield {"encoded": EncodedImages.from_samples((b"\xff\xd8 first", b"\xff\xd8 second"), ((0, 0, 8, 8), (1, 1, 6, 6))),
+               "images": torch.zeros(2, 3, 8, 8, dtype=torch.uint8)}
+
+
+def test_the_kept_bytes_are_copied_out_of_the_loader_workers_shared_memory():
+    """A loader worker hands its tensors over in shared memory, each holding a file descriptor
+    until it is freed: a column that kept them for a million-sample batch would run out of them."""
+    piece = next(iter(torch.utils.data.DataLoader(_OnePiece(), batch_size=None, num_workers=1)))
+    assert piece["encoded"].data.is_shared()  # as the worker sent it
+    for column in (OffloadedImages(2, None, None, None, window=1), DeviceDecodedImages(2, None, None, None)):
+        column.put(slice(0, 2), piece)
+        [(first_row, kept)] = column.encoded
+        assert first_row == 0 and [kept[i] for i in range(2)] == [piece["encoded"][i] for i in range(2)]
+        assert not any(tensor.is_shared() for tensor in (kept.data, kept.offsets, kept.params)), type(column).__name__

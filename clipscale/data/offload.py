@@ -127,8 +127,10 @@ class OffloadedImages:
         return self.batch_size
 
     def put(self, rows: slice, piece: dict) -> None:
-        """A piece from the loader; blocks while the first pass has `window` pieces to take."""
-        self.encoded.append((rows.start, piece["encoded"]))
+        """A piece from the loader; blocks while the first pass has `window` pieces to take. The
+        bytes are kept as a private copy: the piece's tensors sit in shared memory, one file
+        descriptor each, and a batch of a million samples would hold thousands of them."""
+        self.encoded.append((rows.start, piece["encoded"].clone()))
         self.pixels.put((rows.start, piece["images"]))
 
     def submit(self, start: int, stop: int) -> Callable[[], torch.Tensor]:
