@@ -142,6 +142,9 @@ def run_case(case: dict, args, timeout: float) -> dict:
         if "peak_gpu_allocated_gib" in steps[-1]:
             result["peak_gpu_allocated_gib"] = steps[-1]["peak_gpu_allocated_gib"]
             result["losses"] = [s["loss"] for s in steps]
+            if None in result["losses"]:  # metrics.jsonl writes a non-finite loss as null
+                result["void"] = ("a loss was not finite: the trainer skipped that step after its first pass, "
+                                  "so the times are not those of training steps")
     if process.returncode != 0 or not steps:
         result["log_tail"] = log[-3000:]
     chosen = re.search(r"train.chunk_size=auto: .*", log)
