@@ -1,5 +1,5 @@
 """Where `data.decoder: device` spends its time: one Gradient Cache chunk of 224-px JPEGs
-decoded on the GPU by the trainer's own code (`decode_rows`, `DeviceDecoder`), in the calling
+decoded on the GPU by the trainer's own code (`decode_parts`, `DeviceDecoder`), in the calling
 thread or in the decoder's thread, alone or beside a training thread that runs the model's
 forward and backward passes on other chunks.
 
@@ -27,7 +27,7 @@ from bench_e2e import versions  # noqa: E402
 from make_synthetic_shards import COLOURS, synthetic_jpeg  # noqa: E402
 
 from clipscale.config import ModelConfig  # noqa: E402
-from clipscale.data.device_decode import DeviceDecoder, decode_rows  # noqa: E402
+from clipscale.data.device_decode import DeviceDecoder, decode_parts  # noqa: E402
 from clipscale.data.offload import EncodedImages  # noqa: E402
 from clipscale.data.transforms import SplitTransform  # noqa: E402
 from clipscale.models import build_model  # noqa: E402
@@ -74,7 +74,7 @@ def main(argv=None) -> None:
     texts = torch.randint(0, towers.model.vocab_size, (args.chunk, towers.model.context_length), device=device)
 
     def decode_inline():
-        pixels = torch.cat([decode_rows(split, encoded, lo, hi, device) for encoded, lo, hi in parts])
+        pixels = decode_parts(split, parts, device)
         torch.cuda.synchronize()
         return pixels
 
@@ -97,7 +97,7 @@ def main(argv=None) -> None:
         torch.cuda.synchronize()
 
     def inline_then_train():  # the decode before the thread: in the training thread, then the passes
-        split.to_float(torch.cat([decode_rows(split, encoded, lo, hi, device) for encoded, lo, hi in parts]))
+        split.to_float(decode_parts(split, parts, device))
         train_chunk()
         torch.cuda.synchronize()
 

@@ -77,6 +77,11 @@ def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop:
     return torch.stack(images)
 
 
+def decode_parts(split: SplitTransform, parts: list[tuple[EncodedImages, int, int]], device: torch.device) -> torch.Tensor:
+    """A chunk kept as pieces (`encoded_rows`), decoded in order: uint8 [n, 3, H, W] on `device`."""
+    return torch.cat([decode_rows(split, encoded, lo, hi, device) for encoded, lo, hi in parts])
+
+
 class DeviceDecoder:
     """Decodes a batch's chunks on the device ahead of the step, in a thread of its own.
 
@@ -95,7 +100,7 @@ class DeviceDecoder:
 
     def _decode(self, parts: Callable[[], list]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            pixels = torch.cat([decode_rows(self.split, encoded, lo, hi, self.device) for encoded, lo, hi in parts()])
+            pixels = decode_parts(self.split, parts(), self.device)
         return pixels, (self.stream.record_event() if self.stream is not None else None)
 
     def close(self) -> None:
