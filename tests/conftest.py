@@ -1,6 +1,7 @@
 """Session setup and fixtures shared by the test modules."""
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -32,6 +33,23 @@ def digits_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("digits")
     write_digits_shards(root, image_size=32)
     return root
+
+
+@pytest.fixture(scope="module")
+def module_tmp(request, tmp_path_factory):
+    """mktemp(name) for a module's fixtures. What it made is removed when the module ends with no
+    failure, as pytest's "failed" retention (pyproject) does for tmp_path: the trainer modules keep
+    a checkpoint per step, and a whole session's of them filled CI's disk."""
+    made, failed_before = [], request.session.testsfailed
+
+    def mktemp(name: str) -> Path:
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield mktemp
+    if request.session.testsfailed == failed_before:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

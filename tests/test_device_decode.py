@@ -45,11 +45,11 @@ def _jpeg(img: Image.Image) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def jpeg_shards(digits_root, tmp_path_factory) -> list[str]:
+def jpeg_shards(digits_root, module_tmp) -> list[str]:
     """The digits' training samples as 48-px JPEGs in 3 shards, with DAMAGED's samples mixed in."""
     manifest = json.loads((digits_root / "manifest.json").read_text())
     samples = [s for url in manifest["train_shards"] for s in wds.WebDataset(str(digits_root / url), shardshuffle=False)]
-    root = tmp_path_factory.mktemp("jpeg_shards")
+    root = module_tmp("jpeg_shards")
     urls = [str(root / f"train-{k}.tar") for k in range(3)]
     sinks = [wds.TarWriter(url) for url in urls]
     for i, sample in enumerate(samples[:600]):

@@ -52,8 +52,8 @@ def _tree_pss_bytes():
 
 
 @pytest.fixture(scope="module")
-def jpeg_shards(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("jpeg64")
+def jpeg_shards(module_tmp) -> str:
+    root = module_tmp("jpeg64")
     subprocess.run([sys.executable, str(REPO / "scripts" / "make_synthetic_shards.py"), "--out", str(root), "--shards", "2",
                     "--per-shard", "1024", "--size", "80"], check=True, capture_output=True, timeout=120)
     return str(root / "synthetic-{0000..0001}.tar")

@@ -37,11 +37,11 @@ VIT = {  # a small open_clip ViT on both sides
 
 
 @pytest.fixture(scope="module")
-def hf_folder(tmp_path_factory):
+def hf_folder(module_tmp):
     """A two-layer BERT and its word-piece tokenizer, written with save_pretrained."""
     import transformers
 
-    folder = tmp_path_factory.mktemp("tiny-bert")
+    folder = module_tmp("tiny-bert")
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "photo", "picture", "of", "the", "digit", "number", *CLASSNAMES]
     transformers.BertTokenizer(vocab={w: i for i, w in enumerate(words)}).save_pretrained(folder)
     config = transformers.BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,

@@ -37,10 +37,10 @@ def _png(seed: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def broken_shards(tmp_path_factory) -> list[str]:
+def broken_shards(module_tmp) -> list[str]:
     """Four shards: clean; 8 corrupt images; 6 samples without a caption and 2 with an empty one;
     and one cut off in the middle of a sample (a copy that died half-way)."""
-    root = tmp_path_factory.mktemp("broken")
+    root = module_tmp("broken")
     shards = {name: str(root / f"{name}.tar") for name in ("clean", "corrupt", "uncaptioned", "truncated")}
     for name, path in shards.items():
         with wds.TarWriter(path) as sink:

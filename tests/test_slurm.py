@@ -200,13 +200,13 @@ def _wait_for_exit(pid: int, timeout: float = 30) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(module_tmp):
     if sys.platform != "linux" or os.geteuid() != 0:
         pytest.skip("a one-node Slurm here runs its daemons as root; this test is not running as root")
     reason = _install_slurm()
     if reason:
         pytest.skip(reason)
-    cluster = Cluster(tmp_path_factory.mktemp("slurm"))
+    cluster = Cluster(module_tmp("slurm"))
     try:
         reason = cluster.start()
         if reason:
@@ -226,10 +226,10 @@ def _curve(run_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(cluster, digits_root, tmp_path_factory) -> Path:
+def uninterrupted(cluster, digits_root, module_tmp) -> Path:
     """The digits job through the torchrun template (one node, 2 processes on gloo), then the
     evaluation template on its final checkpoint once it has succeeded."""
-    output_dir = tmp_path_factory.mktemp("torchrun")
+    output_dir = module_tmp("torchrun")
     train = cluster.submit("train_torchrun.sbatch", "--config", "configs/digits.yaml", *_overrides(digits_root, output_dir),
                            options=TWO_PROCESSES["train_torchrun.sbatch"][1])
     manifest = json.loads((digits_root / "manifest.json").read_text())

@@ -27,11 +27,11 @@ def _overrides(shards, root, name, **faults):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(module_tmp):
     """'single': one process. 'split': two processes, only rank 1 signalled (SIGUSR1 in step 4),
     then the same command on three processes, which resumes from step 4 (an epoch boundary, so
     the data order that restarts on a new world size is the uninterrupted one)."""
-    root = tmp_path_factory.mktemp("ddp")
+    root = module_tmp("ddp")
     shards = write_shards(root / "shards", shards=1, per_shard=2 * BATCH, uniform=True)
     checked(launch(_overrides(shards, root, "single")))
     faults = dict(signal_calls=[4], signal_rank=1, signal_marker=root / "signalled")

@@ -24,10 +24,10 @@ from trainer_harness import load, max_difference, step_checkpoints, training_rec
 
 
 @pytest.fixture(scope="module")
-def digits_run(digits_root, tmp_path_factory):
+def digits_run(digits_root, module_tmp):
     """4 steps, evaluated at step 2 and at the end, with the held-out digits also listed under
     eval.sets (the same data, class names and prompts as the built-in zero-shot hook)."""
-    output = tmp_path_factory.mktemp("promises")
+    output = module_tmp("promises")
     manifest = json.loads((digits_root / "manifest.json").read_text())
     val = str(digits_root / f"val-{{0000..{len(manifest['val_shards']) - 1:04d}}}.tar")
     digits_set = (f"eval.sets=[{{task: wds, data: '{val}', classnames: {digits_root / 'classnames.txt'}, "

@@ -42,10 +42,10 @@ RUNS = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(module_tmp):
     """{name: (first exit status, run folder, step of the newest checkpoint after the first launch,
     its stderr)}; a stopped run is then launched again with the same command, to the end."""
-    root = tmp_path_factory.mktemp("resume")
+    root = module_tmp("resume")
     shards = write_shards(root / "shards", shards=6, per_shard=40, corrupt_every=7)
     out = {}
     for name, call in RUNS.items():

@@ -34,9 +34,9 @@ def _faults(**options) -> str:
 
 
 @pytest.fixture(scope="module")
-def nonfinite_run(digits_root, tmp_path_factory):
+def nonfinite_run(digits_root, module_tmp):
     """Step 3: NaN loss, finite gradients. Step 5: finite loss, infinite gradients. A checkpoint per step."""
-    _, run_dir = _train(digits_root, tmp_path_factory.mktemp("nonfinite"), "nonfinite", "train.steps=7",
+    _, run_dir = _train(digits_root, module_tmp("nonfinite"), "nonfinite", "train.steps=7",
                         "train.checkpoint_every=1", *_faults(nan_loss_calls=[3], inf_grad_calls=[5]))
     return {step: load(path) for step, path in step_checkpoints(run_dir).items()}, training_records(run_dir)
 
@@ -98,10 +98,10 @@ def _expected_lr(step: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def optim_run(digits_root, tmp_path_factory):
+def optim_run(digits_root, module_tmp):
     """From a checkpoint whose logit scale is 400 (above the clamp), with a weight decay so strong
     that decayed weights halve at the peak learning rate; a checkpoint per step."""
-    root = tmp_path_factory.mktemp("optim")
+    root = module_tmp("optim")
     torch.manual_seed(0)
     model = build_model(load_config(DIGITS_YAML, [TINY_MODEL]).model).model
     with torch.no_grad():
