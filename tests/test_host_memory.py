@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-import time
+import threading
 
 import pytest
 
@@ -40,15 +40,17 @@ for _ in range(2):  # the second is gathered while the first is held: both slots
     batch = batches.next()
     batch.texts.submit(0, len(batch))()  # every piece has arrived
     batches.release(batch)
+print("HELD", flush=True)  # both slots' buffers hold a whole batch until close(): measured now
+sys.stdin.readline()
 batches.close()
 """
 
 
-def _tree_pss_bytes():
+def _bench_e2e():
     spec = importlib.util.spec_from_file_location("bench_e2e", REPO / "scripts" / "bench_e2e.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.tree_pss_bytes
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +66,26 @@ def _peak_pss(shards: str, batch_size: int, tmp_path) -> int:
              "head_width: 32}, text_cfg: {context_length: 16, vocab_size: 49408, width: 64, heads: 2, layers: 1}}" % SIZE)
     overrides = [model, "data.kind=webdataset", f"data.train_shards={shards}", f"data.image_size={SIZE}",
                  f"train.batch_size={batch_size}", "train.chunk_size=256", f"run.output_dir={tmp_path}"]
-    child = subprocess.Popen([sys.executable, "-c", CHILD, DIGITS_YAML, *overrides], cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    tree_pss, peak, deadline = _tree_pss_bytes(), 0, time.monotonic() + 240
-    while child.poll() is None and time.monotonic() < deadline:
-        peak = max(peak, tree_pss(child.pid))
-        time.sleep(0.05)
-    if child.poll() is None:
-        child.kill()
-    output = child.communicate()[0]
-    assert child.returncode == 0, output[-3000:]
-    return peak
+    child = subprocess.Popen([sys.executable, "-c", CHILD, DIGITS_YAML, *overrides], cwd=REPO, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    bench_e2e = _bench_e2e()
+    sampler, watchdog = bench_e2e.Sampler(child.pid), threading.Timer(240, child.kill)
+    sampler.start(), watchdog.start()
+    # The peak is sampled through the run and once more while the child holds both batches: a
+    # sampler alone can miss the moment under a loaded CPU (it once saw 0.76 of a batch).
+    output, held = [], 0
+    for line in child.stdout:
+        output.append(line)
+        if line.strip() == "HELD":
+            held = bench_e2e.tree_pss_bytes(child.pid)
+            child.stdin.write("\n")
+            child.stdin.flush()
+    child.wait()
+    watchdog.cancel()
+    sampler.done.set()
+    sampler.join()
+    assert child.returncode == 0 and held, "".join(output)[-3000:]
+    return max(sampler.host, held)
 
 
 def test_host_memory_grows_by_at_most_two_and_a_half_uint8_batches(jpeg_shards, tmp_path):
