@@ -119,6 +119,31 @@ def test_lse_fp32_exact(m, n, d, scale):
     assert K.launch_counts["lse_fwd"] == 1 and K.launch_counts["merge"] == 1
 
 
+def test_the_first_call_of_the_largest_size_class_tunes_on_its_leading_rows(monkeypatch):
+    """The autotuner times every tile config on the call it is first given (minutes at 1M rows).
+    A call larger than TUNE_ROWS in the largest size class first runs the forward on its leading
+    TUNE_ROWS rows, once per class; its own result is unchanged. Scaled down: classes split at 32."""
+    monkeypatch.setattr(K, "TUNE_ROWS", 40)
+    monkeypatch.setattr(K.P, "bucket", lambda rows: 0 if rows <= 32 else 1)
+    monkeypatch.setattr(K, "_tuned_on_leading_rows", set())
+    shapes, lse_pass = [], K.lse_pass
+
+    def recorded(image, text, *args, **kwargs):
+        shapes.append((len(image), len(text)))
+        return lse_pass(image, text, *args, **kwargs)
+
+    monkeypatch.setattr(K, "lse_pass", recorded)
+    image, text = feats(70, 24, seed=1), feats(50, 24, seed=2)
+    for _ in range(2):
+        row, col = K.lse_pass(image, text, 20.0, exact=True)
+        r64, c64 = ref_lse(image, text, 20.0)
+        assert_lse(row, r64)
+        assert_lse(col, c64)
+    K.lse_pass(feats(30, 24), feats(20, 24), 20.0, exact=True)  # the small class tunes on itself
+    assert shapes == [(70, 50), (40, 40), (70, 50), (30, 20)]
+    assert K.launch_counts["lse_fwd"] == 4
+
+
 @pytest.mark.parametrize("grid", [(1, 1), (3, 2), (2, 7), (9, 9)])  # (9, 9): programs with no blocks
 def test_lse_partial_merge(grid):
     image, text = feats(70, 32, seed=3), feats(45, 32, seed=4)

@@ -62,6 +62,13 @@ launch_counts: collections.Counter = collections.Counter()
 MAX_H = 8192
 WORKSPACE_ELEMS = 1 << 27
 
+# The forward's autotuner times every tile config on the call it is first given, about eight
+# launches each: seconds at 131k rows, minutes at 1M, on every process start. The first call
+# of a size class with more rows than this tunes on its leading TUNE_ROWS rows instead, the
+# smallest problem of the largest class (`triton_programs.bucket`). None: tune on the call.
+TUNE_ROWS = 131_072 + 1_024
+_tuned_on_leading_rows: set = set()
+
 
 def _check(image: torch.Tensor, text: torch.Tensor):
     if image.dim() != 2 or text.dim() != 2:
@@ -147,6 +154,13 @@ def lse_pass(image, text, scale, *, row_offset=0, col_offset=0, mask_diagonal=Fa
         col = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev) if need_col else None
         return row, col
     sc = _scale_tensor(scale, dev)
+    size_class = P.bucket(max(m, n))
+    if P.TUNE and TUNE_ROWS is not None and max(m, n) > TUNE_ROWS and P.bucket(TUNE_ROWS) == size_class:
+        key = (d, size_class, image.dtype, dev, dot_precision(image.dtype, exact))
+        if key not in _tuned_on_leading_rows:
+            _tuned_on_leading_rows.add(key)
+            lse_pass(image[:TUNE_ROWS], text[:TUNE_ROWS], sc, row_offset=row_offset, col_offset=col_offset,
+                     mask_diagonal=mask_diagonal, need_col=need_col, exact=exact)
     if _grid is not None:
         (rs1, cs1), (rs2, cs2) = _grid, _grid
     else:
@@ -160,7 +174,7 @@ def lse_pass(image, text, scale, *, row_offset=0, col_offset=0, mask_diagonal=Fa
 
     P.lse_fwd_kernel[grid](
         image, text, part_row, part_col, sc, m, n, d, image.stride(0), text.stride(0),
-        int(row_offset), int(col_offset), rs1, cs1, rs2, cs2, P.bucket(max(m, n)),
+        int(row_offset), int(col_offset), rs1, cs1, rs2, cs2, size_class,
         MASK_DIAG=bool(mask_diagonal), NEED_COL=bool(need_col), PREC=dot_precision(image.dtype, exact))
     launch_counts["lse_fwd"] += 1
     rs, cs = (rs2, cs2) if P.lse_fwd_kernel.best_config.kwargs["OCC"] == 2 else (rs1, cs1)
