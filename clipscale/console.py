@@ -27,6 +27,10 @@ def run_finishing(run_dir: Path, step: int) -> str:
             "and weights were written; writing them now")
 
 
+def evaluation_reused(path: Path) -> str:
+    return f"the final evaluation had ended before the stop: its results are kept from {path}"
+
+
 def checkpoint_saved(path: Path, step: int) -> str:
     return f"step {step}: checkpoint saved to {path}"
 

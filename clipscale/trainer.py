@@ -16,6 +16,7 @@ into encoder chunks (`TrainStep`, Gradient Cache), nor how the batch reaches the
 
 from __future__ import annotations
 
+import json
 import resource
 import sys
 import time
@@ -238,7 +239,7 @@ class Run:
                 say(world, console.stopped_by_signal(signum, done))
                 return {"preempted_by": signum}
         progress.close()
-        results = self.evaluate(cfg.train.steps)
+        results = self.final_evaluation()
         if world.is_main:  # last: these weights, equal to the final checkpoint's, say that the run has ended
             save_atomic(self.step.module.state_dict(), self.run_dir / OPEN_CLIP_WEIGHTS)
         return results
@@ -256,9 +257,22 @@ class Run:
         self.enter_train_mode()  # evaluation leaves the whole model in train mode
         if results:
             self.logger.log(step_number, results)
-            self.logger.write_json(self.run_dir / "eval" / f"step_{step_number:08d}.json", {"step": step_number, **results})
+            self.logger.write_json(self.evaluation_path(step_number), {"step": step_number, **results})
             say(self.world, console.evaluation_ended(step_number, results))
         return results
+
+    def final_evaluation(self) -> dict:
+        """The evaluation at the last step; when a run that was killed after it (while its weights
+        were written) is ended again, the results it wrote, not a second evaluation and record."""
+        steps = self.cfg.train.steps
+        written = self.evaluation_path(steps)
+        if self.start_step == steps and written.is_file():
+            say(self.world, console.evaluation_reused(written))
+            return {key: value for key, value in json.loads(written.read_text()).items() if key != "step"}
+        return self.evaluate(steps)
+
+    def evaluation_path(self, step_number: int) -> Path:
+        return self.run_dir / "eval" / f"step_{step_number:08d}.json"
 
     def checkpoint(self, step_number: int) -> None:
         checkpoint = self.state.capture(step_number)

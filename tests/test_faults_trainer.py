@@ -153,26 +153,40 @@ def test_the_console_says_once_what_happened_beside_the_progress_bar(digits_root
 
 
 def test_a_run_killed_after_its_final_checkpoint_ends_on_the_next_start(digits_root, tmp_path):
-    """Killed during its final evaluation, a run has its final checkpoint but neither the
-    evaluation's results nor the open_clip weights (written last). The same command evaluates and
-    writes them; only then does it count as ended."""
+    """A run has its final checkpoint before its final evaluation and the open_clip weights (written
+    last). Killed while writing the weights, the same command writes them and keeps the evaluation
+    it had (no second one, no second record). Killed during the evaluation, it evaluates once and
+    writes them. Only then does it count as ended."""
     overrides = _overrides(digits_root, tmp_path, "train.steps=2", "train.checkpoint_every=2", "eval.zeroshot=true")
     run_dir = tmp_path / "tiny"
     assert run_train(overrides).returncode == 0
     evaluation, weights = run_dir / "eval" / "step_00000002.json", run_dir / "open_clip_pytorch_model.bin"
     assert weights.stat().st_mtime_ns >= evaluation.stat().st_mtime_ns  # the weights last: they mark the end
     expected = json.loads(evaluation.read_text())
-    evaluation.unlink()
-    weights.unlink()  # what the kill leaves: the final checkpoint alone
+    metrics = run_dir / "metrics.jsonl"
 
-    finished = run_train(overrides)
-    output = finished.stdout + finished.stderr
-    assert finished.returncode == 0, output[-3000:]
-    assert f"{run_dir} has trained and checkpointed its 2 steps but stopped before its final evaluation" in output
-    assert json.loads(evaluation.read_text()) == expected
-    final = torch.load(step_checkpoints(run_dir / "checkpoints")[0][1], weights_only=True)["state_dict"]
-    written = torch.load(weights, weights_only=True)
-    assert written.keys() == final.keys() and all(torch.equal(written[key], final[key]) for key in final)
+    def evaluation_records() -> int:
+        return sum(record == expected for record in read_metrics(metrics))
+
+    def ends_again(output_says: str) -> None:
+        finished = run_train(overrides)
+        output = finished.stdout + finished.stderr
+        assert finished.returncode == 0, output[-3000:]
+        assert f"{run_dir} has trained and checkpointed its 2 steps but stopped before its final evaluation" in output
+        assert output_says in output, output[-3000:]
+        assert json.loads(evaluation.read_text()) == expected and evaluation_records() == 1
+        final = torch.load(step_checkpoints(run_dir / "checkpoints")[0][1], weights_only=True)["state_dict"]
+        written = torch.load(weights, weights_only=True)
+        assert written.keys() == final.keys() and all(torch.equal(written[key], final[key]) for key in final)
+
+    assert evaluation_records() == 1
+    weights.unlink()  # killed while writing the weights
+    ends_again(f"the final evaluation had ended before the stop: its results are kept from {evaluation}")
+
+    weights.unlink()  # killed during the evaluation: neither its record, its results nor the weights
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines() if json.loads(line) != expected))
+    evaluation.unlink()
+    ends_again("step 2: " + next(key for key in expected if key != "step"))  # the evaluation's console line
 
     again = run_train(overrides)
     assert f"{run_dir} has already trained its 2 steps" in again.stdout + again.stderr, again.stderr[-3000:]
