@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,15 +20,10 @@ import torch.distributed as dist
 from clipscale.checkpoint import latest_checkpoint
 from clipscale.distributed import attempt_namespace
 
+from gloo_world import free_port
 from tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_restarted_attempt_shares_a_namespace_that_no_earlier_process_wrote_in():
@@ -70,7 +64,7 @@ def test_a_worker_killed_on_one_of_two_nodes_restarts_the_job_with_the_same_fina
     reference = run_train(overrides("reference"), nproc=2)
     assert reference.returncode == 0, reference.stderr[-3000:]
 
-    endpoint, job = f"127.0.0.1:{_free_port()}", uuid.uuid4().hex[:8]
+    endpoint, job = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     launchers = [
         subprocess.Popen(

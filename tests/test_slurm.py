@@ -25,6 +25,7 @@ import pytest
 
 from clipscale.metrics import read_metrics
 
+from gloo_world import free_port
 from tiny_runs import REPO, tiny_run
 
 pytestmark = pytest.mark.slow
@@ -67,19 +68,13 @@ def _install_slurm() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _slurm_conf(root: Path, host: str) -> str:
     # proctrack/linuxproc and task/none: no cgroups, which containers often lack. Each node offers
     # 4 CPUs whatever the machine has (config_overrides) so that the 2-process jobs always fit.
     # Two nodes on one host: each slurmd its own port, and %n (the node name) in its files.
     # cred_expire is also how long a requeued job waits before it starts again (default 120 s),
     # and sched_interval how often the scheduler looks again (default 60 s).
-    nodes = "\n".join(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} CPUs=4 RealMemory=2000 "
+    nodes = "\n".join(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} CPUs=4 RealMemory=2000 "
                       "State=UNKNOWN" for node in NODES)
     return f"""\
 ClusterName=clipscale-test
@@ -89,7 +84,7 @@ SlurmdUser=root
 AuthType=auth/munge
 AuthInfo=socket={root}/munge.socket,cred_expire=10
 CredType=cred/munge
-SlurmctldPort={_free_port()}
+SlurmctldPort={free_port()}
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
