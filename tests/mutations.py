@@ -1,0 +1,191 @@
+"""Do the tests catch the bugs they are named for? Put each plausible bug below into a copy of
+the tree, run the tests said to catch it, and report whether at least one of them fails.
+
+    python tests/mutations.py                 # every mutation (about 25 minutes on 2 cores)
+    python tests/mutations.py no_ddp_wrap     # some, by name
+    python tests/mutations.py --list
+
+A mutation is a literal replacement that must match the source exactly once: when the code it
+names moves or changes, this script stops and says so instead of testing an unchanged tree.
+Exit status 1 when a mutation survives (every listed test passed with the bug in place).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    bug: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest node ids, any one failing catches the bug
+
+
+MUTATIONS = [
+    Mutation("stream_drops_a_sample_on_resume", "the stream skips one sample more on resume (index <= position)",
+             "clipscale/data/shards.py", "if index < position:", "if index <= position:",
+             ("tests/test_stream_epochs.py",)),
+    Mutation("no_rng_restore", "the trainer does not restore the RNG on resume",
+             "clipscale/trainer.py", "        state.restore_rng()\n", "",
+             ("tests/test_trainer_resume.py::test_a_resumed_run_with_dropout_draws_the_uninterrupted_runs_masks",)),
+    Mutation("error_counts_restart_after_resume", "the 'since previous record' counters restart from 0 after a resume",
+             "clipscale/trainer.py", "data_errors_logged = self.state.logged_data_errors or self.data_errors()",
+             "data_errors_logged = [0, 0]",
+             ("tests/test_trainer_resume.py::test_data_error_counts_since_the_previous_record_survive_a_resume",
+              "tests/test_trainer_resume.py::test_data_error_counts_since_the_previous_record_survive_a_resume_between_records")),
+    Mutation("optimizer_steps_on_nonfinite", "optimizer.step() runs on non-finite steps",
+             "clipscale/step.py", "        elif applied:\n            self.optimizer.step()",
+             "        else:\n            self.optimizer.step()",
+             ("tests/test_trainer_steps.py",)),
+    Mutation("nonfinite_grad_norm_ignored", "a non-finite gradient norm is ignored",
+             "clipscale/step.py", "applied = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))",
+             "applied = bool(torch.isfinite(loss))",
+             ("tests/test_trainer_steps.py::test_infinite_gradients_with_a_finite_loss_do_not_step_the_optimizer",
+              "tests/test_trainer_steps.py::test_finite_steps_do_step_and_nonfinite_ones_are_counted")),
+    Mutation("in_a_row_never_resets", "the 'in a row' non-finite counter never resets",
+             "clipscale/step.py", "            self.nonfinite_in_a_row = 0\n            return", "            return",
+             ("tests/test_trainer_steps.py::test_the_in_a_row_count_restarts_after_a_finite_step",)),
+    Mutation("checkpoint_in_place", "checkpoints written in place (no temporary file, no rename)",
+             "clipscale/checkpoint.py",
+             'tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}")',
+             "tmp = path",
+             ("tests/test_checkpoint_atomic.py", "tests/test_checkpoint.py")),
+    Mutation("no_fsync", "a checkpoint renamed into place before it reaches the disk (no fsync)",
+             "clipscale/checkpoint.py", "                f.flush()\n                os.fsync(f.fileno())\n            os.replace(tmp, path)",
+             "                f.flush()\n            os.replace(tmp, path)",
+             ("tests/test_checkpoint_atomic.py",)),
+    Mutation("no_ddp_wrap", "the model is never wrapped in DDP",
+             "clipscale/trainer.py", "        if world.distributed:\n            model = DistributedDataParallel",
+             "        if False:\n            model = DistributedDataParallel",
+             ("tests/test_trainer_distributed.py",)),
+    Mutation("no_warmup", "no learning-rate warmup",
+             "clipscale/optim.py", "    if step < warmup_steps:", "    if False:",
+             ("tests/test_trainer_steps.py::test_lr_warms_up_linearly_then_follows_a_half_cosine",)),
+    Mutation("weight_decay_everywhere", "weight decay on every parameter",
+             "clipscale/optim.py", '    return not (param.ndim < 2 or "bn" in name', '    return True or not (param.ndim < 2 or "bn" in name',
+             ("tests/test_trainer_steps.py::test_weight_decay_applies_to_weights_not_to_gains_biases_norms_or_logit_scale",)),
+    Mutation("no_logit_scale_clamp", "the logit scale is not clamped at 100",
+             "clipscale/step.py", "            self.module.logit_scale.clamp_(0, MAX_LOGIT_SCALE)\n", "            pass\n",
+             ("tests/test_trainer_steps.py::test_the_logit_scale_is_clamped_at_100",)),
+    Mutation("scaler_state_not_restored", "the GradScaler's state is not restored on resume",
+             "clipscale/step.py", '            self.scaler.load_state_dict(state["scaler"])', "            pass",
+             ("tests/test_trainer_steps.py::test_an_fp16_overflow_skips_the_step_halves_the_scale_and_the_scale_survives_a_resume",)),
+    Mutation("autocast_ignored", "train.precision=bf16/fp16 runs the encoders in float32 (no autocast)",
+             "clipscale/step.py", "autocast=AUTOCAST_DTYPES[precision]", "autocast=None",
+             ("tests/test_trainer_steps.py::test_bf16_and_fp16_runs_follow_the_fp32_curve",)),
+    Mutation("sigusr1_not_handled", "SIGUSR1 is not one of the trainer's stop signals",
+             "clipscale/signals.py", "STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)",
+             "STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)",
+             ("tests/test_trainer_resume.py::test_sigusr1_finishes_the_step_writes_a_checkpoint_and_exits_138",)),
+    Mutation("stop_signal_not_reduced", "ranks decide alone whether to stop (the signal is not reduced over ranks)",
+             "clipscale/signals.py", "        return int(all_reduce_max(self.signum, device))", "        return self.signum",
+             ("tests/test_trainer_distributed.py::test_ranks_stop_at_the_same_step_when_only_one_is_signalled",)),
+    Mutation("lit_optimizer_over_all_parameters", "LiT: the optimizer holds the locked tower's parameters too",
+             "clipscale/optim.py", "named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]",
+             "named = list(model.named_parameters())",
+             ("tests/test_trainer_promises.py::test_lit_keeps_no_optimizer_state_for_the_locked_tower",)),
+    Mutation("siglip_bias_without_gradient", "SigLIP's logit_bias gets no gradient through Gradient Cache",
+             "clipscale/gradcache.py", "for scalar, grad in zip(out.scalars, self.scalars):",
+             "for scalar, grad in zip(out.scalars[:1], self.scalars[:1]):",  # the logit scale only
+             ("tests/test_trainer_promises.py::test_siglip_trains_its_logit_bias_through_gradient_cache_as_in_one_pass",)),
+    Mutation("eval_set_prefix_dropped", "eval.sets metrics logged without their <set>_ prefix",
+             "clipscale/eval/during_training.py", 'results.update({f"{task.name}_{k}": v', "results.update({k: v",
+             ("tests/test_trainer_promises.py::test_eval_sets_run_inside_training_and_log_set_metric_keys",)),
+    Mutation("eval_script_ignores_precision", "the eval script ignores --precision",
+             "scripts/eval_zeroshot.py", 'bf16 = args.precision == "bf16" or (', "bf16 = (",
+             ("tests/test_trainer_promises.py::test_the_eval_scripts_precision_is_the_towers_compute_dtype",)),
+    Mutation("workers_read_the_same_shards", "two loader workers of a rank read the same shards",
+             "clipscale/data/shards.py", "        consumer = self.rank * self.num_workers + worker",
+             "        consumer = self.rank * self.num_workers",
+             ("tests/test_stream_epochs.py",)),
+]
+
+
+def copy_tree(destination: Path) -> None:
+    """The files git knows about (tracked and untracked, not ignored), as they are in the working tree."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=True).stdout.split(b"\0")
+    for name in filter(None, listed):
+        source = REPO / name.decode()
+        if source.is_file():
+            target = destination / name.decode()
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+def mutated_source(mutation: Mutation, tree: Path) -> str:
+    text = (tree / mutation.path).read_text()
+    found = text.count(mutation.old)
+    if found != 1:
+        raise SystemExit(f"{mutation.name}: {mutation.path} holds {found} copies of the text to mutate (1 expected); "
+                         f"update tests/mutations.py:\n{mutation.old}")
+    return text.replace(mutation.old, mutation.new)
+
+
+def run_tests(mutation: Mutation, tree: Path, timeout: float) -> tuple[str, str]:
+    """('caught' | 'survived', pytest's summary lines). PYTHONPATH puts the mutated package ahead
+    of the editable install of the real one, in pytest and in every process a test starts."""
+    env = {**os.environ, "PYTHONPATH": str(tree) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *mutation.tests],
+                                cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "caught", f"timed out after {timeout:.0f} s"
+    summary = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    tail = result.stdout.strip().splitlines()[-1:] if result.stdout.strip() else [result.stderr.strip()[-500:]]
+    if result.returncode == 0:
+        return "survived", "\n".join(tail)
+    if result.returncode not in (1,):  # 2: interrupted, 3: internal error, 4: usage, 5: no tests collected
+        raise SystemExit(f"{mutation.name}: pytest exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return "caught", "\n".join(summary + tail)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and the tests said to catch them")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds per mutation's tests")
+    args = parser.parse_args()
+    by_name = {m.name: m for m in MUTATIONS}
+    unknown = [n for n in args.names if n not in by_name]
+    if unknown:
+        parser.error(f"unknown mutation(s) {unknown}; known: {sorted(by_name)}")
+    chosen = [by_name[n] for n in args.names] or MUTATIONS
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.bug}\n  {m.path}\n  " + "\n  ".join(m.tests))
+        return 0
+    for mutation in chosen:  # every one still applies, before any runs
+        mutated_source(mutation, REPO)
+    survivors = []
+    for mutation in chosen:
+        with tempfile.TemporaryDirectory(prefix=f"mutant-{mutation.name}-") as folder:
+            tree = Path(folder)
+            copy_tree(tree)
+            (tree / mutation.path).write_text(mutated_source(mutation, tree))
+            start = time.perf_counter()
+            verdict, detail = run_tests(mutation, tree, args.timeout)
+        print(f"{verdict:8s} {mutation.name} ({time.perf_counter() - start:.0f} s): {mutation.bug}\n  "
+              + detail.replace("\n", "\n  "), flush=True)
+        if verdict == "survived":
+            survivors.append(mutation.name)
+    print(f"{len(chosen) - len(survivors)} of {len(chosen)} caught" + (f"; survived: {survivors}" if survivors else ""))
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
