@@ -1,7 +1,8 @@
 """Where `data.decoder: device` spends its time: one Gradient Cache chunk of 224-px JPEGs
 decoded on the GPU by the trainer's own code (`decode_parts`, `DeviceDecoder`), in the calling
 thread or in the decoder's thread, alone or beside a training thread that runs the model's
-forward and backward passes on other chunks.
+forward and backward passes on other chunks; and, for comparison, with each crop resized image
+by image as the decoder did before `crop_resize` (the JSON records how far apart the pixels are).
 
 A component benchmark: the JPEG bytes are already in memory, so it explains what
 `scripts/bench_e2e.py` measures through train.py; it does not replace it.
@@ -87,6 +88,21 @@ def main(argv=None) -> None:
 
     images = split.to_float(decode_inline())
 
+    # The same chunk with each crop resized by torchvision image by image (the decoder before
+    # crop_resize): how far apart the two are, and what the batched pass saves.
+    batched_pixels = decode_inline()
+    one_by_one_split = SplitTransform(split.pil_steps, split.normalize)
+    one_by_one_split.only_random_resized_crop = lambda: None
+    one_by_one_pixels = decode_parts(one_by_one_split, parts, device)
+    difference = (batched_pixels.int() - one_by_one_pixels.int()).abs()
+    agreement = {"max_abs_difference": int(difference.max()), "fraction_equal": float((difference == 0).float().mean())}
+    print(f"batched against image-by-image resize: {agreement}", flush=True)
+
+    def decode_one_by_one():
+        pixels = decode_parts(one_by_one_split, parts, device)
+        torch.cuda.synchronize()
+        return pixels
+
     def train_chunk():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = (model.encode_image(images).float() * model.encode_text(texts).float()).sum()
@@ -109,7 +125,9 @@ def main(argv=None) -> None:
         split.to_float(pixels)
         torch.cuda.synchronize()
 
-    cases = {"decode, calling thread": decode_inline, "decode, DeviceDecoder thread": decode_in_thread,
+    cases = {"decode, calling thread": decode_inline,
+             "decode, calling thread, image-by-image resize (before crop_resize)": decode_one_by_one,
+             "decode, DeviceDecoder thread": decode_in_thread,
              "forward+backward only": train_only, "decode then forward+backward, one thread": inline_then_train,
              "decode in DeviceDecoder thread beside forward+backward": thread_beside_train}
     rows = []
@@ -119,7 +137,8 @@ def main(argv=None) -> None:
         print(f"{name}: {1000 * seconds:.1f} ms per chunk of {args.chunk}", flush=True)
     decoder.close()
     record = {"device": torch.cuda.get_device_name(device), "versions": versions(), "command": " ".join(sys.argv),
-              "model": args.model, "chunk": args.chunk, "piece": args.piece, "image_size": args.size, "rows": rows}
+              "model": args.model, "chunk": args.chunk, "piece": args.piece, "image_size": args.size,
+              "batched_against_image_by_image_resize": agreement, "rows": rows}
     Path(args.out).write_text(json.dumps(record, indent=1))
 
 

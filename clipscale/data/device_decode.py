@@ -6,8 +6,8 @@ only read the shards, parse each JPEG's header to draw its crop (the same draw, 
 same per-sample seed, as loader decoding), and tokenize. The host keeps the batch as the
 shards' bytes (`EncodedImages`, about a tenth of its uint8 pixels), so every batch is
 offloaded. Each Gradient Cache pass decodes its chunk on the device: one batched nvJPEG
-call (torchvision's `decode_jpeg`), then each image's crop and resize with torchvision's
-tensor kernels. Both passes decode the same bytes with the same code on the same device,
+call (torchvision's `decode_jpeg`), then every image's crop and resize in one batched pass
+(`crop_resize`, within a grey level of torchvision's `resized_crop`). Both passes decode the same bytes with the same code on the same device,
 so they see the same pixels, which the cached feature gradients need.
 
 A sample that is not a whole JPEG (PNG, WebP, a JPEG with bytes after its end marker) is
@@ -19,6 +19,7 @@ torchvision's CPU decoder: that is how the tests hold it.
 
 from __future__ import annotations
 
+import os
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -61,20 +62,38 @@ def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop:
                 decoded[k] = _decode_jpegs([blobs[k]], device)[0]
             except RuntimeError:
                 pass
-    images = []
+    others: dict[int, torch.Tensor] = {}  # not decoded by nvJPEG: decoded, cropped and resized by PIL
     for k in range(len(blobs)):
         if k in decoded:
-            images.append(split.apply_to_tensor(decoded[k], encoded.params_of(start + k)))
             continue
         try:
-            images.append(split.decode(encoded[start + k]).to(device))
+            others[k] = split.decode(encoded[start + k]).to(device)
         except Exception as error:  # noqa: BLE001 - a damaged image must not end the run
             # Its header parsed in the worker, so it is in the batch; its data does not decode.
             # Loader decoding would have skipped it: data.decoder=loader for shards with many.
             warnings.warn(f"an image of this batch does not decode ({error!r}); it is trained as a black image")
             black = torch.zeros(3, 1, 1, dtype=torch.uint8, device=device)  # its crop box pads it to size
-            images.append(split.apply_to_tensor(black, encoded.params_of(start + k)))
-    return torch.stack(images)
+            others[k] = split.apply_to_tensor(black, encoded.params_of(start + k))
+    order = sorted(decoded)
+    if not order:
+        return torch.stack([others[k] for k in range(len(blobs))])
+    cropped = resized_crops(split, [decoded[k] for k in order], [encoded.params_of(start + k) for k in order], device)
+    if not others:
+        return cropped
+    rows = {**dict(zip(order, cropped.unbind())), **others}
+    return torch.stack([rows[k] for k in range(len(blobs))])
+
+
+def resized_crops(split: SplitTransform, images: list[torch.Tensor], boxes: list[tuple], device: torch.device) -> torch.Tensor:
+    """Decoded images cropped and resized by `split`'s PIL steps: uint8 [n, 3, H, W]. On a GPU
+    (or under Triton's interpreter) one batched pass for the whole list (`crop_resize`) when the
+    steps are a single RandomResizedCrop it can run; torchvision's kernels image by image otherwise."""
+    crop = split.only_random_resized_crop()
+    if crop is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        from clipscale.data import crop_resize  # Triton: imported where it runs
+
+        return crop_resize.resized_crops(images, boxes, tuple(crop.size), crop.interpolation.value)
+    return torch.stack([split.apply_to_tensor(img, box) for img, box in zip(images, boxes)])
 
 
 def decode_parts(split: SplitTransform, parts: list[tuple[EncodedImages, int, int]], device: torch.device) -> torch.Tensor:
@@ -85,10 +104,9 @@ def decode_parts(split: SplitTransform, parts: list[tuple[EncodedImages, int, in
 class DeviceDecoder:
     """Decodes a batch's chunks on the device ahead of the step, in a thread of its own.
 
-    The decode is hundreds of small kernels a chunk (a crop and resize per image) and nvJPEG
-    waits for its own work: issued from the training thread, every chunk would stall the
-    model's queue while they are launched. On a thread with its own CUDA stream they are
-    launched and run while the model computes the previous chunk."""
+    nvJPEG waits for its own work: issued from the training thread, every chunk's decode would
+    stall the model's queue. On a thread with its own CUDA stream it is launched and runs
+    while the model computes the previous chunk."""
 
     def __init__(self, split: SplitTransform, device: torch.device):
         self.split, self.device = split, device

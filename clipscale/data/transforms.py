@@ -87,6 +87,17 @@ class SplitTransform:
             # MaybeConvertMode: the decoder already gave RGB
         return img
 
+    def only_random_resized_crop(self) -> Optional[T.RandomResizedCrop]:
+        """The RandomResizedCrop when it is all the PIL steps do (besides RGB conversion), with an
+        antialiased bilinear or bicubic filter: what `crop_resize` runs for a whole chunk at once."""
+        from open_clip.transform import MaybeConvertMode
+
+        steps = [step for step in self.pil_steps if not isinstance(step, MaybeConvertMode)]
+        if len(steps) == 1 and isinstance(steps[0], T.RandomResizedCrop) and steps[0].antialias is True \
+                and steps[0].interpolation in (T.InterpolationMode.BILINEAR, T.InterpolationMode.BICUBIC):
+            return steps[0]
+        return None
+
     def decode(self, sample: tuple[bytes, tuple]) -> torch.Tensor:
         data, params = sample
         with Image.open(io.BytesIO(data)) as img:

@@ -1,0 +1,161 @@
+"""The random resized crops of a whole chunk in two Triton launches (the device decoder's resize).
+
+Done image by image with torchvision's tensor kernels, a chunk of 512 crops is thousands of
+small kernel launches, and on an H100 they cost more than the JPEG decode itself. Here every
+image of the chunk is cropped and resized by the same two programs.
+
+Reference math (what `torchvision.transforms.functional.resized_crop(img, top, left, h, w,
+size, interpolation, antialias=True)` computes, and PIL's resampling before it). Resizing is
+linear and separable: for each image n and channel c,
+
+    out[n, c] = round(clamp(Wy[n] @ img[n, c, top:top+h, left:left+w] @ Wx[n]^T, 0, 255))
+
+where row j of Wx[n] (an output column) holds the filter taps over the crop's columns:
+scale = w / out_w, support = r * max(scale, 1) (r = 1 bilinear, 2 bicubic),
+center = scale * (j + 0.5), taps i in [trunc(center - support + 0.5), trunc(center + support
++ 0.5)) clipped to [0, w), tap weight filter((i - center + 0.5) / max(scale, 1)), normalised to
+sum 1. The filters: bilinear 1 - |x| on |x| < 1; bicubic Keys' cubic with a = -0.5 on |x| < 2
+(PIL's, which torchvision matches when antialias is on). Wy likewise over the rows.
+
+Tiling: `rows_kernel` applies Wx (the horizontal pass) to every row of the crop and writes
+float32 rows [n, c, crop row, out_w]; `columns_kernel` applies Wy to those, rounds and writes
+uint8 [n, c, out_h, out_w]. Each program owns a [BLOCK_R, BLOCK_X] tile of one image's channel
+and loops over the taps: at most 2 * support + 1 of them, a handful for the crops a random
+resized crop draws. The images of a chunk differ in size, so they are passed as one flat
+uint8 buffer with a per-image table (offset, height, width, crop box); the taps as a start
+index and weights per output row or column. No atomics: the result is the same on every call,
+which Gradient Cache's two passes over the same bytes need.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+FILTER_RADIUS = {"bilinear": 1, "bicubic": 2}  # half the support at scale 1, in input pixels
+BLOCK_R, BLOCK_X = (8, 64) if not INTERPRET else (4, 16)
+
+# The per-image table, int64 [n, 7]: offset in the flat buffer, height, width, then the crop box
+# (top, left, crop height, crop width). The programs read it by these column numbers.
+CROP_H, CROP_W = 5, 6
+
+
+def _filter(x: torch.Tensor, interpolation: str) -> torch.Tensor:
+    x = x.abs()
+    if interpolation == "bilinear":
+        return (1 - x).clamp(min=0)
+    a = -0.5
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return torch.where(x < 1, near, torch.where(x < 2, far, torch.zeros_like(x)))
+
+
+def filter_taps(in_sizes: torch.Tensor, out_size: int, interpolation: str, largest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each image's taps along one axis: first input index int32 [n, out_size] and weights
+    float32 [n, out_size, taps] (zero past an output's last tap), computed in float64 as
+    ATen's antialiased kernels compute them (`_compute_weights_aa`). `largest`: the largest
+    of `in_sizes`, known on the host (reading it from the device would wait for the GPU)."""
+    sizes = in_sizes.to(torch.float64)[:, None]
+    scale = sizes / out_size
+    stretch = scale.clamp(min=1)  # downscaling widens the filter (antialiasing)
+    support = FILTER_RADIUS[interpolation] * stretch
+    center = scale * (torch.arange(out_size, dtype=torch.float64, device=in_sizes.device) + 0.5)
+    first = (center - support + 0.5).trunc().clamp(min=0)
+    last = torch.minimum((center + support + 0.5).trunc(), sizes)  # exclusive
+    taps = int(2 * FILTER_RADIUS[interpolation] * max(1.0, largest / out_size) + 2)  # bounds last - first
+    index = torch.arange(taps, dtype=torch.float64, device=in_sizes.device)
+    weights = _filter((first[..., None] + index - center[..., None] + 0.5) / stretch[..., None], interpolation)
+    weights = torch.where(index < (last - first)[..., None], weights, 0)
+    total = weights.sum(-1, keepdim=True)
+    weights = torch.where(total != 0, weights / total, weights)
+    return first.to(torch.int32), weights.to(torch.float32)
+
+
+# Chunk by chunk the largest crop and the filter's reach change: not compiled anew for each value.
+@triton.jit(do_not_specialize=["max_rows", "taps"])
+def rows_kernel(src, table, starts, weights, rows, max_rows, out_w, taps,
+                BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr):
+    """rows[n, c, r, j] = sum_k weights[n, j, k] * img[n, c, top + r, left + starts[n, j] + k]."""
+    nc = tl.program_id(0)
+    n = nc // 3
+    c = nc % 3
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    j = tl.program_id(2) * BLOCK_X + tl.arange(0, BLOCK_X)
+    entry = table + n * 7
+    height, width = tl.load(entry + 1), tl.load(entry + 2)
+    crop_h, crop_w = tl.load(entry + 5), tl.load(entry + 6)
+    row_start = tl.load(entry + 0) + (c * height + tl.load(entry + 3) + r) * width + tl.load(entry + 4)  # int64
+    in_rows = r < crop_h
+    in_cols = j < out_w
+    first = tl.load(starts + n * out_w + j, mask=in_cols, other=0)
+    acc = tl.zeros((BLOCK_R, BLOCK_X), dtype=tl.float32)
+    for k in range(taps):
+        weight = tl.load(weights + (n * out_w + j) * taps + k, mask=in_cols, other=0.0)
+        column = first + k
+        mask = in_rows[:, None] & (in_cols & (column < crop_w))[None, :]
+        pixel = tl.load(src + row_start[:, None] + column[None, :], mask=mask, other=0)
+        acc += pixel.to(tl.float32) * weight[None, :]
+    tl.store(rows + (nc * max_rows + r[:, None]) * out_w + j[None, :], acc, mask=in_rows[:, None] & in_cols[None, :])
+
+
+@triton.jit(do_not_specialize=["max_rows", "taps"])
+def columns_kernel(rows, table, starts, weights, out, max_rows, out_h, out_w, taps,
+                   BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr):
+    """out[n, c, i, j] = round(clamp(sum_k weights[n, i, k] * rows[n, c, starts[n, i] + k, j], 0, 255))."""
+    nc = tl.program_id(0)
+    n = nc // 3
+    i = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    j = tl.program_id(2) * BLOCK_X + tl.arange(0, BLOCK_X)
+    crop_h = tl.load(table + n * 7 + 5)
+    in_rows = i < out_h
+    in_cols = j < out_w
+    first = tl.load(starts + n * out_h + i, mask=in_rows, other=0)
+    acc = tl.zeros((BLOCK_R, BLOCK_X), dtype=tl.float32)
+    for k in range(taps):
+        weight = tl.load(weights + (n * out_h + i) * taps + k, mask=in_rows, other=0.0)
+        row = first + k
+        mask = (in_rows & (row < crop_h))[:, None] & in_cols[None, :]
+        value = tl.load(rows + (nc * max_rows + row[:, None]) * out_w + j[None, :], mask=mask, other=0.0)
+        acc += value * weight[:, None]
+    # Ties to even, as torch.round: an integer-factor enlargement makes exact halves.
+    nearest = tl.floor(acc + 0.5)
+    tie_to_odd = ((nearest - acc) == 0.5) & ((nearest - 2 * tl.floor(nearest * 0.5)) != 0)
+    pixel = tl.minimum(tl.maximum(tl.where(tie_to_odd, nearest - 1, nearest), 0.0), 255.0)
+    tl.store(out + (nc * out_h + i[:, None]) * out_w + j[None, :], pixel.to(tl.uint8), mask=in_rows[:, None] & in_cols[None, :])
+
+
+def resized_crops(images: list[torch.Tensor], boxes: list[tuple[int, int, int, int]], size: tuple[int, int],
+                  interpolation: str) -> torch.Tensor:
+    """uint8 [n, 3, size[0], size[1]]: image k (uint8 [3, H, W], all on one device) cropped to
+    boxes[k] = (top, left, height, width) and resized with the antialiased `interpolation`
+    ("bilinear" or "bicubic"), as torchvision's `resized_crop` on each would give (within one
+    grey level: float rounding)."""
+    if interpolation not in FILTER_RADIUS:
+        raise ValueError(f"interpolation must be one of {sorted(FILTER_RADIUS)}, got {interpolation!r}")
+    if not images:
+        return torch.empty(0, 3, *size, dtype=torch.uint8)
+    device = images[0].device
+    out_h, out_w = size
+    sizes = [img.numel() for img in images]
+    offsets = [0] * len(images)
+    for k in range(1, len(images)):
+        offsets[k] = offsets[k - 1] + sizes[k - 1]
+    table = torch.tensor([[offset, img.shape[1], img.shape[2], *box] for offset, img, box in zip(offsets, images, boxes)],
+                         dtype=torch.int64).to(device, non_blocking=True)
+    src = torch.cat([img.reshape(-1) for img in images])
+    max_rows = max(box[2] for box in boxes)
+    row_starts, row_weights = filter_taps(table[:, CROP_H], out_h, interpolation, max_rows)
+    column_starts, column_weights = filter_taps(table[:, CROP_W], out_w, interpolation, max(box[3] for box in boxes))
+    rows = torch.empty(len(images), 3, max_rows, out_w, dtype=torch.float32, device=device)
+    out = torch.empty(len(images), 3, out_h, out_w, dtype=torch.uint8, device=device)
+    grid = (len(images) * 3, triton.cdiv(max_rows, BLOCK_R), triton.cdiv(out_w, BLOCK_X))
+    rows_kernel[grid](src, table, column_starts, column_weights, rows, max_rows, out_w, column_weights.shape[-1],
+                      BLOCK_R=BLOCK_R, BLOCK_X=BLOCK_X)
+    grid = (len(images) * 3, triton.cdiv(out_h, BLOCK_R), triton.cdiv(out_w, BLOCK_X))
+    columns_kernel[grid](rows, table, row_starts, row_weights, out, max_rows, out_h, out_w, row_weights.shape[-1],
+                         BLOCK_R=BLOCK_R, BLOCK_X=BLOCK_X)
+    return out

@@ -1,0 +1,125 @@
+"""The device decoder's batched random resized crops (Triton, under TRITON_INTERPRET=1 on CPU
+tensors) against torchvision's `resized_crop` on each image, the per-image path it replaces.
+
+Images of different sizes in one call, crops that shrink and crops that enlarge, rectangular
+outputs and crops at the image's edges; both filters open_clip's transforms use. The two
+compute the same float32 sums in another order, so a pixel may round the other way: at most
+one grey level apart, and nearly all equal.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+_ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"  # read when the programs are decorated (import)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torchvision.transforms.functional as TF  # noqa: E402
+from torchvision.transforms import InterpolationMode  # noqa: E402
+
+import clipscale.data.crop_resize as C  # noqa: E402
+
+if not C.INTERPRET:  # imported earlier in this process without the interpreter
+    C = importlib.reload(C)
+assert type(C.rows_kernel.fn).__name__ != "JITFunction"
+
+if _ENV_BEFORE is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _ENV_BEFORE
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter reads it again at launch
+
+
+def _images_and_boxes(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(23, 31), (40, 17), (9, 50), (32, 32), (61, 44)]
+    images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=generator) for h, w in shapes]
+    # smooth parts too: random noise alone rarely lands a sum on a rounding boundary
+    images[3] = torch.linspace(0, 255, 32 * 32).reshape(1, 32, 32).expand(3, 32, 32).round().to(torch.uint8).contiguous()
+    boxes = [(0, 0, 23, 31),  # the whole image
+             (5, 3, 30, 11),  # a narrow crop, enlarged across, shrunk down
+             (2, 40, 5, 10),  # at the right edge, tiny: enlarged
+             (7, 9, 13, 13),
+             (0, 1, 61, 43)]  # at the bottom edge, shrunk
+    return images, boxes
+
+
+@pytest.mark.parametrize("interpolation, size", [("bicubic", (13, 17)), ("bilinear", (24, 24))])
+def test_batched_crops_match_torchvisions_resized_crop_of_each_image(interpolation, size):
+    images, boxes = _images_and_boxes(seed=len(interpolation) + size[0])
+    got = C.resized_crops(images, boxes, size, interpolation)
+    mode = InterpolationMode(interpolation)
+    expected = torch.stack([TF.resized_crop(img, *box, list(size), mode, antialias=True) for img, box in zip(images, boxes)])
+    assert got.shape == expected.shape == (len(images), 3, *size) and got.dtype == torch.uint8
+    difference = (got.int() - expected.int()).abs()
+    assert difference.max() <= 1
+    assert (difference == 0).float().mean() >= 0.99
+
+
+def test_filter_taps_sum_to_one_and_stay_inside_the_crop():
+    sizes = torch.tensor([1, 5, 224, 300, 1000])
+    for interpolation in ("bicubic", "bilinear"):
+        starts, weights = C.filter_taps(sizes, 224, interpolation, largest=1000)
+        assert torch.allclose(weights.double().sum(-1), torch.ones(len(sizes), 224, dtype=torch.float64), atol=1e-6)
+        used = weights != 0
+        last = starts[..., None] + torch.arange(weights.shape[-1])
+        assert bool((starts >= 0).all()) and bool((last[used] < sizes[:, None, None].expand_as(last)[used]).all())
+
+
+def test_an_unknown_interpolation_is_refused():
+    with pytest.raises(ValueError, match="bicubic"):
+        C.resized_crops([torch.zeros(3, 4, 4, dtype=torch.uint8)], [(0, 0, 4, 4)], (2, 2), "nearest")
+
+
+def test_the_device_decoder_resizes_a_chunk_in_one_pass_and_keeps_its_other_images_in_place(monkeypatch):
+    """decode_rows on a chunk mixing JPEGs with a PNG (decoded by PIL) and an image that decodes
+    nowhere (black): in the batched pass the JPEGs' crops, in their places, within one grey level
+    of the image-by-image path, and the others equal to it."""
+    import io
+
+    from open_clip.transform import image_transform
+    from PIL import Image
+
+    from clipscale.data import device_decode
+    from clipscale.data.offload import EncodedImages
+    from clipscale.data.transforms import SplitTransform
+
+    split = SplitTransform.split(image_transform(16, is_train=True, aug_cfg={"scale": (0.5, 1.0)}))
+    assert split.only_random_resized_crop() is not None
+
+    def encoded(img: Image.Image, kind: str) -> bytes:
+        out = io.BytesIO()
+        img.save(out, format=kind, quality=90)
+        return out.getvalue()
+
+    pictures = [Image.effect_noise((24 + 3 * k, 20 + 2 * k), 40 + 10 * k).convert("RGB") for k in range(5)]
+    blobs = [encoded(p, "JPEG") for p in pictures]
+    blobs[1] = encoded(pictures[1], "PNG")
+    blobs[3] = blobs[3][:20] + b"\x00" * 30 + blobs[3][50:]  # its quantisation tables overwritten: decodes nowhere
+    boxes = [(1, 2, 18, 20), (0, 0, 20, 26), (3, 1, 10, 12), (0, 0, 26, 33), (2, 4, 25, 30)]
+    chunk = EncodedImages.from_samples(tuple(blobs), tuple(boxes))
+    calls, real = [], C.resized_crops
+
+    def counted(images, *args):
+        calls.append(len(images))
+        return real(images, *args)
+
+    monkeypatch.setattr(C, "resized_crops", counted)
+    with pytest.warns(UserWarning, match="does not decode"):
+        batched = device_decode.decode_rows(split, chunk, 0, 5, torch.device("cpu"))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.warns(UserWarning, match="does not decode"):
+        one_by_one = device_decode.decode_rows(split, chunk, 0, 5, torch.device("cpu"))
+    assert calls == [3]  # the three JPEGs, in one call
+    assert batched.shape == one_by_one.shape == (5, 3, 16, 16)
+    assert (batched.int() - one_by_one.int()).abs().max() <= 1
+    for k in (1, 3):
+        assert torch.equal(batched[k], one_by_one[k])
+    assert torch.equal(batched[3], torch.zeros(3, 16, 16, dtype=torch.uint8))
