@@ -29,6 +29,7 @@ which Gradient Cache's two passes over the same bytes need.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -140,10 +141,7 @@ def resized_crops(images: list[torch.Tensor], boxes: list[tuple[int, int, int, i
         return torch.empty(0, 3, *size, dtype=torch.uint8)
     device = images[0].device
     out_h, out_w = size
-    sizes = [img.numel() for img in images]
-    offsets = [0] * len(images)
-    for k in range(1, len(images)):
-        offsets[k] = offsets[k - 1] + sizes[k - 1]
+    offsets = [0, *itertools.accumulate(img.numel() for img in images[:-1])]
     table = torch.tensor([[offset, img.shape[1], img.shape[2], *box] for offset, img, box in zip(offsets, images, boxes)],
                          dtype=torch.int64).to(device, non_blocking=True)
     src = torch.cat([img.reshape(-1) for img in images])
