@@ -7,8 +7,9 @@ same per-sample seed, as loader decoding), and tokenize. The host keeps the batc
 shards' bytes (`EncodedImages`, about a tenth of its uint8 pixels), so every batch is
 offloaded. Each Gradient Cache pass decodes its chunk on the device: one batched nvJPEG
 call (torchvision's `decode_jpeg`), then every image's crop and resize in one batched pass
-(`crop_resize`, within a grey level of torchvision's `resized_crop`). Both passes decode the same bytes with the same code on the same device,
-so they see the same pixels, which the cached feature gradients need.
+(`crop_resize`, within a grey level of torchvision's `resized_crop`). Both passes decode the
+same bytes with the same code on the same device, so they see the same pixels, which the
+cached feature gradients need.
 
 A sample that is not a whole JPEG (PNG, WebP, a JPEG with bytes after its end marker) is
 decoded by the worker with PIL to judge it, exactly as loader decoding would (an
