@@ -13,14 +13,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # are interpreted, and torch, timm or open_clip may import it before the kernel
 # tests set TRITON_INTERPRET=1; kernels run later would then fail. Import it here,
 # before any test module, in interpreter mode (CPU tests never run compiled kernels).
-_interpret_before = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-import triton.language  # noqa: E402, F401
+from triton_interpreter import interpreter_env  # noqa: E402
 
-if _interpret_before is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _interpret_before
+with interpreter_env():
+    import triton.language  # noqa: F401
 
 import pytest  # noqa: E402
 

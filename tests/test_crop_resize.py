@@ -9,27 +9,15 @@ one grey level apart, and nearly all equal.
 
 from __future__ import annotations
 
-import importlib
-import os
+import pytest
+import torch
+import torchvision.transforms.functional as TF
+from torchvision.transforms import InterpolationMode
 
-_ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # read when the programs are decorated (import)
+from triton_interpreter import import_interpreted
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torchvision.transforms.functional as TF  # noqa: E402
-from torchvision.transforms import InterpolationMode  # noqa: E402
-
-import clipscale.data.crop_resize as C  # noqa: E402
-
-if not C.INTERPRET:  # imported earlier in this process without the interpreter
-    C = importlib.reload(C)
+(C,) = import_interpreted("clipscale.data.crop_resize")
 assert type(C.rows_kernel.fn).__name__ != "JITFunction"
-
-if _ENV_BEFORE is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _ENV_BEFORE
 
 
 @pytest.fixture(autouse=True)

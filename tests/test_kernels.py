@@ -16,30 +16,15 @@ inputs):
 
 from __future__ import annotations
 
-import importlib
-import os
+import pytest
+import torch
 
-_ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated (import)
+from clipscale.losses.infcl import reference
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from triton_interpreter import import_interpreted
 
-import clipscale.losses.infcl.kernels as K  # noqa: E402
-import clipscale.losses.infcl.triton_programs as P  # noqa: E402
-from clipscale.losses.infcl import reference  # noqa: E402
-
-if not P.INTERPRET:  # imported earlier in this process without the interpreter
-    P = importlib.reload(P)
-    K = importlib.reload(K)
+P, K = import_interpreted("clipscale.losses.infcl.triton_programs", "clipscale.losses.infcl.kernels")
 assert P.INTERPRET and type(K.P.lse_fwd_kernel.fn).__name__ != "JITFunction"
-
-# Leave the environment of the other test modules as it was (collection imports
-# every module first); this module's tests set it again themselves.
-if _ENV_BEFORE is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _ENV_BEFORE
 
 
 # ---------------------------------------------------------------- float64 math
