@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
-from clipscale.errors import StorageError, UserError, storage_errors
+from clipscale.errors import STORAGE_ERRNOS, StorageError, UserError, storage_errors
 
 LATEST = "latest"
 POINTER_NAMES = (LATEST, "latest.pt")  # "latest.pt": a hard link before, still in users' commands
@@ -116,6 +116,11 @@ def check_writable(folder: Path) -> None:
                 f.write(b"\0")
                 f.flush()
                 os.fsync(f.fileno())
+        except OSError as err:
+            if err.errno in STORAGE_ERRNOS:
+                raise
+            # /proc, /sys and other pseudo file systems refuse new files with errors of their own
+            raise StorageError(f"cannot create the run folder {folder}: {existing} takes no new files ({err.strerror})") from None
         finally:
             probe.unlink(missing_ok=True)
 

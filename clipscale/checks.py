@@ -14,7 +14,12 @@ second, naming the key, what was given and what is allowed.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from typing import Any, Optional
+
+import open_clip
+from open_clip.model import CLIPTextCfg, CLIPVisionCfg
 
 from clipscale.config import Config, ConfigError, LossConfig, ModelConfig, check_model_section, check_value, eval_task, load_config
 from clipscale.losses import CLIP_INPUTS, available_losses, build_loss, loss_contract
@@ -25,11 +30,50 @@ def check_model(cfg: ModelConfig) -> tuple[str, ...]:
     """The model section checked (its keys, and that open_clip knows the architecture);
     returns what the model hands its loss, in order."""
     check_model_section(cfg)
+    if cfg.custom is not None:
+        check_custom_keys(cfg.custom)
     model_cfg = open_clip_model_config(cfg)
     if model_cfg is None:
         raise ConfigError(f"model.name: unknown open_clip architecture {cfg.name!r}; see open_clip.list_models()")
+    if "multimodal_cfg" in model_cfg:
+        key = "model.custom.multimodal_cfg" if cfg.custom is not None else f"model.name={cfg.name}"
+        raise ConfigError(f"{key}: a CoCa model (open_clip config with a multimodal_cfg); its captioning loss is "
+                          "not supported, only contrastive CLIP training: choose a CLIP architecture")
+    timm_tower = "timm_model_name" in model_cfg["vision_cfg"]
+    hf_text_tower = "hf_model_name" in model_cfg["text_cfg"]
+    if cfg.force_patch_dropout is not None and timm_tower:
+        raise ConfigError("model.force_patch_dropout: the image tower is a timm model, which has no patch dropout "
+                          "(open_clip's own ViT towers have)")
+    if cfg.lock_text and not cfg.lock_text_freeze_layer_norm and not hf_text_tower:
+        raise ConfigError("model.lock_text_freeze_layer_norm: false needs a Hugging Face text tower; "
+                          "open_clip's own text tower locks its layer norms with the rest (set it true)")
     has_bias = model_cfg.get("init_logit_bias") is not None
     return CLIP_INPUTS + ("logit_bias",) if has_bias else CLIP_INPUTS
+
+
+def _init_parameters(cls) -> set[str]:
+    return set(inspect.signature(cls.__init__).parameters) - {"self"}
+
+
+# What open_clip's create_model reads from a model config: CLIP's (and CustomTextCLIP's) keyword
+# arguments but those create_model itself sets, and `custom_text`, which picks the class.
+MODEL_CONFIG_KEYS = sorted((_init_parameters(open_clip.CLIP) | {"custom_text"}) - {"output_dict", "cast_dtype"})
+
+
+def check_custom_keys(custom: dict) -> None:
+    """Every key of model.custom, vision_cfg and text_cfg is one open_clip knows (its CLIPVisionCfg
+    and CLIPTextCfg fields), named before open_clip's TypeError would name a dataclass instead."""
+    sections = {
+        "model.custom": (custom, MODEL_CONFIG_KEYS + ["multimodal_cfg"]),
+        "model.custom.vision_cfg": (custom["vision_cfg"], [f.name for f in dataclasses.fields(CLIPVisionCfg)]),
+        "model.custom.text_cfg": (custom["text_cfg"], [f.name for f in dataclasses.fields(CLIPTextCfg)]),
+    }
+    for where, (values, allowed) in sections.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where}: expected a mapping of its keys, got {values!r}")
+        unknown = sorted(set(values) - set(allowed))
+        if unknown:
+            raise ConfigError(f"unknown key {where}.{unknown[0]}; allowed keys in {where}: {', '.join(allowed)}")
 
 
 def _bias_key(cfg: ModelConfig) -> str:

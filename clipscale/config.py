@@ -15,6 +15,7 @@ train.py runs load_config before it imports them, so a mistake here is reported 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -56,6 +57,16 @@ class ModelConfig:
     lock_image: bool = False
     lock_image_unlocked_groups: int = 0
     lock_image_freeze_bn_stats: bool = False  # BatchNorm running statistics of the locked groups stay put
+    # And the text tower (open_clip's lock_text_tower): but its last N layer groups. open_clip's own
+    # text tower always locks its layer norms with the rest; a Hugging Face tower may leave them trainable.
+    lock_text: bool = False
+    lock_text_unlocked_layers: int = 0
+    lock_text_freeze_layer_norm: bool = True
+    # open_clip_train's --force-* overrides of the architecture's config, for named and custom models alike
+    force_patch_dropout: Optional[float] = None  # the fraction of image patches dropped while training (FLIP)
+    force_quick_gelu: bool = False  # QuickGELU activations, as OpenAI's original weights need
+    force_image_size: Optional[int] = None
+    force_context_length: Optional[int] = None  # text tokens; the tokenizer follows
     # Speed
     grad_checkpointing: bool = False  # recompute tower activations in the backward: larger chunks fit
     compile: bool = False  # torch.compile the model's forward
@@ -96,6 +107,13 @@ class OptimConfig:
     eps: float = 1e-6
     warmup_steps: int = 50
     grad_clip: Optional[float] = 1.0  # max global grad norm; null disables
+    # open_clip_train's --lr-scheduler: after the linear warmup, half a cosine down to 0, constant,
+    # or constant and then, over the last lr_cooldown_steps, down to lr_cooldown_end
+    # ((1 - progress) ** lr_cooldown_power: linear at 1)
+    lr_scheduler: Literal["cosine", "const", "const-cooldown"] = "cosine"
+    lr_cooldown_steps: Optional[int] = None  # open_clip's --epochs-cooldown, in steps
+    lr_cooldown_power: float = 1.0
+    lr_cooldown_end: float = 0.0
 
 
 @dataclass
@@ -105,7 +123,12 @@ class TrainConfig:
     # largest that fits the GPU, from a memory probe of the real model (logged at start).
     chunk_size: Optional[int | Literal["auto"]] = None
     offload: bool = False
-    steps: int = 300
+    # The run length: steps, or null and one of samples (ceil(samples / batch_size) steps) or epochs of
+    # num_samples_per_epoch samples each (open_clip_train's --epochs with --train-num-samples).
+    steps: Optional[int] = 300
+    samples: Optional[int] = None
+    epochs: Optional[int] = None
+    num_samples_per_epoch: Optional[int] = None
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     log_every: int = 10
     checkpoint_every: int = 100
@@ -133,6 +156,11 @@ class WandbConfig:
 
 
 @dataclass
+class TensorboardConfig:
+    enabled: bool = False  # event files in runs/<name>/tensorboard with the scalars of metrics.jsonl
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -142,6 +170,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: TensorboardConfig = field(default_factory=TensorboardConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -264,11 +293,65 @@ def check_model_section(cfg: ModelConfig) -> None:
         raise ConfigError(f"model.lock_image_unlocked_groups: must be >= 0, got {cfg.lock_image_unlocked_groups}")
     if not cfg.lock_image and (cfg.lock_image_unlocked_groups or cfg.lock_image_freeze_bn_stats):
         raise ConfigError("model.lock_image_unlocked_groups / lock_image_freeze_bn_stats need model.lock_image: true")
+    if cfg.lock_text_unlocked_layers < 0:
+        raise ConfigError(f"model.lock_text_unlocked_layers: must be >= 0, got {cfg.lock_text_unlocked_layers}")
+    if not cfg.lock_text and (cfg.lock_text_unlocked_layers or not cfg.lock_text_freeze_layer_norm):
+        raise ConfigError("model.lock_text_unlocked_layers / lock_text_freeze_layer_norm need model.lock_text: true")
+    if cfg.force_patch_dropout is not None and not 0 <= cfg.force_patch_dropout < 1:
+        raise ConfigError(f"model.force_patch_dropout: the fraction of patches dropped, in [0, 1), got {cfg.force_patch_dropout}")
+    for key in ("force_image_size", "force_context_length"):
+        if getattr(cfg, key) is not None and getattr(cfg, key) <= 0:
+            raise ConfigError(f"model.{key}: must be positive or null, got {getattr(cfg, key)}")
+
+
+def check_lr_schedule(cfg: OptimConfig, steps: int) -> None:
+    if cfg.lr_scheduler != "const-cooldown":
+        if cfg.lr_cooldown_steps is not None:
+            raise ConfigError(f"optim.lr_cooldown_steps: only for optim.lr_scheduler=const-cooldown, not {cfg.lr_scheduler}")
+        return
+    if cfg.lr_cooldown_steps is None:
+        raise ConfigError("optim.lr_cooldown_steps: required with optim.lr_scheduler=const-cooldown "
+                          "(the last steps over which the lr falls to optim.lr_cooldown_end)")
+    if not 0 < cfg.lr_cooldown_steps <= steps - cfg.warmup_steps:
+        raise ConfigError(f"optim.lr_cooldown_steps: must be in 1..{steps - cfg.warmup_steps} (train.steps {steps} "
+                          f"less optim.warmup_steps {cfg.warmup_steps}), got {cfg.lr_cooldown_steps}")
+    if cfg.lr_cooldown_power <= 0:
+        raise ConfigError(f"optim.lr_cooldown_power: must be positive, got {cfg.lr_cooldown_power}")
+    if not 0 <= cfg.lr_cooldown_end <= cfg.lr:
+        raise ConfigError(f"optim.lr_cooldown_end: must be in [0, optim.lr={cfg.lr}], got {cfg.lr_cooldown_end}")
+
+
+def resolve_run_length(cfg: TrainConfig) -> None:
+    """train.steps from train.samples or train.epochs (the one place a run length in samples
+    becomes steps); a train.steps that says otherwise is a conflict, not a choice."""
+    for key in ("samples", "epochs", "num_samples_per_epoch"):
+        if getattr(cfg, key) is not None and getattr(cfg, key) <= 0:
+            raise ConfigError(f"train.{key}: must be positive or null, got {getattr(cfg, key)}")
+    if cfg.samples is not None and cfg.epochs is not None:
+        raise ConfigError("train.samples and train.epochs both give the run length: set one of them")
+    if (cfg.epochs is not None) != (cfg.num_samples_per_epoch is not None):
+        raise ConfigError("train.epochs and train.num_samples_per_epoch go together: an epoch is "
+                          "train.num_samples_per_epoch samples (open_clip_train's --train-num-samples)")
+    if cfg.samples is None and cfg.epochs is None:
+        if cfg.steps is None:
+            raise ConfigError("train.steps: null needs the run length as train.samples or train.epochs")
+        return
+    given = (f"train.samples={cfg.samples}" if cfg.samples is not None
+             else f"train.epochs={cfg.epochs} of train.num_samples_per_epoch={cfg.num_samples_per_epoch}")
+    samples = cfg.samples if cfg.samples is not None else cfg.epochs * cfg.num_samples_per_epoch
+    steps = math.ceil(samples / cfg.batch_size)
+    if cfg.steps is not None and cfg.steps != steps:
+        raise ConfigError(f"train.steps={cfg.steps} and {given} ({steps} steps of train.batch_size={cfg.batch_size}) "
+                          "give two run lengths: set train.steps=null to count in samples or epochs")
+    cfg.steps = steps
 
 
 def check_sections(cfg: Config) -> None:
     """Checks that span keys of the configuration alone; per-key types are checked while applying."""
     check_model_section(cfg.model)
+    if cfg.train.batch_size <= 0:
+        raise ConfigError(f"train.batch_size: must be positive, got {cfg.train.batch_size}")
+    resolve_run_length(cfg.train)
     if cfg.data.kind == "webdataset" and not cfg.data.train_shards:
         raise ConfigError("data.train_shards: required when data.kind is 'webdataset'")
     positive = {
@@ -282,6 +365,7 @@ def check_sections(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}: must be positive, got {value}")
+    check_lr_schedule(cfg.optim, cfg.train.steps)
     if isinstance(cfg.train.chunk_size, int) and cfg.train.chunk_size <= 0:
         raise ConfigError(f"train.chunk_size: must be positive, null or 'auto', got {cfg.train.chunk_size}")
     if cfg.train.keep_checkpoints is not None and cfg.train.keep_checkpoints < 1:

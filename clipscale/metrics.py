@@ -1,11 +1,13 @@
-"""Where numbers go: runs/<name>/metrics.jsonl, wandb (when enabled) and the console.
+"""Where numbers go: runs/<name>/metrics.jsonl, wandb and TensorBoard (when enabled) and the console.
 
 Only rank 0 writes. On resume, lines past the checkpoint's step are dropped so
 the file always reads as one clean curve, and so is a last line cut short by a
 crash or a full disk (with a warning naming the file). Every line is strict
 JSON: a non-finite number is written as null and its key listed under
 "nonfinite" (`{"step": 7, "loss": null, "nonfinite": ["loss"]}`), so any JSON
-reader takes the file.
+reader takes the file. TensorBoard's event files (runs/<name>/tensorboard) get
+every number of each record as a scalar of that name; on resume its events past
+the checkpoint's step are purged the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from clipscale.config import Config
 from clipscale.errors import UserError, storage_errors
 
 NONFINITE = "nonfinite"  # the key listing a record's values that were NaN or infinite
+TENSORBOARD = "tensorboard"  # the event files' folder in the run folder
 
 
 def _wandb_mode(mode: str) -> str:
@@ -36,6 +39,7 @@ class MetricsLogger:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.wandb = None
+        self.tensorboard = None
         if not enabled:
             return
         if self.path.exists():
@@ -54,6 +58,11 @@ class MetricsLogger:
                 config=cfg.to_dict(),
                 mode=_wandb_mode(cfg.wandb.mode),
             )
+        if cfg.tensorboard.enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            with storage_errors(run_dir / TENSORBOARD, "write"):
+                self.tensorboard = SummaryWriter(str(run_dir / TENSORBOARD), purge_step=resume_step + 1)
 
     def log(self, step: int, values: dict) -> None:
         if not self.enabled:
@@ -63,6 +72,10 @@ class MetricsLogger:
             f.write(strict_json(record) + "\n")
         if self.wandb is not None:
             self.wandb.log(values, step=step)
+        if self.tensorboard is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(key, value, global_step=step)
 
     def write_json(self, path: Path, values: dict) -> None:
         if self.enabled:
@@ -73,6 +86,8 @@ class MetricsLogger:
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def strict_json(record: dict, **options) -> str:

@@ -56,7 +56,10 @@ class Towers:
 
 
 def build_model(cfg: ModelConfig) -> Towers:
-    architecture = cfg.name if cfg.name is not None else register_custom(cfg.custom)
+    # A named architecture with model.force_* set is registered like a custom one: the config
+    # written into the run folder is then the one the model was built from.
+    forced = cfg.custom is not None or _forces(cfg)
+    architecture = register_custom(open_clip_model_config(cfg)) if forced else cfg.name
     with _without_random_init_warning(cfg.pretrained is not None):
         model, train_transform, val_transform = open_clip.create_model_and_transforms(
             architecture,
@@ -71,6 +74,8 @@ def build_model(cfg: ModelConfig) -> Towers:
         load_timm_trunk(model.visual, cfg.pretrained_image)
     if cfg.lock_image:
         model.lock_image_tower(cfg.lock_image_unlocked_groups, cfg.lock_image_freeze_bn_stats)
+    if cfg.lock_text:
+        model.lock_text_tower(cfg.lock_text_unlocked_layers, cfg.lock_text_freeze_layer_norm)
     if cfg.grad_checkpointing:
         model.set_grad_checkpointing(True)
     if cfg.channels_last:  # convolutions then pick the NHWC kernels; the input need not be converted
@@ -120,8 +125,27 @@ def register_custom(custom: dict) -> str:
 
 def open_clip_model_config(cfg: ModelConfig) -> dict | None:
     """The open_clip model config (embed_dim, vision_cfg, text_cfg, init_logit_bias, ...) that
-    `build_model` would build, without building it; None for an unknown architecture name."""
-    return cfg.custom if cfg.custom is not None else open_clip.get_model_config(cfg.name)
+    `build_model` would build, without building it; None for an unknown architecture name.
+    model.force_* change it as open_clip's create_model(force_*=...) does."""
+    model_cfg = cfg.custom if cfg.custom is not None else open_clip.get_model_config(cfg.name)
+    if model_cfg is None or not _forces(cfg):
+        return model_cfg
+    model_cfg = json.loads(json.dumps(model_cfg))
+    vision_cfg, text_cfg = model_cfg.setdefault("vision_cfg", {}), model_cfg.setdefault("text_cfg", {})
+    if cfg.force_quick_gelu:
+        model_cfg["quick_gelu"] = True
+    if cfg.force_patch_dropout is not None:
+        vision_cfg["patch_dropout"] = cfg.force_patch_dropout
+    if cfg.force_image_size is not None:
+        vision_cfg["image_size"] = cfg.force_image_size
+    if cfg.force_context_length is not None:
+        text_cfg["context_length"] = cfg.force_context_length
+    return model_cfg
+
+
+def _forces(cfg: ModelConfig) -> bool:
+    return (cfg.force_quick_gelu or cfg.force_patch_dropout is not None or cfg.force_image_size is not None
+            or cfg.force_context_length is not None)
 
 
 def load_clip_checkpoint(model: nn.Module, path: str) -> None:
@@ -131,7 +155,7 @@ def load_clip_checkpoint(model: nn.Module, path: str) -> None:
     require_file(path, "model.pretrained")
     try:
         open_clip.load_checkpoint(model, path, weights_only=True)
-    except RuntimeError:
+    except (RuntimeError, AssertionError):  # AssertionError: open_clip's position-embedding resize refuses another width
         report = mismatch_report(model, load_state_dict(path))
         if not report:
             raise

@@ -1,4 +1,5 @@
-"""AdamW with open_clip's weight-decay exclusions, and its cosine schedule with warmup."""
+"""AdamW with open_clip's weight-decay exclusions, and open_clip_train's learning-rate schedules
+(open_clip_train/scheduler.py: cosine_lr, const_lr, const_lr_cooldown) as functions of the step."""
 
 from __future__ import annotations
 
@@ -24,9 +25,34 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, fused: bool = False) -> 
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
 
 
+def learning_rate(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """The lr at `step` (0-based) of a run of `total_steps`, by optim.lr_scheduler."""
+    if step < cfg.warmup_steps:
+        return _warmup_lr(step, cfg.lr, cfg.warmup_steps)
+    if cfg.lr_scheduler == "cosine":
+        return cosine_lr(step, cfg.lr, cfg.warmup_steps, total_steps)
+    if cfg.lr_scheduler == "const":
+        return cfg.lr
+    return const_cooldown_lr(step, cfg.lr, total_steps, cfg.lr_cooldown_steps, cfg.lr_cooldown_power, cfg.lr_cooldown_end)
+
+
+def _warmup_lr(step: int, base_lr: float, warmup_steps: int) -> float:
+    return base_lr * (step + 1) / warmup_steps
+
+
 def cosine_lr(step: int, base_lr: float, warmup_steps: int, total_steps: int) -> float:
     """open_clip's `cosine_lr`: linear warmup to base_lr, then half a cosine down to 0."""
     if step < warmup_steps:
-        return base_lr * (step + 1) / warmup_steps
+        return _warmup_lr(step, base_lr, warmup_steps)
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return 0.5 * (1 + math.cos(math.pi * progress)) * base_lr
+
+
+def const_cooldown_lr(step: int, base_lr: float, total_steps: int, cooldown_steps: int, power: float, end_lr: float) -> float:
+    """open_clip's `const_lr_cooldown` after the warmup: base_lr until the last `cooldown_steps`,
+    then (1 - progress) ** power of the way from base_lr down to end_lr."""
+    cooldown_start = total_steps - cooldown_steps
+    if step < cooldown_start:
+        return base_lr
+    decay = (1 - (step - cooldown_start) / cooldown_steps) ** power
+    return decay * (base_lr - end_lr) + end_lr

@@ -44,7 +44,7 @@ from clipscale.losses import build_loss
 from clipscale.memory import largest_chunk
 from clipscale.metrics import MetricsLogger
 from clipscale.models import OPEN_CLIP_WEIGHTS, Towers, build_model, write_open_clip_folder
-from clipscale.optim import build_optimizer, cosine_lr
+from clipscale.optim import build_optimizer, learning_rate
 from clipscale.run_dir import plan_run
 from clipscale.run_state import RunState
 from clipscale.signals import StopRequest, ignore_stop_signals
@@ -195,7 +195,7 @@ class Run:
         window_start, window_steps = time.perf_counter(), 0
         for step_number in range(self.start_step, cfg.train.steps):
             batch = self.batches.next()
-            lr = cosine_lr(step_number, cfg.optim.lr, cfg.optim.warmup_steps, cfg.train.steps)
+            lr = learning_rate(step_number, cfg.optim, cfg.train.steps)
             result = self.step(batch.images, batch.texts, lr)
             batch.consumed(self.stream_state)
             self.batches.release(batch)
