@@ -312,9 +312,8 @@ def check_lr_schedule(cfg: OptimConfig, steps: int) -> None:
     if cfg.lr_cooldown_steps is None:
         raise ConfigError("optim.lr_cooldown_steps: required with optim.lr_scheduler=const-cooldown "
                           "(the last steps over which the lr falls to optim.lr_cooldown_end)")
-    if not 0 < cfg.lr_cooldown_steps <= steps - cfg.warmup_steps:
-        raise ConfigError(f"optim.lr_cooldown_steps: must be in 1..{steps - cfg.warmup_steps} (train.steps {steps} "
-                          f"less optim.warmup_steps {cfg.warmup_steps}), got {cfg.lr_cooldown_steps}")
+    if not 0 < cfg.lr_cooldown_steps <= steps:  # a cooldown that begins in the warmup begins after it (open_clip's way)
+        raise ConfigError(f"optim.lr_cooldown_steps: must be in 1..{steps} (train.steps), got {cfg.lr_cooldown_steps}")
     if cfg.lr_cooldown_power <= 0:
         raise ConfigError(f"optim.lr_cooldown_power: must be positive, got {cfg.lr_cooldown_power}")
     if not 0 <= cfg.lr_cooldown_end <= cfg.lr:
