@@ -1,8 +1,9 @@
 """Errors the user can fix, reported as one line; everything else keeps its traceback.
 
 A `UserError` (a bad config value, a YAML syntax error, a missing file, a full
-disk, a read-only folder) is printed once, by rank 0, as `error: <message>`,
-and every rank exits with status 2. Any other exception is a bug: its
+disk, a read-only folder) is printed by rank 0 as `error: <message>` (under
+torchrun once more after torchrun's report, see launcher.py), and every rank
+exits with status 2. Any other exception is a bug: its
 traceback stays. Entry points run their main function through `run_main`:
 
     if __name__ == "__main__":
@@ -17,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from clipscale.launcher import launcher_ranks
+from clipscale.launcher import launcher_ranks, repeat_after_torchrun
 
 USER_ERROR_EXIT = 2  # what argparse uses for a bad command line
 STORAGE_ERRNOS = {
@@ -72,5 +73,6 @@ def run_main(main: Callable[[], object]) -> None:
         if reporting_rank():
             _close_progress_bars()
             print(f"error: {err}", file=sys.stderr, flush=True)
+            repeat_after_torchrun(f"error: {err}")
         sys.exit(USER_ERROR_EXIT)
     sys.exit(status if isinstance(status, int) else 0)

@@ -3,11 +3,33 @@
 Read from the environment alone, without torch: train.py reports a mistake in
 its configuration from rank 0 only, before torch has been imported; and a run
 folder remembers the job that started it (run_dir.py).
+
+Under torchrun, an `error:` line is said twice: when it happens, and once more
+after torchrun's own report of the failed workers (its ChildFailedError
+traceback, some 35 lines), so that the user's last line is the one that says
+what to fix (`repeat_after_torchrun`).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+
+# Waits for the process argv[1] to end, then writes argv[2] to stderr. A process of its own
+# (a session of its own: torchrun kills its workers' process groups), started in milliseconds.
+_WRITE_AFTER_EXIT = """
+import os, select, sys, time
+pid = int(sys.argv[1])
+try:
+    select.select([os.pidfd_open(pid)], [], [])
+except ProcessLookupError:
+    pass
+except OSError:  # no pidfd_open on this kernel: poll
+    while os.path.exists(f"/proc/{pid}"):
+        time.sleep(0.05)
+os.write(2, sys.argv[2].encode())
+"""
 
 
 def _env_int(name: str, default: int) -> int:
@@ -34,3 +56,12 @@ def launch_id() -> str | None:
         return f"Slurm job {os.environ['SLURM_JOB_ID']}"
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     return f"torchrun run {run_id}" if run_id and run_id != "none" else None
+
+
+def repeat_after_torchrun(line: str) -> None:
+    """Under torchrun (whose agent is this worker's parent), have `line` written to stderr once
+    more when torchrun has exited, after its report of the failed workers; nothing otherwise."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    subprocess.Popen([sys.executable, "-I", "-S", "-c", _WRITE_AFTER_EXIT, str(os.getppid()), line + "\n"],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
