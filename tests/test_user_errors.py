@@ -18,7 +18,7 @@ from clipscale.models import build_model, write_open_clip_folder
 from test_eval_data import picture, write_lines
 from test_eval_script import TINY_CLIP
 
-from tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
+from tiny_runs import DIGITS_YAML, REPO, TINY_MODEL, run_train, tiny_run
 
 EVAL_SCRIPT = str(REPO / "scripts" / "eval_zeroshot.py")
 
@@ -67,16 +67,71 @@ def test_a_config_path_that_is_a_folder_or_missing(tmp_path, kind):
     assert message.startswith(expected), message
 
 
+def _last_line(output: str) -> str:
+    return [line for line in output.splitlines() if line.strip()][-1]
+
+
 @pytest.mark.slow
 def test_a_batch_that_does_not_split_over_the_processes_is_reported_once(digits_root, tmp_path):
-    """Two processes under torchrun: only rank 0 prints. (torchrun's own report of the failed
-    workers, with the launcher's traceback, follows: it is torchrun's, not clipscale's.)"""
+    """Two processes under torchrun: only rank 0 prints, when it happens and once more after
+    torchrun's own report of the failed workers (the launcher's traceback), as the last line."""
     result = run_train(tiny_run(digits_root, tmp_path, "train.batch_size=255", "run.device=cpu"), nproc=2)
     output = result.stdout + result.stderr
+    error = "error: train.batch_size=255 is the global batch and must split evenly over 2 processes (it leaves a remainder of 1)"
     assert result.returncode != 0
-    assert output.count("error: train.batch_size=255 is the global batch and must split evenly over 2 processes") == 1, output[-3000:]
+    assert output.count(error) == 2 and _last_line(result.stderr) == error, output[-3000:]
     # The first rank to exit has status 2; torchrun may stop the other before it has exited by itself.
     assert "exitcode  : 2" in output and "ConfigError" not in output and "train.py\", line" not in output, output[-3000:]
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_error_is_the_last_line(digits_root, tmp_path):
+    """A mistake found only once the workers run (weights that do not fit the model, found when
+    it is built): the error line comes after torchrun's ChildFailedError report."""
+    weights = _wider_text_tower_weights(tmp_path)
+    result = run_train(tiny_run(digits_root, tmp_path, f"model.pretrained={weights}", "run.device=cpu"), nproc=2)
+    assert "ChildFailedError" in result.stderr, result.stderr[-3000:]
+    assert _last_line(result.stderr).startswith(f"error: model.pretrained {weights} does not fit the model: "), result.stderr[-3000:]
+    assert "AssertionError" not in result.stderr and "train.py\", line" not in result.stderr, result.stderr[-3000:]
+
+
+def _wider_text_tower_weights(tmp_path) -> str:
+    """The tiny runs' model with a text tower of width 96 instead of 64, saved as a state dict."""
+    from clipscale.config import load_config
+
+    cfg = load_config(DIGITS_YAML, [TINY_MODEL, "model.custom.text_cfg.width=96"])
+    path = tmp_path / "wider_text.pt"
+    torch.save(build_model(cfg.model).model.state_dict(), path)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_a_pretrained_file_whose_text_width_differs(digits_root, tmp_path):
+    """open_clip's position-embedding resize asserts "text pos_embed width changed!"; we name the file and keys."""
+    weights = _wider_text_tower_weights(tmp_path)
+    message = _one_line_error(run_train(tiny_run(digits_root, tmp_path, f"model.pretrained={weights}")))
+    assert message.startswith(f"model.pretrained {weights} does not fit the model: "), message
+    assert "positional_embedding (file (16, 96), model (16, 64))" in message, message
+
+
+@pytest.mark.slow
+def test_an_unknown_key_in_model_custom_names_it():
+    message = _one_line_error(_run("train.py", "--config", DIGITS_YAML, "model.custom.vision_cfg.patch_sise=8"))
+    assert message.startswith("unknown key model.custom.vision_cfg.patch_sise; allowed keys in model.custom.vision_cfg: "), message
+    assert "patch_size" in message
+
+
+@pytest.mark.slow
+def test_coca_is_refused_in_one_line():
+    message = _one_line_error(_run("train.py", "--config", DIGITS_YAML, "model.custom=null", "model.name=coca_ViT-B-32"))
+    assert message.startswith("model.name=coca_ViT-B-32: a CoCa model"), message
+    assert "captioning loss is not supported" in message
+
+
+@pytest.mark.slow
+def test_an_output_folder_under_proc(tmp_path):
+    message = _one_line_error(_run("train.py", "--config", DIGITS_YAML, "run.output_dir=/proc/clipscale-runs"))
+    assert message == "cannot create the run folder /proc/clipscale-runs/digits: /proc takes no new files (No such file or directory)"
 
 
 @pytest.mark.slow
