@@ -124,7 +124,8 @@ class TrainConfig:
     chunk_size: Optional[int | Literal["auto"]] = None
     offload: bool = False
     # The run length: steps, or null and one of samples (ceil(samples / batch_size) steps) or epochs of
-    # num_samples_per_epoch samples each (open_clip_train's --epochs with --train-num-samples).
+    # num_samples_per_epoch samples each (open_clip_train's --epochs with --train-num-samples:
+    # epochs x ceil(num_samples_per_epoch / batch_size) steps).
     steps: Optional[int] = 300
     samples: Optional[int] = None
     epochs: Optional[int] = None
@@ -337,8 +338,10 @@ def resolve_run_length(cfg: TrainConfig) -> None:
         return
     given = (f"train.samples={cfg.samples}" if cfg.samples is not None
              else f"train.epochs={cfg.epochs} of train.num_samples_per_epoch={cfg.num_samples_per_epoch}")
-    samples = cfg.samples if cfg.samples is not None else cfg.epochs * cfg.num_samples_per_epoch
-    steps = math.ceil(samples / cfg.batch_size)
+    if cfg.samples is not None:
+        steps = math.ceil(cfg.samples / cfg.batch_size)
+    else:  # open_clip_train's: a last, partial batch in every epoch
+        steps = cfg.epochs * math.ceil(cfg.num_samples_per_epoch / cfg.batch_size)
     if cfg.steps is not None and cfg.steps != steps:
         raise ConfigError(f"train.steps={cfg.steps} and {given} ({steps} steps of train.batch_size={cfg.batch_size}) "
                           "give two run lengths: set train.steps=null to count in samples or epochs")

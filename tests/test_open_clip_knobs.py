@@ -88,10 +88,11 @@ def test_schedule_config_errors(overrides, message):
 
 def test_run_length_in_samples_and_epochs():
     assert load_config(DIGITS_YAML, ["train.steps=null", "train.samples=1000"]).train.steps == 4  # ceil(1000 / 256)
-    cfg = load_config(DIGITS_YAML, ["train.steps=null", "train.epochs=3", "train.num_samples_per_epoch=1000"])
-    assert cfg.train.steps == 12  # 3 * 1000 samples at 256 a step
+    epochs = ["train.batch_size=300", "train.epochs=3", "train.num_samples_per_epoch=1000"]
+    cfg = load_config(DIGITS_YAML, ["train.steps=null", *epochs])
+    assert cfg.train.steps == 12  # open_clip_train's: 3 epochs of ceil(1000 / 300) batches, not ceil(3000 / 300)
     # The configuration written into the run folder (steps resolved) loads again as the same run.
-    again = load_config(DIGITS_YAML, ["train.steps=12", "train.epochs=3", "train.num_samples_per_epoch=1000"])
+    again = load_config(DIGITS_YAML, ["train.steps=12", *epochs])
     assert again.to_dict() == cfg.to_dict()
 
 

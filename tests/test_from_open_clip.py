@@ -1,0 +1,127 @@
+"""scripts/from_open_clip.py: an open_clip_train command line becomes a clipscale YAML that loads,
+with open_clip's meaning (per-GPU batch, epochs, defaults); flags clipscale cannot honour are named.
+docs/from_open_clip.md lists every flag of open_clip_train's parser."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import sys
+
+import open_clip_train.params
+import pytest
+import yaml
+
+from clipscale.checks import load_checked_config
+
+from tiny_runs import REPO
+
+SCRIPT = str(REPO / "scripts" / "from_open_clip.py")
+sys.path.insert(0, str(REPO / "scripts"))
+import from_open_clip  # noqa: E402
+
+COMMAND = (
+    "torchrun --nproc_per_node 4 --nnodes 2 -m open_clip_train.main --model ViT-B-32 "
+    "--train-data '/data/laion/{00000..01023}.tar' --dataset-type webdataset --train-num-samples 10000000 "
+    "--batch-size 256 --accum-freq 2 --precision amp_bf16 --workers 6 --epochs 10 --lr 5e-4 --wd 0.1 --warmup 2000 "
+    "--lr-scheduler const-cooldown --epochs-cooldown 1 --lr-cooldown-end 1e-5 --lr-cooldown-power 2 "
+    "--report-to tensorboard,wandb --wandb-project-name laion --grad-checkpointing --lock-text --lock-text-unlocked-layers 2 "
+    "--lock-text-freeze-layer-norm --force-patch-dropout 0.5 --save-frequency 2 --zeroshot-frequency 1 "
+    "--imagenet-val /data/imagenet/val --local-loss --gather-with-grad --log-every-n-steps 50 --seed 1 "
+    "--name laion-b32 --delete-previous-checkpoint --grad-clip-norm 1.0 --resume latest"
+)
+
+
+def convert(*arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPT, *arguments], capture_output=True, text=True, timeout=60)
+
+
+def test_a_realistic_command_line_becomes_a_config_that_loads(tmp_path):
+    result = convert(COMMAND)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        "note: dropped --local-loss: every loss is the exact loss over the global batch (what --local-loss --gather-with-grad compute)",
+        "note: dropped --gather-with-grad: every loss is the exact loss over the global batch (what --local-loss --gather-with-grad compute)",
+    ]
+    path = tmp_path / "run.yaml"
+    path.write_text(result.stdout)
+    cfg = load_checked_config(str(path), [f"run.output_dir={tmp_path}"])
+    global_batch = 256 * 8 * 2  # per GPU x 4 GPUs x 2 nodes x --accum-freq
+    steps_per_epoch = -(-10_000_000 // global_batch)
+    assert cfg.train.batch_size == global_batch and cfg.train.chunk_size == 256
+    assert cfg.train.steps == 10 * steps_per_epoch
+    assert (cfg.optim.lr_scheduler, cfg.optim.lr_cooldown_steps, cfg.optim.lr_cooldown_end, cfg.optim.lr_cooldown_power) == \
+        ("const-cooldown", steps_per_epoch, 1e-5, 2.0)
+    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.warmup_steps, cfg.optim.grad_clip) == (5e-4, 0.1, 2000, 1.0)
+    assert (cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps) == (0.9, 0.98, 1e-6)  # open_clip's defaults for a ViT
+    assert cfg.train.precision == "bf16" and cfg.train.keep_checkpoints == 1
+    assert cfg.train.checkpoint_every == 2 * steps_per_epoch and cfg.eval.every_n_steps == steps_per_epoch
+    assert cfg.model.name == "ViT-B-32" and cfg.model.grad_checkpointing and cfg.model.force_patch_dropout == 0.5
+    assert cfg.model.lock_text and cfg.model.lock_text_unlocked_layers == 2 and cfg.model.lock_text_freeze_layer_norm
+    assert cfg.data.kind == "webdataset" and cfg.data.train_shards == "/data/laion/{00000..01023}.tar" and cfg.data.workers == 6
+    assert cfg.eval.sets == [{"task": "imagenet", "data": "/data/imagenet/val"}]
+    assert cfg.tensorboard.enabled and cfg.wandb.enabled and cfg.wandb.project == "laion"
+    assert (cfg.run.name, cfg.run.seed, cfg.run.resume) == ("laion-b32", 1, True)
+
+
+def test_open_clip_defaults_where_ours_differ():
+    config, _ = from_open_clip.to_config(["--model", "RN50", "--train-data", "a.tar", "--train-num-samples", "1000"])
+    assert config["optim"] == {"lr": 5e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.2,
+                               "warmup_steps": 10000, "grad_clip": None, "lr_scheduler": "cosine"}
+    assert config["train"]["batch_size"] == 64 and config["train"]["epochs"] == 32 and config["train"]["precision"] == "bf16"
+    assert config["train"]["keep_checkpoints"] is None  # open_clip_train keeps every epoch's checkpoint
+
+
+def test_data_source_flags_map_to_the_data_keys():
+    config, _ = from_open_clip.to_config([
+        "--train-data", "/data/a.csv::/data/b.csv", "--train-num-samples", "100", "--csv-img-key", "path",
+        "--csv-caption-key", "caption", "--csv-separator", ",", "--dataset-resampled",
+        "--train-data-upsampling-factors", "1::3", "--val-data", "/data/val.csv", "--image-key", "png",
+        "--text-key", "caption"])
+    assert config["data"] == {"kind": "csv", "train_shards": "/data/a.csv::/data/b.csv", "csv_image_key": "path",
+                              "csv_caption_key": "caption", "csv_separator": ",", "image_key": "png", "caption_key": "caption",
+                              "upsampling_factors": "1::3", "resampled": True, "workers": 4}
+    assert config["eval"]["val_data"] == "/data/val.csv"
+
+
+def test_unsupported_flags_are_listed_with_why():
+    result = convert("--", "--model", "coca_ViT-B-32", "--coca-caption-loss-weight", "2", "--distill-model", "ViT-L-14",
+                     "--distill-pretrained", "openai", "--pretrained", "laion2b_s34b_b79k", "--precision", "pure_bf16",
+                     "--use-naflex", "--train-num-samples", "10")
+    assert result.returncode == 2 and result.stdout == ""
+    message = result.stderr.strip()
+    assert message.startswith("error: open_clip_train flags that clipscale does not support: ") and "\n" not in message
+    for flag in ("--coca-caption-loss-weight: CoCa", "--distill-model: distillation", "--distill-pretrained: distillation",
+                 "--model coca_ViT-B-32: CoCa", "--pretrained laion2b_s34b_b79k: a pretrained tag is a download",
+                 "--precision pure_bf16: pure low-precision", "--use-naflex: NaFlex"):
+        assert flag in message, flag
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--model", "ViT-B-32", "--train-data", "a.tar"], "--train-num-samples is needed"),
+    (["--model", "ViT-B-32", "--lr-scheduler", "const-cooldown", "--train-num-samples", "10"], "needs --epochs-cooldown"),
+    (["--model", "ViT-B-32", "--modle", "x"], "not open_clip_train flags: --modle"),
+])
+def test_a_command_line_that_says_too_little_or_is_wrong(arguments, message):
+    with pytest.raises(from_open_clip.ConversionError, match=message):
+        from_open_clip.to_config(arguments)
+
+
+def installed_parser_flags() -> set[str]:
+    """The flags of the installed open_clip_train (its parser is built inside parse_args)."""
+    return set(re.findall(r"[\"'](--[\w-]+)[\"']", inspect.getsource(open_clip_train.params)))
+
+
+def test_every_open_clip_train_flag_is_in_the_table_and_the_doc():
+    assert installed_parser_flags() <= set(from_open_clip.FLAGS)
+    doc = (REPO / "docs" / "from_open_clip.md").read_text()
+    assert from_open_clip.markdown_table() in doc  # the doc's table is the script's (--markdown)
+
+
+def test_lock_text_without_frozen_norms_is_what_open_clip_asks():
+    """open_clip_train's --lock-text leaves --lock-text-freeze-layer-norm false, which its own text
+    tower refuses (an AssertionError there, one error line here)."""
+    config, _ = from_open_clip.to_config(["--model", "ViT-B-32", "--train-num-samples", "10", "--lock-text"])
+    assert config["model"]["lock_text_freeze_layer_norm"] is False
+    assert yaml.safe_load(yaml.safe_dump(config)) == config
