@@ -2,8 +2,9 @@
 
 clipscale.config checks every key and section on its own and imports none of
 the components; this module sits above config, models, losses and eval and
-asks each what it accepts: open_clip whether the architecture exists and
-whether it has a logit bias, each loss its contract (the inputs it takes and
+asks each what it accepts: open_clip whether the architecture exists, whether
+it has a logit bias, whether it is a CoCa model (refused: no captioning loss)
+and which keys a custom config may have, each loss its contract (the inputs it takes and
 its options with their types, `clipscale.losses.loss_contract`), the
 evaluation tasks whether every set resolves. Nothing here touches data, builds
 a model or starts a process group, so `train.py` and the scripts fail in a

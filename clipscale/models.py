@@ -11,10 +11,13 @@ stored as a log, dict output). Weights come only from local files: a whole-CLIP
 checkpoint (open_clip's or ours), a timm checkpoint for a timm trunk, the Hugging Face
 directory for an HF text tower. Nothing is downloaded.
 
-LiT locks the image tower with open_clip's `lock_image_tower`. A locked tower builds no
-autograd graph by itself: its parameters do not require grad and neither do the images,
-so autograd records nothing until the first trainable layer (see `trainable_towers` in
-gradcache.py for the Gradient Cache side).
+LiT locks the image tower with open_clip's `lock_image_tower`, and `model.lock_text` the text
+tower with its `lock_text_tower`. A locked tower builds no autograd graph by itself: its
+parameters do not require grad and neither do its inputs, so autograd records nothing until
+the first trainable layer, and the optimizer holds no state for it (see `trainable_towers` in
+gradcache.py for the Gradient Cache side). `model.force_*` change the architecture's config as
+open_clip's create_model(force_*=...) does; the changed config is the one registered, built
+and written into the run folder.
 """
 
 from __future__ import annotations

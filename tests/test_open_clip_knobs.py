@@ -261,3 +261,24 @@ def test_tensorboard_event_files_hold_the_logged_scalars(knob_run):
         scalars = events.Scalars(key)
         assert [s.step for s in scalars] == [r["step"] for r in records], key
         assert [s.value for s in scalars] == pytest.approx([r[key] for r in records], rel=1e-6), key
+
+
+def test_tensorboard_resume_drops_the_events_past_the_checkpoint(tmp_path):
+    """As metrics.jsonl: a run resumed from step 3 rewrites steps 4 and 5, and TensorBoard shows one curve."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from clipscale.metrics import MetricsLogger
+
+    cfg = load_config(DIGITS_YAML, ["tensorboard.enabled=true"])
+    first = MetricsLogger(tmp_path, cfg, enabled=True)
+    for step in range(1, 6):
+        first.log(step, {"loss": float(step), "note": "not a number"})
+    first.close()
+    resumed = MetricsLogger(tmp_path, cfg, enabled=True, resume_step=3)
+    for step in (4, 5):
+        resumed.log(step, {"loss": 10.0 * step})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / TENSORBOARD))
+    events.Reload()
+    assert [(s.step, s.value) for s in events.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+    assert events.Tags()["scalars"] == ["loss"]
