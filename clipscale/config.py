@@ -39,7 +39,7 @@ class RunConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     resume: bool = True  # continue the run in runs/<name> when its config is this one (clipscale/run_dir.py)
     overwrite: bool = False  # with resume: false, move an existing runs/<name> aside to runs/<name>.old-<time>
-    extend_steps: bool = False  # resume a run with a different train.steps; the cosine schedule is redrawn
+    extend_steps: bool = False  # resume a run with a different train.steps; the lr schedule is redrawn
 
 
 @dataclass
