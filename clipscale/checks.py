@@ -42,9 +42,8 @@ def check_model(cfg: ModelConfig) -> tuple[str, ...]:
                           "not supported, only contrastive CLIP training: choose a CLIP architecture")
     timm_tower = "timm_model_name" in model_cfg["vision_cfg"]
     hf_text_tower = "hf_model_name" in model_cfg["text_cfg"]
-    if cfg.force_patch_dropout is not None and timm_tower:
-        raise ConfigError("model.force_patch_dropout: the image tower is a timm model, which has no patch dropout "
-                          "(open_clip's own ViT towers have)")
+    if cfg.force_patch_dropout and timm_tower:
+        check_timm_patch_dropout(model_cfg["vision_cfg"]["timm_model_name"])
     if cfg.lock_text and not cfg.lock_text_freeze_layer_norm and not hf_text_tower:
         raise ConfigError("model.lock_text_freeze_layer_norm: false needs a Hugging Face text tower; "
                           "open_clip's own text tower locks its layer norms with the rest (set it true)")
@@ -75,6 +74,20 @@ def check_custom_keys(custom: dict) -> None:
         unknown = sorted(set(values) - set(allowed))
         if unknown:
             raise ConfigError(f"unknown key {where}.{unknown[0]}; allowed keys in {where}: {', '.join(allowed)}")
+
+
+def check_timm_patch_dropout(timm_model_name: str) -> None:
+    """open_clip hands patch dropout to a timm tower as timm's patch_drop_rate, which timm's ViTs
+    take and its convnets refuse with a TypeError; asked of timm on the meta device (no memory)."""
+    import timm
+    import torch
+
+    try:
+        with torch.device("meta"):
+            timm.create_model(timm_model_name, pretrained=False, patch_drop_rate=0.5)
+    except TypeError:
+        raise ConfigError(f"model.force_patch_dropout: the timm image tower {timm_model_name} has no patch dropout "
+                          "(timm's ViTs and open_clip's own have)") from None
 
 
 def _bias_key(cfg: ModelConfig) -> str:

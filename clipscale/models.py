@@ -75,6 +75,8 @@ def build_model(cfg: ModelConfig) -> Towers:
         load_clip_checkpoint(model, cfg.pretrained)
     if cfg.pretrained_image is not None:
         load_timm_trunk(model.visual, cfg.pretrained_image)
+    if cfg.force_image_size is not None and hasattr(model.visual, "trunk"):
+        model.visual.set_input_size(cfg.force_image_size)  # a timm trunk's own size, after its weights (as open_clip)
     if cfg.lock_image:
         model.lock_image_tower(cfg.lock_image_unlocked_groups, cfg.lock_image_freeze_bn_stats)
     if cfg.lock_text:

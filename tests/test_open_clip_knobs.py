@@ -202,10 +202,20 @@ def test_other_force_overrides_on_a_named_model():
     assert towers.model.positional_embedding.shape[0] == 20
 
 
-def test_patch_dropout_refused_for_a_timm_tower():
-    timm_vit = {**VIT, "vision_cfg": {"timm_model_name": "resnet18", "image_size": 32}}
-    with pytest.raises(ConfigError, match="model.force_patch_dropout: the image tower is a timm model"):
-        load_checked_config(DIGITS_YAML, [f"model.custom={json.dumps(timm_vit)}", "model.force_patch_dropout=0.5"])
+def test_forced_image_size_reaches_a_timm_trunk():
+    timm_vit = {**VIT, "vision_cfg": {"timm_model_name": "vit_tiny_patch16_224", "timm_pool": "token", "timm_proj": "linear"}}
+    towers = build_model(ModelConfig(custom=timm_vit, force_image_size=64))
+    assert towers.model.visual.trunk.patch_embed.img_size == (64, 64)
+    assert towers.model.visual(torch.randn(1, 3, 64, 64)).shape == (1, 16)
+
+
+def test_patch_dropout_on_timm_towers():
+    """timm's ViTs take it (as patch_drop_rate); a timm convnet is refused before it is built."""
+    timm_vit = {**VIT, "vision_cfg": {"timm_model_name": "vit_tiny_patch16_224", "image_size": 32}}
+    load_checked_config(DIGITS_YAML, [f"model.custom={json.dumps(timm_vit)}", "model.force_patch_dropout=0.5"])
+    timm_resnet = {**VIT, "vision_cfg": {"timm_model_name": "resnet18", "image_size": 32}}
+    with pytest.raises(ConfigError, match="model.force_patch_dropout: the timm image tower resnet18 has no patch dropout"):
+        load_checked_config(DIGITS_YAML, [f"model.custom={json.dumps(timm_resnet)}", "model.force_patch_dropout=0.5"])
 
 
 # --- CoCa and unknown keys of model.custom ---------------------------------------------------
