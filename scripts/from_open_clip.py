@@ -273,7 +273,7 @@ def to_config(tokens: list[str], gpus: int | None = None) -> tuple[dict, list[st
     if resume is not None and resume != "latest":
         refused.append(f"--resume {resume}: clipscale resumes the run in run.output_dir/run.name (`latest` only)")
     pretrained = one("--pretrained", "")
-    if pretrained and not Path(pretrained).suffix:
+    if pretrained and not (Path(pretrained).is_file() or "/" in pretrained or Path(pretrained).suffix):
         refused.append(f"--pretrained {pretrained}: a pretrained tag is a download; give a local weights file")
     image_size = given.get("--force-image-size")
     if image_size is not None and len(image_size) != 1:
