@@ -227,18 +227,18 @@ class GradCache:
                 grads.backward(self.reencode(image, text, *states[k]), start, stop, with_scalars=k == final)
         return loss.detach()
 
-    def reencode(self, image: torch.Tensor | None, text: torch.Tensor | None, image_state: RandomState,
-                 text_state: RandomState) -> Encoded:
-        """Pass 2's encoding of a chunk, with a graph: each trained tower called alone under the
-        RNG state pass 1 had before calling it, so it draws the same masks. Called as in pass 1
-        (one tower a call), a compiled tower runs the same graph but for autograd, whose random
-        ops take the same seeds; a call of both towers would be a graph of its own."""
+    def reencode(self, image: torch.Tensor | None, text: torch.Tensor | None, image_state: RandomState | None,
+                 text_state: RandomState | None) -> Encoded:
+        """A chunk's encoding with a graph, each tower called alone. In pass 2 under the RNG state
+        pass 1 had before calling it, so it draws the same masks: called as in pass 1 (one tower
+        a call), a compiled tower runs the same graph but for autograd, whose random ops take the
+        same seeds; a call of both towers would be a graph of its own. A None state: no replay."""
         image_out = text_out = None
         if image is not None:
-            with image_state.replay(), self.autocast():
+            with image_state.replay() if image_state else contextlib.nullcontext(), self.autocast():
                 image_out = encode(self.model, image, None)
         if text is not None:
-            with text_state.replay(), self.autocast():
+            with text_state.replay() if text_state else contextlib.nullcontext(), self.autocast():
                 text_out = encode(self.model, None, text)
         return Encoded(image_out.image if image_out else None, text_out.text if text_out else None,
                        (text_out or image_out).scalars)
@@ -269,8 +269,8 @@ class GradCache:
         last_chunk = None
         for k, (image, text) in enumerate(zip(image_chunks, text_chunks)):
             if k == count - 1 and self.reuse_last_chunk:
-                with self.no_sync(), self.autocast():
-                    out = last_chunk = encode(self.model, image, text)
+                with self.no_sync():  # each tower alone, as pass 2 calls them: no graph of both to compile
+                    out = last_chunk = self.reencode(image, text, None, None)
                 image_features.append(out.image.detach())
                 text_features.append(out.text.detach())
                 break

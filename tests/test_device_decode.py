@@ -108,18 +108,20 @@ def test_the_device_path_skips_the_same_samples_and_draws_the_same_crops(jpeg_sh
     assert skipped >= 4  # the truncated and the garbage sample, in each of two epochs
 
 
-@pytest.mark.parametrize("kept", [True, False], ids=["kept-on-device", "decoded-again"])
-def test_device_decoded_chunks_give_gradient_cache_identical_pixels_in_both_passes(jpeg_shards, kept):
-    """Pass 2 takes the pixels pass 1 kept on the device (each image decoded once a step) or,
-    without room for them, decodes its chunks again: either way the gradients equal those of
-    the same decoded batch held whole."""
+@pytest.mark.parametrize("kept,ahead", [(True, True), (True, False), (False, False)],
+                         ids=["decoded-ahead", "kept-on-device", "decoded-again"])
+def test_device_decoded_chunks_give_gradient_cache_identical_pixels_in_both_passes(jpeg_shards, kept, ahead):
+    """Chunks decoded as their pieces arrive (before pass 1 asks) or when pass 1 asks; pass 2
+    takes the pixels pass 1 kept on the device (each image decoded once a step) or, without
+    room for them, decodes its chunks again: either way the gradients equal those of the same
+    decoded batch held whole."""
     piece = next(iter(_stream(jpeg_shards, decode=False, piece_size=12)))
     whole = decode_rows(SPLIT, piece["encoded"], 0, 12, torch.device("cpu"))
     model, (_, texts) = tiny_clip(), make_batch(12, seed=1)
     arrivals = Arrivals()
     decoder = DeviceDecoder(SPLIT, torch.device("cpu"))
     budget = DeviceBudget(2**30) if kept else None
-    images = DeviceDecodedImages(12, arrivals, SPLIT.to_float, budget, decoder)
+    images = DeviceDecodedImages(12, arrivals, SPLIT.to_float, budget, decoder, (4, 3 * 32 * 32) if ahead else None)
 
     def arrive():
         for start in range(0, 12, 3):
@@ -137,6 +139,7 @@ def test_device_decoded_chunks_give_gradient_cache_identical_pixels_in_both_pass
     # Chunks of 4: pass 2 re-encodes the first two (the last keeps its graph from pass 1).
     assert decoder.images_decoded == (12 if kept else 12 + 8)
     assert not images.kept and (budget is None or budget.used == 0), "pass 2 took and freed every kept chunk"
+    assert not images.decoding and images.rows_ahead == (12 if ahead else 0)
     _, held = gradcache_grads(model, float64_clip_loss, SPLIT.to_float(whole), texts, chunk_size=4)
     assert relative_error(streamed, held) == 0.0
 

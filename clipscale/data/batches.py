@@ -69,7 +69,9 @@ class DeviceBudget:
         self.lock = threading.Lock()
 
     def take(self, tensor: torch.Tensor) -> bool:
-        size = tensor.numel() * tensor.element_size()
+        return self.take_bytes(tensor.numel() * tensor.element_size())
+
+    def take_bytes(self, size: int) -> bool:
         with self.lock:
             if self.used + size > self.limit:
                 return False
@@ -77,8 +79,11 @@ class DeviceBudget:
             return True
 
     def give_back(self, tensor: torch.Tensor) -> None:
+        self.give_back_bytes(tensor.numel() * tensor.element_size())
+
+    def give_back_bytes(self, size: int) -> None:
         with self.lock:
-            self.used -= tensor.numel() * tensor.element_size()
+            self.used -= size
 
 
 class HostColumn:
@@ -92,6 +97,7 @@ class HostColumn:
         self.device_transform = device_transform or identity
         self.budget = budget
         self.kept: dict[tuple[int, int], torch.Tensor] = {}  # pass-1 chunks on the device, for pass 2
+        self.charged: set[tuple[int, int]] = set()  # chunks prepared ahead whose bytes the budget already holds
         self.wait_s = 0.0  # time the step spent waiting for this column's chunks
 
     def __len__(self) -> int:
@@ -207,8 +213,12 @@ def stream_chunks(column: HostColumn, bounds: Sequence[tuple[int, int]], device:
         if upcoming is not None:
             pending.append(prepare(upcoming))
         moved = host if on_device else column.to_device(host, device, copy_stream)
-        if bound in keep and column.budget.take(moved):
+        charged = bound in column.charged
+        column.charged.discard(bound)
+        if bound in keep and (charged or column.budget.take(moved)):
             column.kept[bound] = moved
+        elif charged:
+            column.budget.give_back(moved)  # prepared ahead, not needed again: freed after this use
         yield column.device_transform(moved)
 
 

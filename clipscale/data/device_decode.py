@@ -218,17 +218,22 @@ class DeviceDecoder:
 
 class DeviceDecodedImages(HostColumn):
     """The images column of a batch decoded on the device (a `HostColumn`, filled by `BatchStream`):
-    the host holds each piece's `EncodedImages`; a chunk is decoded once its pieces have
-    arrived, as soon as it is submitted. Pass 2 takes the pixels pass 1 kept on the device
-    (`stream_chunks`); only the chunks the budget had no room for are decoded again."""
+    the host holds each piece's `EncodedImages`. With `ahead` = (chunk size, bytes of an
+    image's pixels), each chunk is decoded as soon as its pieces are in, while the budget has
+    room: during the previous step, so pass 1 finds it ready. Otherwise a chunk is decoded when
+    pass 1 asks for it. Pass 2 takes the pixels pass 1 kept on the device (`stream_chunks`);
+    only the chunks the budget had no room for are decoded again."""
 
     def __init__(self, batch_size: int, arrivals: Arrivals, to_float: DeviceTransform | None, budget: DeviceBudget | None,
-                 decoder: DeviceDecoder):
+                 decoder: DeviceDecoder, ahead: tuple[int, int] | None = None):
         super().__init__(to_float, budget)
         self.batch_size = batch_size
         self.arrivals = arrivals
         self.decoder = decoder
+        self.ahead = ahead if budget is not None else None
         self.encoded: list[tuple[int, EncodedImages]] = []  # (first row, the piece's images), in order
+        self.decoding: dict[tuple[int, int], tuple[Future, int]] = {}  # chunks decoded ahead: (result, bytes)
+        self.rows_ahead = 0  # rows [0, rows_ahead) have been handed to the decoder ahead
 
     def __len__(self) -> int:
         return self.batch_size
@@ -237,13 +242,36 @@ class DeviceDecodedImages(HostColumn):
         # A private copy: the piece's tensors sit in shared memory, one file descriptor each,
         # and a batch of a million samples would hold thousands of them.
         self.encoded.append((rows.start, piece["encoded"].clone()))
+        if self.ahead is None:
+            return
+        chunk, image_bytes = self.ahead
+        while self.rows_ahead < self.batch_size:
+            start, stop = self.rows_ahead, min(self.rows_ahead + chunk, self.batch_size)
+            size = (stop - start) * image_bytes
+            if stop > rows.stop or not self.budget.take_bytes(size):
+                return
+            parts = encoded_rows(self.encoded, start, stop)
+            self.decoding[(start, stop)] = (self.decoder.submit(lambda parts=parts: parts), size)
+            self.rows_ahead = stop
 
     def submit(self, start: int, stop: int, pass_number: int) -> Callable[[], tuple]:
+        ahead = self.decoding.pop((start, stop), None) if pass_number == 1 else None
+        if ahead is not None:
+            self.charged.add((start, stop))
+            return ahead[0].result
+
         def parts() -> list:
             self.arrivals.wait_for(stop)
             return encoded_rows(self.encoded, start, stop)
 
         return self.decoder.submit(parts).result
+
+    def drop_kept(self) -> None:
+        super().drop_kept()
+        for future, size in self.decoding.values():  # decoded ahead for a step that ended early
+            future.cancel()
+            self.budget.give_back_bytes(size)
+        self.decoding.clear()
 
     @staticmethod
     def to_device(decoded: tuple, device: torch.device, copy_stream) -> torch.Tensor:

@@ -140,9 +140,11 @@ class TrainingBatches:
         decoder, image_column = None, None
         if path.decoder == "device":
             decoder = DeviceDecoder(split, world.device, jpeg)
+            crop = split.only_random_resized_crop()
+            ahead = (chunk, 3 * crop.size[0] * crop.size[1]) if crop is not None else None
 
             def image_column(batch_size, arrivals, to_float, budget):
-                return DeviceDecodedImages(batch_size, arrivals, to_float, budget, decoder)
+                return DeviceDecodedImages(batch_size, arrivals, to_float, budget, decoder, ahead)
         elif path.offload:
             decoder = DecodePool(split.decode, cfg.data.decode_workers or max(1, cfg.data.workers))
             # Without workers the batch is gathered whole before the step (BatchStream's in_thread): no bound then.
