@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -233,7 +234,8 @@ class DeviceDecodedImages(HostColumn):
         self.ahead = ahead if budget is not None else None
         self.encoded: list[tuple[int, EncodedImages]] = []  # (first row, the piece's images), in order
         self.decoding: dict[tuple[int, int], tuple[Future, int]] = {}  # chunks decoded ahead: (result, bytes)
-        self.rows_ahead = 0  # rows [0, rows_ahead) have been handed to the decoder ahead
+        self.rows_ahead = 0  # rows [0, rows_ahead) have been handed to the decoder (ahead, or by pass 1)
+        self.lock = threading.Lock()  # put (the gathering thread) and submit (the step) both move rows_ahead
 
     def __len__(self) -> int:
         return self.batch_size
@@ -245,20 +247,24 @@ class DeviceDecodedImages(HostColumn):
         if self.ahead is None:
             return
         chunk, image_bytes = self.ahead
-        while self.rows_ahead < self.batch_size:
-            start, stop = self.rows_ahead, min(self.rows_ahead + chunk, self.batch_size)
-            size = (stop - start) * image_bytes
-            if stop > rows.stop or not self.budget.take_bytes(size):
-                return
-            parts = encoded_rows(self.encoded, start, stop)
-            self.decoding[(start, stop)] = (self.decoder.submit(lambda parts=parts: parts), size)
-            self.rows_ahead = stop
+        with self.lock:
+            while self.rows_ahead < self.batch_size:
+                start, stop = self.rows_ahead, min(self.rows_ahead + chunk, self.batch_size)
+                size = (stop - start) * image_bytes
+                if stop > rows.stop or not self.budget.take_bytes(size):
+                    return
+                parts = encoded_rows(self.encoded, start, stop)
+                self.decoding[(start, stop)] = (self.decoder.submit(lambda parts=parts: parts), size)
+                self.rows_ahead = stop
 
     def submit(self, start: int, stop: int, pass_number: int) -> Callable[[], tuple]:
-        ahead = self.decoding.pop((start, stop), None) if pass_number == 1 else None
-        if ahead is not None:
-            self.charged.add((start, stop))
-            return ahead[0].result
+        if pass_number == 1:
+            with self.lock:
+                ahead = self.decoding.pop((start, stop), None)
+                self.rows_ahead = max(self.rows_ahead, stop)  # asked for now: not to be decoded ahead as well
+            if ahead is not None:
+                self.charged.add((start, stop))
+                return ahead[0].result
 
         def parts() -> list:
             self.arrivals.wait_for(stop)
