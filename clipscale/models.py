@@ -34,6 +34,7 @@ import torch.nn as nn
 from open_clip.factory import load_state_dict
 from open_clip.tokenizer import HFTokenizer
 
+from clipscale.checkpoint import refusing_pickled_objects
 from clipscale.config import ModelConfig
 from clipscale.errors import UserError
 
@@ -129,13 +130,14 @@ def load_clip_checkpoint(model: nn.Module, path: str) -> None:
     takes `state_dict` out of a training checkpoint and resizes position embeddings;
     when it refuses the file, say which keys do not fit."""
     require_file(path, "model.pretrained")
-    try:
-        open_clip.load_checkpoint(model, path, weights_only=True)
-    except RuntimeError:
-        report = mismatch_report(model, load_state_dict(path))
-        if not report:
-            raise
-        raise WeightsError(f"model.pretrained {path} does not fit the model: {report}") from None
+    with refusing_pickled_objects(path):
+        try:
+            open_clip.load_checkpoint(model, path, weights_only=True)
+        except RuntimeError:
+            report = mismatch_report(model, load_state_dict(path, weights_only=True))
+            if not report:
+                raise
+            raise WeightsError(f"model.pretrained {path} does not fit the model: {report}") from None
 
 
 def load_timm_trunk(visual: nn.Module, path: str) -> None:
@@ -148,7 +150,8 @@ def load_timm_trunk(visual: nn.Module, path: str) -> None:
     if not hasattr(visual, "trunk"):
         raise WeightsError("model.pretrained_image: the image tower is not a timm model")
     trunk = visual.trunk
-    state_dict = timm.models.load_state_dict(path, weights_only=True)  # unwraps `state_dict`/`model`, strips `module.`
+    with refusing_pickled_objects(path):
+        state_dict = timm.models.load_state_dict(path, weights_only=True)  # unwraps `state_dict`/`model`, strips `module.`
     classifier = trunk.pretrained_cfg.get("classifier")
     ours = trunk.state_dict()
     for prefix in [classifier] if isinstance(classifier, str) else classifier or []:  # a name or a tuple of names
