@@ -30,7 +30,8 @@ class ImageTooLarge(ValueError):
 
 
 # What bad sample bytes raise while being opened and decoded (UnicodeDecodeError and
-# ImageTooLarge are ValueErrors; PIL raises SyntaxError and struct.error from broken chunks).
+# ImageTooLarge are ValueErrors; PIL raises SyntaxError and struct.error from broken chunks,
+# DecompressionBombError where a later step finds an image too large).
 # Anything else is a bug in the reader and keeps its traceback.
 DATA_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError)
 
@@ -51,7 +52,10 @@ def open_image(data: bytes, max_pixels: Optional[int] = None) -> Image.Image:
         Image.MAX_IMAGE_PIXELS = bound
     with warnings.catch_warnings():  # between PIL's bound and twice it PIL only warns; the check below decides
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+        try:
+            image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+        except Image.DecompressionBombError as err:  # over twice PIL's bound: PIL refuses it first
+            raise ImageTooLarge(f"its header claims more pixels than PIL allows: {err}") from None
     width, height = image.size
     if width * height > bound:
         image.close()
