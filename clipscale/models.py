@@ -9,7 +9,8 @@ so named and custom models take one path through open_clip's factory and tokeniz
 The model keeps open_clip's conventions (`encode_image`, `encode_text`, `logit_scale`
 stored as a log, dict output). Weights come only from local files: a whole-CLIP
 checkpoint (open_clip's or ours), a timm checkpoint for a timm trunk, the Hugging Face
-directory for an HF text tower. Nothing is downloaded.
+directory for an HF text tower. Nothing is downloaded, and no folder's own code runs
+(`refuse_remote_code`).
 
 LiT locks the image tower with open_clip's `lock_image_tower`. A locked tower builds no
 autograd graph by itself: its parameters do not require grad and neither do the images,
@@ -109,6 +110,7 @@ def register_custom(custom: dict) -> str:
     for key in ("hf_model_name", "hf_tokenizer_name"):
         if key in text_cfg:
             text_cfg[key] = str(Path(text_cfg[key]).resolve())
+            refuse_remote_code(text_cfg[key], f"model.custom.text_cfg.{key}")
     text = json.dumps(model_cfg, sort_keys=True)
     name = "clipscale-custom-" + hashlib.sha1(text.encode()).hexdigest()[:12]
     if name not in open_clip.list_models():
@@ -117,6 +119,17 @@ def register_custom(custom: dict) -> str:
             path.write_text(text)
             open_clip.add_model_config(path)
     return name
+
+
+def refuse_remote_code(folder: str, key: str) -> None:
+    """A Hugging Face folder whose config names Python classes of its own (`auto_map`) would have
+    transformers offer to import the folder's code (open_clip passes no trust_remote_code, so it
+    asks, and runs the code on a yes); such a folder is refused before transformers sees it."""
+    for name in ("config.json", "tokenizer_config.json"):
+        path = Path(folder) / name
+        if path.is_file() and "auto_map" in json.loads(path.read_text()):
+            raise UserError(f"{key}: {path} names Python code of its own (auto_map); Hugging Face towers load "
+                            "only transformers' own classes, without running a folder's code")
 
 
 def open_clip_model_config(cfg: ModelConfig) -> dict | None:

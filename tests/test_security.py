@@ -35,6 +35,7 @@ from clipscale.data.members import ImageTooLarge, open_image
 from clipscale.data.shards import ShardErrors, ShardStream, load_sample
 from clipscale.data.transforms import SplitTransform
 from clipscale.distributed import World
+from clipscale.errors import UserError
 from clipscale.eval.datasets import shard_classification
 from clipscale.eval.tasks import resolve_task, run_task
 from clipscale.models import build_model, load_clip_checkpoint, load_timm_trunk
@@ -393,4 +394,22 @@ def test_resume_names_and_skips_a_checkpoint_holding_a_pickled_object(tmp_path):
     (folder / "step_00000002.pt").unlink()
     with pytest.raises(CheckpointError, match="step_00000004.pt: PickledObjectError"):
         load_latest(folder, report=lines.append)
+    assert not marker.exists()
+
+
+# --- Hugging Face towers -------------------------------------------------------------------
+
+
+def test_a_hugging_face_folder_with_code_of_its_own_is_refused(tmp_path):
+    """transformers would offer to import modeling.py (it asks when no trust_remote_code is given)."""
+    folder = tmp_path / "hf-with-code"
+    folder.mkdir()
+    marker = tmp_path / "ran"
+    (folder / "modeling.py").write_text(f"open({str(marker)!r}, 'w')\n")
+    (folder / "config.json").write_text(json.dumps({"model_type": "clipscale-test-remote", "hidden_size": 32,
+                                                    "auto_map": {"AutoConfig": "modeling.Config", "AutoModel": "modeling.Model"}}))
+    custom = {**TINY_CLIP, "text_cfg": {"context_length": 16, "hf_model_name": str(folder), "hf_tokenizer_name": str(folder),
+                                        "hf_pooler_type": "mean_pooler", "hf_proj_type": "linear"}}
+    with pytest.raises(UserError, match=rf"model.custom.text_cfg.hf_model_name: {folder}/config.json names Python code"):
+        build_model(ModelConfig(custom=custom))
     assert not marker.exists()
