@@ -413,3 +413,11 @@ def test_a_hugging_face_folder_with_code_of_its_own_is_refused(tmp_path):
     with pytest.raises(UserError, match=rf"model.custom.text_cfg.hf_model_name: {folder}/config.json names Python code"):
         build_model(ModelConfig(custom=custom))
     assert not marker.exists()
+
+
+def test_evaluation_names_the_sample_whose_image_does_not_decode(tmp_path):
+    with wds.TarWriter(str(tmp_path / "eval.tar")) as sink:
+        sink.write({"__key__": "000", "jpg": noise_jpeg(0), "cls": 0})
+        sink.write({"__key__": "001", "jpg": noise_jpeg(1)[:200], "cls": 1})  # cut short
+    with pytest.raises(ValueError, match=r"eval.tar: sample 001.jpg does not decode: OSError"):
+        list(shard_classification(str(tmp_path / "eval.tar"), T.ToTensor()))

@@ -28,7 +28,7 @@ import torchvision
 import webdataset as wds
 from PIL import Image
 
-from clipscale.data.members import ImageTooLarge, decode_label, decode_text, first_member, open_image
+from clipscale.data.members import DATA_ERRORS, ImageTooLarge, decode_label, decode_text, first_member, open_image
 from clipscale.data.shards import IMAGE_KEYS, TEXT_KEYS
 from clipscale.distributed import is_distributed
 
@@ -94,14 +94,14 @@ class CaptionedImages(torch.utils.data.Dataset):
             return self.transform(image.convert("RGB")), captions
 
 
-def shard_classification(urls, transform: Callable, max_pixels: Optional[int] = None) -> wds.WebDataset:
+def shard_classification(urls, transform: Callable) -> wds.WebDataset:
     """(image, label) from shards with an image member and a `cls` member (an integer)."""
-    return _shards(urls).compose(DecodedSamples(transform, _label, max_pixels))
+    return _shards(urls).compose(DecodedSamples(transform, _label))
 
 
-def shard_retrieval(urls, transform: Callable, max_pixels: Optional[int] = None) -> wds.WebDataset:
+def shard_retrieval(urls, transform: Callable) -> wds.WebDataset:
     """(image, captions) from shards with an image member and captions (see `_captions`)."""
-    return _shards(urls).compose(DecodedSamples(transform, _captions, max_pixels))
+    return _shards(urls).compose(DecodedSamples(transform, _captions))
 
 
 def _shards(urls) -> wds.WebDataset:
@@ -115,15 +115,14 @@ def _shards(urls) -> wds.WebDataset:
 class DecodedSamples:
     """A webdataset stage from raw samples to (transformed image, target(sample)).
 
-    An image whose header claims more than `max_pixels` pixels (None: PIL's bound) is skipped
+    An image whose header claims more pixels than PIL's bound (Image.MAX_IMAGE_PIXELS) is skipped
     with a warning naming its shard and key, so `num_samples` counts the samples evaluated;
     any other undecodable image, or a missing member, stops the evaluation (a benchmark
     read in part would give numbers that do not compare)."""
 
-    def __init__(self, transform: Callable, target: Callable[[dict], object], max_pixels: Optional[int]):
+    def __init__(self, transform: Callable, target: Callable[[dict], object]):
         self.transform = transform
         self.target = target
-        self.max_pixels = max_pixels
 
     def __call__(self, samples):
         for sample in samples:
@@ -131,13 +130,14 @@ class DecodedSamples:
             if image_key is None:
                 raise ValueError(f"{_where(sample)}: no image member ({', '.join(IMAGE_KEYS)})")
             try:
-                image = open_image(sample[image_key], self.max_pixels)
+                with open_image(sample[image_key]) as image:
+                    rgb = image.convert("RGB")  # PIL decodes here
             except ImageTooLarge as err:
                 warnings.warn(f"skipping {_where(sample)}.{image_key}: {err}")
                 continue
-            with image:
-                pixels = self.transform(image.convert("RGB"))
-            yield pixels, self.target(sample)
+            except DATA_ERRORS as err:
+                raise ValueError(f"{_where(sample)}.{image_key} does not decode: {err!r}") from err
+            yield self.transform(rgb), self.target(sample)
 
 
 def _where(sample: dict) -> str:
