@@ -290,6 +290,15 @@ def test_data_max_image_pixels_bounds_images_from_the_header(decode):
         open_image(raw["jpg"], max_pixels=10**6)
 
 
+def test_a_bound_above_pils_lets_larger_images_through(monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # restored after the test
+    header = jpeg_claiming(20_000, 10_000)  # 200 M pixels: over twice PIL's bound, which PIL refuses itself
+    with pytest.raises(ImageTooLarge, match="more pixels than PIL allows"):
+        open_image(header)
+    with open_image(header, max_pixels=250_000_000) as image:
+        assert image.size == (20_000, 10_000)
+
+
 def test_data_max_image_pixels_key():
     assert load_config(DIGITS_YAML, []).data.max_image_pixels == Image.MAX_IMAGE_PIXELS
     assert load_config(DIGITS_YAML, ["data.max_image_pixels=1000"]).data.max_image_pixels == 1000

@@ -47,8 +47,8 @@ def open_image(data: bytes, max_pixels: Optional[int] = None) -> Image.Image:
     ImageTooLarge when the header claims more than `max_pixels` pixels (None: PIL's
     `Image.MAX_IMAGE_PIXELS`). A bound above PIL's own raises PIL's in this process,
     which would otherwise refuse such images itself."""
-    bound = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
-    if Image.MAX_IMAGE_PIXELS is not None and bound > Image.MAX_IMAGE_PIXELS:
+    bound = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels  # None there too: the user lifted PIL's
+    if Image.MAX_IMAGE_PIXELS is not None and bound is not None and bound > Image.MAX_IMAGE_PIXELS:
         Image.MAX_IMAGE_PIXELS = bound
     with warnings.catch_warnings():  # between PIL's bound and twice it PIL only warns; the check below decides
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -57,7 +57,7 @@ def open_image(data: bytes, max_pixels: Optional[int] = None) -> Image.Image:
         except Image.DecompressionBombError as err:  # over twice PIL's bound: PIL refuses it first
             raise ImageTooLarge(f"its header claims more pixels than PIL allows: {err}") from None
     width, height = image.size
-    if width * height > bound:
+    if bound is not None and width * height > bound:
         image.close()
         raise ImageTooLarge(f"its header claims {width} x {height} pixels, more than the bound of {bound:,}")
     return image
