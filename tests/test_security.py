@@ -20,7 +20,6 @@ import zlib
 from pathlib import Path
 
 import numpy as np
-import open_clip
 import pytest
 import torch
 import torchvision.transforms as T
@@ -32,12 +31,12 @@ from clipscale.checkpoint import CheckpointError, PickledObjectError, load_lates
 from clipscale.config import ConfigError, ModelConfig, load_config
 from clipscale.data import PreparedData
 from clipscale.data.members import ImageTooLarge, open_image
-from clipscale.data.shards import ShardErrors, ShardStream, load_sample
+from clipscale.data.shards import ShardStream, load_sample
 from clipscale.data.transforms import SplitTransform
 from clipscale.distributed import World
 from clipscale.errors import UserError
 from clipscale.eval.datasets import shard_classification
-from clipscale.eval.tasks import resolve_task, run_task
+from clipscale.eval.tasks import resolve_task
 from clipscale.models import build_model, load_clip_checkpoint, load_timm_trunk
 
 from test_eval_data import caption_model, colour_model, evaluate, png_bytes, templates  # noqa: F401 (fixtures)

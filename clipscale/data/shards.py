@@ -46,7 +46,7 @@ from typing import Callable, Optional
 import torch
 import webdataset as wds
 
-from clipscale.data.device_decode import is_whole_jpeg
+from clipscale.data.device_decode import decodes_at_reduced_scale, is_whole_jpeg
 from clipscale.data.members import DATA_ERRORS, decode_text, first_member, open_image
 from clipscale.data.offload import EncodedImages
 from clipscale.data.transforms import SplitTransform
@@ -103,9 +103,10 @@ def load_sample(raw: dict, transform: Callable, split: Optional[SplitTransform],
     when the transform splits (`SplitTransform`), else the whole transform's float tensor. With
     `keep_encoded` (offload) the image's bytes and the crop it drew are kept too, so the batch can
     be decoded again later without the loader. Without `decode` (the device decodes) a whole JPEG
-    is only opened, for the size its crop is drawn from, and pixels is None; anything else is
-    still decoded, to be judged. An image whose header claims more than `max_pixels` pixels
-    (None: PIL's bound) is unusable, judged from the header alone on both paths."""
+    is opened for the size its crop is drawn from and decoded at 1/8 scale only, to be judged, and
+    pixels is None; anything else is still decoded whole, to be judged. An image whose header
+    claims more than `max_pixels` pixels (None: PIL's bound) is unusable, judged from the header
+    alone on both paths, before any decoding."""
     image_key = first_member(raw, IMAGE_KEYS)
     text_key = first_member(raw, TEXT_KEYS)
     if image_key is None or text_key is None:
@@ -114,7 +115,8 @@ def load_sample(raw: dict, transform: Callable, split: Optional[SplitTransform],
         data = raw[image_key]
         with open_image(data, max_pixels) as img:
             if not decode and is_whole_jpeg(data):
-                params, pixels = split.draw(img), None  # the header holds the size; PIL has decoded nothing
+                params, pixels = split.draw(img), None  # the crop is drawn from the header's size
+                decodes_at_reduced_scale(img)  # the device decodes it; undecodable data is skipped here
             else:
                 img = img.convert("RGB")  # PIL decodes lazily; this forces it, so bad bytes fail here
                 if split is None:
