@@ -25,7 +25,7 @@ import torch
 import torchvision.transforms as T
 import webdataset as wds
 from open_clip.transform import image_transform
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from clipscale.checkpoint import CheckpointError, PickledObjectError, load_latest, save_checkpoint
 from clipscale.config import ConfigError, ModelConfig, load_config
@@ -35,7 +35,7 @@ from clipscale.data.shards import ShardStream, load_sample
 from clipscale.data.transforms import SplitTransform
 from clipscale.distributed import World
 from clipscale.errors import UserError
-from clipscale.eval.datasets import shard_classification
+from clipscale.eval.datasets import LabelledFolder, shard_classification
 from clipscale.eval.tasks import resolve_task, run_task
 from clipscale.models import build_model, load_clip_checkpoint, load_timm_trunk
 
@@ -423,3 +423,23 @@ def test_evaluation_names_the_sample_whose_image_does_not_decode(tmp_path):
         sink.write({"__key__": "001", "jpg": noise_jpeg(1)[:200], "cls": 1})  # cut short
     with pytest.raises(ValueError, match=r"eval.tar: sample 001.jpg does not decode: OSError"):
         list(shard_classification(str(tmp_path / "eval.tar"), T.ToTensor()))
+
+
+# --- evaluation folders --------------------------------------------------------------------
+
+EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 16 16\n%%EndComments\nnewpath 0 0 moveto 16 16 lineto stroke\nshowpage\n"
+
+
+def test_folder_images_never_open_as_a_format_that_runs_a_program(tmp_path):
+    """PIL opens by content whatever the name: a PostScript file named .jpg is EPS to it, which it
+    renders by running Ghostscript. Folder and COCO sets open only image formats."""
+    (tmp_path / "val" / "a").mkdir(parents=True)
+    (tmp_path / "val" / "a" / "0.jpg").write_bytes(EPS)
+    with Image.open(tmp_path / "val" / "a" / "0.jpg") as image:
+        assert image.format == "EPS"  # what PIL alone would do
+    folder = LabelledFolder(str(tmp_path / "val"), T.ToTensor())
+    with pytest.raises(UnidentifiedImageError):
+        folder[0]
+    (tmp_path / "val" / "a" / "0.jpg").write_bytes(png_claiming(BOMB_SIDE, BOMB_SIDE))
+    with pytest.raises(ImageTooLarge, match=r"0.jpg: .*more pixels than PIL allows"):
+        folder[0]

@@ -7,8 +7,8 @@ clipscale takes the raw bytes (`wds.WebDataset` or `tarfile_to_samples` without 
 and decodes its image, text and label members with the functions below; any other member
 stays bytes that nothing looks at.
 
-Images open only as JPEG, PNG or WebP (PIL would otherwise try every format it knows, EPS
-through Ghostscript among them). An image whose header claims more pixels than the bound
+Images open only as JPEG, PNG or WebP (evaluation folders: also BMP, PPM and TIFF); PIL
+would otherwise try every format it knows, EPS through Ghostscript among them. An image whose header claims more pixels than the bound
 (`data.max_image_pixels`, by default PIL's `Image.MAX_IMAGE_PIXELS`) is refused from its
 header, before anything is allocated for its pixels.
 """
@@ -23,6 +23,7 @@ from typing import Iterable, Optional
 from PIL import Image
 
 IMAGE_FORMATS = ("JPEG", "PNG", "WEBP")
+FOLDER_FORMATS = (*IMAGE_FORMATS, "BMP", "PPM", "TIFF")  # and the others torchvision's ImageFolder lists
 
 
 class ImageTooLarge(ValueError):
@@ -41,7 +42,7 @@ def first_member(sample: dict, keys: Iterable[str]) -> Optional[str]:
     return next((key for key in keys if key in sample), None)
 
 
-def open_image(data: bytes, max_pixels: Optional[int] = None) -> Image.Image:
+def open_image(data: bytes, max_pixels: Optional[int] = None, formats: tuple[str, ...] = IMAGE_FORMATS) -> Image.Image:
     """A PIL image over `data` with only its header read (PIL decodes on `convert` or `load`).
 
     ImageTooLarge when the header claims more than `max_pixels` pixels (None: PIL's
@@ -53,7 +54,7 @@ def open_image(data: bytes, max_pixels: Optional[int] = None) -> Image.Image:
     with warnings.catch_warnings():  # between PIL's bound and twice it PIL only warns; the check below decides
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:
-            image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+            image = Image.open(io.BytesIO(data), formats=formats)
         except Image.DecompressionBombError as err:  # over twice PIL's bound: PIL refuses it first
             raise ImageTooLarge(f"its header claims more pixels than PIL allows: {err}") from None
     width, height = image.size

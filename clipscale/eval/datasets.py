@@ -6,7 +6,7 @@ caption lists intact (the default collate would transpose them).
 
 Shards are read as bytes and only the members used are decoded, by explicit decoders
 (`clipscale.data.members`): a shard's other members (pickles, torch or numpy files) are
-never loaded. Retrieval reads captions from the members training reads them from.
+never loaded. Folder and COCO images open only as the image formats ImageFolder lists. Retrieval reads captions from the members training reads them from.
 
 Distributed evaluation: a map-style set is cut into one contiguous block per
 rank (`rank_shard`), so concatenating the ranks' results in rank order gives
@@ -28,7 +28,7 @@ import torchvision
 import webdataset as wds
 from PIL import Image
 
-from clipscale.data.members import DATA_ERRORS, ImageTooLarge, decode_label, decode_text, first_member, open_image
+from clipscale.data.members import DATA_ERRORS, FOLDER_FORMATS, ImageTooLarge, decode_label, decode_text, first_member, open_image
 from clipscale.data.shards import IMAGE_KEYS, TEXT_KEYS
 from clipscale.distributed import is_distributed
 
@@ -44,7 +44,7 @@ class LabelledFolder(torchvision.datasets.ImageFolder):
     def __init__(self, root, transform, folder_labels: Optional[dict] = None, numeric_folders: bool = False):
         self.folder_labels = folder_labels
         self.numeric_folders = numeric_folders
-        super().__init__(root, transform=transform)
+        super().__init__(root, transform=transform, loader=load_image_file)
 
     def find_classes(self, directory):
         folders = sorted(entry.name for entry in os.scandir(directory) if entry.is_dir())
@@ -90,8 +90,17 @@ class CaptionedImages(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         path, captions = self.items[index]
-        with Image.open(self.image_root / path) as image:
-            return self.transform(image.convert("RGB")), captions
+        return self.transform(load_image_file(self.image_root / path)), captions
+
+
+def load_image_file(path) -> Image.Image:
+    """An evaluation folder's image as RGB, opened only as one of the formats ImageFolder lists (never
+    as one PIL hands to another program: EPS runs Ghostscript); over PIL's pixel bound, refused."""
+    try:
+        with open_image(Path(path).read_bytes(), formats=FOLDER_FORMATS) as image:
+            return image.convert("RGB")
+    except ImageTooLarge as err:
+        raise ImageTooLarge(f"{path}: {err}") from None
 
 
 def shard_classification(urls, transform: Callable) -> wds.WebDataset:
