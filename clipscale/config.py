@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
+from PIL import Image
 
 from clipscale.errors import UserError
 
@@ -91,6 +92,9 @@ class DataConfig:
     # train.offload: processes per rank decoding the kept image bytes again for Gradient Cache's
     # second pass (the first pass takes the loader's pixels); null = data.workers
     decode_workers: Optional[int] = None
+    # An image whose header claims more pixels is skipped and counted before anything is
+    # allocated for it (image bombs); the default is PIL's bound, Image.MAX_IMAGE_PIXELS.
+    max_image_pixels: int = Image.MAX_IMAGE_PIXELS
 
 
 @dataclass
@@ -289,6 +293,7 @@ def check_sections(cfg: Config) -> None:
         "train.log_every": cfg.train.log_every,
         "train.checkpoint_every": cfg.train.checkpoint_every,
         "data.image_size": cfg.data.image_size,
+        "data.max_image_pixels": cfg.data.max_image_pixels,
         "eval.batch_size": cfg.eval.batch_size,
     }
     for key, value in positive.items():
