@@ -4,7 +4,8 @@ A checkpoint is a dict with open_clip's keys (`state_dict` of the unwrapped
 model, `optimizer`, `scaler`, `epoch`, `name`) so `open_clip.load_checkpoint`
 and `open_clip.create_model(name, pretrained=path)` read it, plus what exact
 resumption needs: `step`, the scheduler-free training state, every rank's
-data-stream cursors and RNG states. It is read with `weights_only=True`.
+data-stream cursors and RNG states. It is read with `weights_only=True`, as is every
+checkpoint from elsewhere: one that holds pickled objects is refused (`refusing_pickled_objects`).
 
     runs/<name>/checkpoints/step_00000100.pt
     runs/<name>/checkpoints/step_00000200.pt
@@ -22,10 +23,12 @@ loads is used; see `load_latest`). A full disk or an unwritable folder is a
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import secrets
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -40,6 +43,39 @@ TMP_SUFFIX = ".tmp"
 
 class CheckpointError(UserError):
     """No checkpoint of a run can be loaded, or none exists where one was asked for."""
+
+
+class PickledObjectError(CheckpointError):
+    """A checkpoint that holds pickled Python objects, not only tensors, numbers, strings and
+    containers: unpickling them could run any code, so it is refused unread."""
+
+
+@contextmanager
+def refusing_pickled_objects(path) -> Iterator[None]:
+    """Report a weights-only load's refusal of a pickled object as a PickledObjectError naming
+    `path`: torch's UnpicklingError (timm re-raises it as a RuntimeError) or numpy's refusal of
+    an object array (open_clip reads .npy/.npz weights with np.load)."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - anything else is re-raised as it was
+        refused = _pickled_object_refusal(err)
+        if refused is None:
+            raise
+        raise PickledObjectError(f"{path} holds pickled Python objects ({refused}), which loading would run as code; "
+                                 "refused: weights are read as tensors only (weights_only=True)") from None
+
+
+def _pickled_object_refusal(err: BaseException) -> Optional[str]:
+    """What a weights-only load refused, from the error or the errors it was raised from; None if it refused nothing."""
+    while err is not None:
+        message = str(err)
+        if isinstance(err, pickle.UnpicklingError) and message.startswith("Weights only load failed"):
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", message)
+            return found.group(1) if found else "an object torch does not allow"
+        if isinstance(err, ValueError) and "allow_pickle=False" in message:
+            return "a numpy object array"
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def step_file(step: int) -> str:
@@ -155,7 +191,8 @@ def remove_partial_saves(run_dir: Path) -> list[Path]:
 
 
 def load_checkpoint(path: Path, map_location="cpu") -> dict:
-    return torch.load(path, map_location=map_location, weights_only=True)
+    with refusing_pickled_objects(path):
+        return torch.load(path, map_location=map_location, weights_only=True)
 
 
 def _one_line(err: BaseException) -> str:

@@ -9,7 +9,8 @@ so named and custom models take one path through open_clip's factory and tokeniz
 The model keeps open_clip's conventions (`encode_image`, `encode_text`, `logit_scale`
 stored as a log, dict output). Weights come only from local files: a whole-CLIP
 checkpoint (open_clip's or ours), a timm checkpoint for a timm trunk, the Hugging Face
-directory for an HF text tower. Nothing is downloaded.
+directory for an HF text tower. Nothing is downloaded, and no folder's own code runs
+(`refuse_remote_code`).
 
 LiT locks the image tower with open_clip's `lock_image_tower`, and `model.lock_text` the text
 tower with its `lock_text_tower`. A locked tower builds no autograd graph by itself: its
@@ -37,6 +38,7 @@ import torch.nn as nn
 from open_clip.factory import load_state_dict
 from open_clip.tokenizer import HFTokenizer
 
+from clipscale.checkpoint import refusing_pickled_objects
 from clipscale.config import ModelConfig
 from clipscale.errors import UserError
 
@@ -85,8 +87,6 @@ def build_model(cfg: ModelConfig) -> Towers:
         model.set_grad_checkpointing(True)
     if cfg.channels_last:  # convolutions then pick the NHWC kernels; the input need not be converted
         model.visual.to(memory_format=torch.channels_last)
-    if cfg.compile:  # in place: the module and its state_dict keys stay open_clip's
-        model.compile()
     open_clip_config = {
         "model_cfg": open_clip.get_model_config(architecture),
         "preprocess_cfg": open_clip.get_model_preprocess_cfg(model),
@@ -118,6 +118,7 @@ def register_custom(custom: dict) -> str:
     for key in ("hf_model_name", "hf_tokenizer_name"):
         if key in text_cfg:
             text_cfg[key] = str(Path(text_cfg[key]).resolve())
+            refuse_remote_code(text_cfg[key], f"model.custom.text_cfg.{key}")
     text = json.dumps(model_cfg, sort_keys=True)
     name = "clipscale-custom-" + hashlib.sha1(text.encode()).hexdigest()[:12]
     if name not in open_clip.list_models():
@@ -126,6 +127,17 @@ def register_custom(custom: dict) -> str:
             path.write_text(text)
             open_clip.add_model_config(path)
     return name
+
+
+def refuse_remote_code(folder: str, key: str) -> None:
+    """A Hugging Face folder whose config names Python classes of its own (`auto_map`) would have
+    transformers offer to import the folder's code (open_clip passes no trust_remote_code, so it
+    asks, and runs the code on a yes); such a folder is refused before transformers sees it."""
+    for name in ("config.json", "tokenizer_config.json"):
+        path = Path(folder) / name
+        if path.is_file() and "auto_map" in json.loads(path.read_text()):
+            raise UserError(f"{key}: {path} names Python code of its own (auto_map); Hugging Face towers load "
+                            "only transformers' own classes, without running a folder's code")
 
 
 def open_clip_model_config(cfg: ModelConfig) -> dict | None:
@@ -158,13 +170,14 @@ def load_clip_checkpoint(model: nn.Module, path: str) -> None:
     takes `state_dict` out of a training checkpoint and resizes position embeddings;
     when it refuses the file, say which keys do not fit."""
     require_file(path, "model.pretrained")
-    try:
-        open_clip.load_checkpoint(model, path, weights_only=True)
-    except (RuntimeError, AssertionError):  # AssertionError: open_clip's position-embedding resize refuses another width
-        report = mismatch_report(model, load_state_dict(path))
-        if not report:
-            raise
-        raise WeightsError(f"model.pretrained {path} does not fit the model: {report}") from None
+    with refusing_pickled_objects(path):
+        try:
+            open_clip.load_checkpoint(model, path, weights_only=True)
+        except (RuntimeError, AssertionError):  # AssertionError: open_clip's position-embedding resize refuses another width
+            report = mismatch_report(model, load_state_dict(path, weights_only=True))
+            if not report:
+                raise
+            raise WeightsError(f"model.pretrained {path} does not fit the model: {report}") from None
 
 
 def load_timm_trunk(visual: nn.Module, path: str) -> None:
@@ -177,7 +190,8 @@ def load_timm_trunk(visual: nn.Module, path: str) -> None:
     if not hasattr(visual, "trunk"):
         raise WeightsError("model.pretrained_image: the image tower is not a timm model")
     trunk = visual.trunk
-    state_dict = timm.models.load_state_dict(path, weights_only=True)  # unwraps `state_dict`/`model`, strips `module.`
+    with refusing_pickled_objects(path):
+        state_dict = timm.models.load_state_dict(path, weights_only=True)  # unwraps `state_dict`/`model`, strips `module.`
     classifier = trunk.pretrained_cfg.get("classifier")
     ours = trunk.state_dict()
     for prefix in [classifier] if isinstance(classifier, str) else classifier or []:  # a name or a tuple of names

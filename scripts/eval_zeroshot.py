@@ -26,7 +26,7 @@ from pathlib import Path
 import open_clip
 import torch
 
-from clipscale.checkpoint import resolve_checkpoint
+from clipscale.checkpoint import refusing_pickled_objects, resolve_checkpoint
 from clipscale.checks import check_model
 from clipscale.config import PREPROCESS_KEYS, ModelConfig
 from clipscale.distributed import init_distributed, shutdown_distributed
@@ -60,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def model_config(checkpoint: str, model: str | None) -> ModelConfig:
     if model is None:
         # mmap: read the config without loading every tensor into memory.
-        saved = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
+        with refusing_pickled_objects(checkpoint):
+            saved = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
         if not isinstance(saved, dict) or "config" not in saved:
             raise UserError(f"{checkpoint} has no clipscale config; say which architecture with --model")
         return ModelConfig(**{**saved["config"]["model"], "pretrained": checkpoint, "grad_checkpointing": False})

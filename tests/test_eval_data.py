@@ -160,3 +160,37 @@ def test_retrieval_shards_with_caption_lists(tmp_path):
             sink.write({"__key__": f"{i:04d}", "png": png_bytes(colour, tmp_path), "json": json.dumps(captions).encode()})
     task = resolve_task("wds-retrieval", data=str(tmp_path / "coco-0.tar"))
     assert evaluate(task, caption_model()) == EXPECTED_RETRIEVAL
+
+
+def _retrieval_shard(path, members) -> str:
+    """The retrieval pictures and captions as one img2dataset-style shard (PNG bytes under KEY.jpg: the
+    decoders go by content); members(i, captions) gives each sample's caption members."""
+    with wds.TarWriter(str(path)) as sink:
+        for i, (colour, captions) in enumerate(zip(RETRIEVAL_COLOURS, RETRIEVAL_CAPTIONS)):
+            sink.write({"__key__": f"{i:09d}", "jpg": png_bytes(colour, path.parent), **members(i, captions)})
+    return str(path)
+
+
+def _img2dataset_metadata(i: int, caption: str) -> bytes:
+    return json.dumps({"key": f"{i:09d}", "url": f"http://example.com/{i}.jpg", "caption": caption, "width": 4,
+                       "height": 4, "status": "success"}).encode()
+
+
+def test_retrieval_reads_img2dataset_shards_as_training_does(tmp_path):
+    """img2dataset writes KEY.jpg, KEY.txt (the caption) and KEY.json (a metadata dict): the captions are
+    the txt member's (one a line, CLIP_benchmark's layout), whatever the json holds."""
+    layouts = {
+        "without-json": lambda i, captions: {"txt": "\n".join(captions)},
+        "img2dataset": lambda i, captions: {"txt": "\n".join(captions), "json": _img2dataset_metadata(i, captions[0])},
+        "caption-key": lambda i, captions: {"caption": "\n".join(captions), "json": _img2dataset_metadata(i, "x")},
+    }
+    for name, members in layouts.items():
+        task = resolve_task("wds-retrieval", data=_retrieval_shard(tmp_path / f"{name}.tar", members))
+        assert evaluate(task, caption_model()) == EXPECTED_RETRIEVAL, name
+
+
+def test_retrieval_refuses_a_json_that_is_not_a_caption_list(tmp_path):
+    shard = _retrieval_shard(tmp_path / "metadata-only.tar", lambda i, captions: {"json": _img2dataset_metadata(i, captions[0])})
+    with pytest.raises(ValueError, match=r"metadata-only.tar: sample 000000000: no caption member \(txt, text, caption\) "
+                                         "and its json is not a list of caption strings"):
+        evaluate(resolve_task("wds-retrieval", data=shard), caption_model())

@@ -12,6 +12,8 @@ import webdataset as wds
 
 from clipscale.config import ConfigError, DataConfig
 from clipscale.data.digits import write_digits_shards
+from clipscale.data.members import decode_label, first_member, open_image
+from clipscale.data.shards import IMAGE_KEYS
 from clipscale.distributed import World
 
 
@@ -24,17 +26,16 @@ class PreparedData:
     templates: Optional[list[str]] = None
 
     def val_loader(self, transform, world: World, batch_size: int):
-        """(images, labels) batches of this rank's share (every world_size-th sample) of the validation shards."""
-        samples = (
-            wds.WebDataset(self.val_shards, shardshuffle=False, nodesplitter=None, empty_check=False)
-            .decode("pil")
-            .to_tuple("png;jpg;jpeg;webp", "cls")
-        )
+        """(images, labels) batches of this rank's share (every world_size-th sample) of the validation shards.
+        Only the image and `cls` members are decoded (clipscale.data.members); the set is ours, so a
+        sample that does not decode is an error, not a skip."""
+        samples = wds.WebDataset(self.val_shards, shardshuffle=False, nodesplitter=None, empty_check=False)
         mine = (s for i, s in enumerate(samples) if i % world.world_size == world.rank)
         batch_images, batch_labels = [], []
-        for image, label in mine:
-            batch_images.append(transform(image))
-            batch_labels.append(int(label))
+        for sample in mine:
+            with open_image(sample[first_member(sample, IMAGE_KEYS)]) as image:
+                batch_images.append(transform(image.convert("RGB")))
+            batch_labels.append(decode_label(sample["cls"]))
             if len(batch_images) == batch_size:
                 yield torch.stack(batch_images), torch.tensor(batch_labels)
                 batch_images, batch_labels = [], []

@@ -19,7 +19,8 @@ whole epochs for free, replays only the current epoch's raw samples without
 decoding them, and rotates which logical worker its first loader slot serves.
 
 Nothing in the data stops a run or shrinks a batch. Samples that cannot be
-decoded (corrupt image bytes, no caption) are skipped and counted; a shard
+decoded (corrupt image bytes, no caption, an image whose header claims more
+pixels than `data.max_image_pixels`) are skipped and counted; a shard
 that cannot be read to its end (a truncated or missing tar file) gives the
 samples before the damage, the rest is skipped and the event counted. Both
 counts travel with the piece; StreamState keeps this rank's totals, so they
@@ -35,7 +36,6 @@ pass without holding its pixels. When the training device decodes (`decode=False
 
 from __future__ import annotations
 
-import io
 import random
 import warnings
 import zlib
@@ -45,9 +45,9 @@ from typing import Callable, Optional
 
 import torch
 import webdataset as wds
-from PIL import Image
 
-from clipscale.data.device_decode import is_whole_jpeg
+from clipscale.data.device_decode import decodes_at_reduced_scale, is_whole_jpeg
+from clipscale.data.members import DATA_ERRORS, decode_text, first_member, open_image
 from clipscale.data.offload import EncodedImages
 from clipscale.data.transforms import SplitTransform
 
@@ -96,23 +96,27 @@ class ShardErrors:
 
 
 def load_sample(raw: dict, transform: Callable, split: Optional[SplitTransform], keep_encoded: bool,
-                decode: bool = True) -> Optional[tuple]:
+                decode: bool = True, max_pixels: Optional[int] = None) -> Optional[tuple]:
     """(pixels, (bytes, crop) or None, caption), or None when the sample is unusable.
 
-    Pixels are uint8 when the transform splits (`SplitTransform`), else the whole
-    transform's float tensor. With `keep_encoded` (offload) the image's bytes and the crop
-    it drew are kept too, so the batch can be decoded again later without the loader.
-    Without `decode` (the device decodes) a whole JPEG is only opened, for the size its crop
-    is drawn from, and pixels is None; anything else is still decoded, to be judged."""
-    image_key = next((k for k in IMAGE_KEYS if k in raw), None)
-    text_key = next((k for k in TEXT_KEYS if k in raw), None)
+    Only the image and caption members are decoded (`clipscale.data.members`). Pixels are uint8
+    when the transform splits (`SplitTransform`), else the whole transform's float tensor. With
+    `keep_encoded` (offload) the image's bytes and the crop it drew are kept too, so the batch can
+    be decoded again later without the loader. Without `decode` (the device decodes) a whole JPEG
+    is opened for the size its crop is drawn from and decoded at 1/8 scale only, to be judged, and
+    pixels is None; anything else is still decoded whole, to be judged. An image whose header
+    claims more than `max_pixels` pixels (None: PIL's bound) is unusable, judged from the header
+    alone on both paths, before any decoding."""
+    image_key = first_member(raw, IMAGE_KEYS)
+    text_key = first_member(raw, TEXT_KEYS)
     if image_key is None or text_key is None:
         return None
     try:
         data = raw[image_key]
-        with Image.open(io.BytesIO(data)) as img:
+        with open_image(data, max_pixels) as img:
             if not decode and is_whole_jpeg(data):
-                params, pixels = split.draw(img), None  # the header holds the size; PIL has decoded nothing
+                params, pixels = split.draw(img), None  # the crop is drawn from the header's size
+                decodes_at_reduced_scale(img)  # the device decodes it; undecodable data is skipped here
             else:
                 img = img.convert("RGB")  # PIL decodes lazily; this forces it, so bad bytes fail here
                 if split is None:
@@ -120,8 +124,8 @@ def load_sample(raw: dict, transform: Callable, split: Optional[SplitTransform],
                 else:
                     params = split.draw(img)
                     pixels = split.apply(img, params)
-        caption = raw[text_key].decode("utf-8").strip()
-    except Exception:  # noqa: BLE001 - any undecodable sample is skipped and counted
+        caption = decode_text(raw[text_key])
+    except DATA_ERRORS:  # undecodable or oversized: skipped and counted; any other error is a bug and stops the run
         return None
     if not caption:
         return None
@@ -152,6 +156,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         split: Optional[SplitTransform] = None,
         keep_encoded: bool = False,
         decode: bool = True,
+        max_image_pixels: Optional[int] = None,
     ):
         if not shards:
             raise ValueError("no training shards given")
@@ -169,6 +174,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.split = split
         self.keep_encoded = keep_encoded or not decode
         self.decode = decode
+        self.max_image_pixels = max_image_pixels  # None: PIL's Image.MAX_IMAGE_PIXELS
         state = state or StreamState()
         self.cursors = dict(state.cursors)
         self.first_worker = state.pieces % self.num_workers
@@ -222,7 +228,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                 sample_seed = zlib.crc32(f"{self.seed}/{epoch}/{consumer}/{position}".encode())
                 with torch.random.fork_rng(devices=[]):
                     torch.random.default_generator.manual_seed(sample_seed)
-                    sample = load_sample(raw, self.image_transform, self.split, self.keep_encoded, self.decode)
+                    sample = load_sample(raw, self.image_transform, self.split, self.keep_encoded, self.decode,
+                                         self.max_image_pixels)
                 if sample is None:
                     skipped += 1
                     continue

@@ -4,6 +4,10 @@ Classification sets yield (image, label); retrieval sets yield
 (image, [caption, ...]) and batch with `collate_captions`, which keeps the
 caption lists intact (the default collate would transpose them).
 
+Shards are read as bytes and only the members used are decoded, by explicit decoders
+(`clipscale.data.members`): a shard's other members (pickles, torch or numpy files) are
+never loaded. Folder and COCO images open only as the image formats ImageFolder lists. Retrieval reads captions from the members training reads them from.
+
 Distributed evaluation: a map-style set is cut into one contiguous block per
 rank (`rank_shard`), so concatenating the ranks' results in rank order gives
 the dataset order; shards are split across ranks (and loader workers) by
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -23,10 +28,9 @@ import torchvision
 import webdataset as wds
 from PIL import Image
 
+from clipscale.data.members import DATA_ERRORS, FOLDER_FORMATS, ImageTooLarge, decode_label, decode_text, first_member, open_image
+from clipscale.data.shards import IMAGE_KEYS, TEXT_KEYS
 from clipscale.distributed import is_distributed
-
-IMAGE_KEYS = "jpg;jpeg;png;webp"
-CAPTION_KEYS = "json;txt"
 
 
 class LabelledFolder(torchvision.datasets.ImageFolder):
@@ -40,7 +44,7 @@ class LabelledFolder(torchvision.datasets.ImageFolder):
     def __init__(self, root, transform, folder_labels: Optional[dict] = None, numeric_folders: bool = False):
         self.folder_labels = folder_labels
         self.numeric_folders = numeric_folders
-        super().__init__(root, transform=transform)
+        super().__init__(root, transform=transform, loader=load_image_file)
 
     def find_classes(self, directory):
         folders = sorted(entry.name for entry in os.scandir(directory) if entry.is_dir())
@@ -86,30 +90,97 @@ class CaptionedImages(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         path, captions = self.items[index]
-        with Image.open(self.image_root / path) as image:
-            return self.transform(image.convert("RGB")), captions
+        return self.transform(load_image_file(self.image_root / path)), captions
+
+
+def load_image_file(path) -> Image.Image:
+    """An evaluation folder's image as RGB, opened only as one of the formats ImageFolder lists (never
+    as one PIL hands to another program: EPS runs Ghostscript); over PIL's pixel bound, refused."""
+    try:
+        with open_image(Path(path).read_bytes(), formats=FOLDER_FORMATS) as image:
+            return image.convert("RGB")
+    except ImageTooLarge as err:
+        raise ImageTooLarge(f"{path}: {err}") from None
 
 
 def shard_classification(urls, transform: Callable) -> wds.WebDataset:
-    """(image, label) from shards with an image key and a `cls` key."""
-    return _shards(urls).to_tuple(IMAGE_KEYS, "cls").map_tuple(transform, int)
+    """(image, label) from shards with an image member and a `cls` member (an integer)."""
+    return _shards(urls).compose(DecodedSamples(transform, _label))
 
 
 def shard_retrieval(urls, transform: Callable) -> wds.WebDataset:
-    """(image, captions) from shards with an image key and `json` (a caption list) or `txt`."""
-    return _shards(urls).to_tuple(IMAGE_KEYS, CAPTION_KEYS).map_tuple(transform, _caption_list)
+    """(image, captions) from shards with an image member and captions (see `_captions`)."""
+    return _shards(urls).compose(DecodedSamples(transform, _captions))
 
 
 def _shards(urls) -> wds.WebDataset:
-    # In order, no shuffling; each shard is read by exactly one rank and one worker.
+    # In order, no shuffling; each shard is read by exactly one rank and one worker. No `.decode`:
+    # members stay bytes, and DecodedSamples decodes only those it uses (clipscale.data.members).
     return wds.WebDataset(
         urls, shardshuffle=False, nodesplitter=wds.split_by_node, workersplitter=wds.split_by_worker, empty_check=False
-    ).decode("pil")
+    )
+
+
+class DecodedSamples:
+    """A webdataset stage from raw samples to (transformed image, target(sample)).
+
+    An image whose header claims more pixels than PIL's bound (Image.MAX_IMAGE_PIXELS) is skipped
+    with a warning naming its shard and key, so `num_samples` counts the samples evaluated;
+    any other undecodable image, or a missing member, stops the evaluation (a benchmark
+    read in part would give numbers that do not compare)."""
+
+    def __init__(self, transform: Callable, target: Callable[[dict], object]):
+        self.transform = transform
+        self.target = target
+
+    def __call__(self, samples):
+        for sample in samples:
+            image_key = first_member(sample, IMAGE_KEYS)
+            if image_key is None:
+                raise ValueError(f"{_where(sample)}: no image member ({', '.join(IMAGE_KEYS)})")
+            try:
+                with open_image(sample[image_key]) as image:
+                    rgb = image.convert("RGB")  # PIL decodes here
+            except ImageTooLarge as err:
+                warnings.warn(f"skipping {_where(sample)}.{image_key}: {err}")
+                continue
+            except DATA_ERRORS as err:
+                raise ValueError(f"{_where(sample)}.{image_key} does not decode: {err!r}") from err
+            yield self.transform(rgb), self.target(sample)
+
+
+def _where(sample: dict) -> str:
+    return f"{sample.get('__url__')}: sample {sample.get('__key__')}"
+
+
+def _label(sample: dict) -> int:
+    if "cls" not in sample:
+        raise ValueError(f"{_where(sample)}: no class label (a `cls` member)")
+    return decode_label(sample["cls"])
+
+
+def _captions(sample: dict) -> list[str]:
+    """The captions of a retrieval sample: training's caption member (TEXT_KEYS, the first found),
+    one caption per line (CLIP_benchmark's retrieval shards put an image's captions in `txt`,
+    one a line); else a `json` member holding a list of strings. Any other `json` (img2dataset
+    writes a metadata dict there) is not a caption."""
+    text_key = first_member(sample, TEXT_KEYS)
+    if text_key is not None:
+        captions = [line.strip() for line in decode_text(sample[text_key]).splitlines() if line.strip()]
+    elif "json" in sample:
+        captions = json.loads(sample["json"])
+        if not (isinstance(captions, list) and all(isinstance(c, str) for c in captions)):
+            raise ValueError(f"{_where(sample)}: no caption member ({', '.join(TEXT_KEYS)}) and its json is not "
+                             "a list of caption strings")
+        captions = [c.strip() for c in captions]
+    else:
+        raise ValueError(f"{_where(sample)}: no caption member ({', '.join(TEXT_KEYS)}, or json: a list of strings)")
+    if not captions:
+        raise ValueError(f"{_where(sample)}: an empty caption")
+    return captions
 
 
 def _caption_list(captions) -> list[str]:
-    if isinstance(captions, bytes):
-        captions = captions.decode("utf-8")
     if isinstance(captions, str):
         return [captions.strip()]
     return [str(c).strip() for c in captions]
