@@ -24,9 +24,6 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import webdataset as wds
-
-from clipscale.config import ConfigError
-
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")  # data.image_key's default
 TEXT_KEYS = ("txt", "text", "caption")  # data.caption_key's default
 # Where a sample's image and caption are when it leaves its source: load_sample looks there
@@ -87,20 +84,3 @@ def shard_weights(sources: list[list], factors: Optional[Sequence[float]]) -> Op
         return None
     return [float(factor) for shards, factor in zip(sources, factors) for _ in shards]
 
-
-def upsampling_factors(value, sources: int) -> Optional[list[float]]:
-    """data.upsampling_factors as a list of positive numbers, one per source; None when unset.
-    Given as a list or open_clip's '1::2' string."""
-    if value is None:
-        return None
-    parts = value.split("::") if isinstance(value, str) else list(value)
-    try:
-        factors = [float(part) for part in parts]
-    except (TypeError, ValueError):
-        raise ConfigError(f"data.upsampling_factors: expected numbers (a list or '1::2'), got {value!r}") from None
-    if len(factors) != sources:
-        raise ConfigError(f"data.upsampling_factors: {len(factors)} factors for {sources} sources "
-                          "(data.train_shards joined with '::'); give one per source")
-    if any(not factor > 0 for factor in factors):
-        raise ConfigError(f"data.upsampling_factors: must be positive, got {value!r}")
-    return factors
