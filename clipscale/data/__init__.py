@@ -63,16 +63,18 @@ def local_shards(pattern: str, key: str) -> list[str]:
     return shards
 
 
-def data_source(cfg: DataConfig, pattern: str, key: str, csv: bool) -> ShardSource:
-    """The shards (or CSV rows) `pattern` names, read with data.*'s keys and drawn as data.* says."""
-    sampling = {"resampled": cfg.resampled}
+def data_source(cfg: DataConfig, pattern: str, key: str, csv: bool, sampling: bool = True) -> ShardSource:
+    """The shards (or CSV rows) `pattern` names, read with data.*'s keys; drawn as data.* says
+    (`sampling`), or each read once in order (a validation set)."""
+    factors = cfg.upsampling_factors if sampling else None
+    sampling = {"resampled": cfg.resampled and sampling}
     if csv:
         tables = [read_rows(path, cfg.csv_image_key, cfg.csv_caption_key, cfg.csv_separator, key)
                   for path in pattern.split("::")]
-        return CsvTable(tables, factors=cfg.upsampling_factors, **sampling)
+        return CsvTable(tables, factors=factors, **sampling)
     sources = [local_shards(part, key) for part in pattern.split("::")]
     return ShardSource([shard for shards in sources for shard in shards], image_keys=keys(cfg.image_key),
-                       caption_keys=keys(cfg.caption_key), weights=shard_weights(sources, cfg.upsampling_factors),
+                       caption_keys=keys(cfg.caption_key), weights=shard_weights(sources, factors),
                        **sampling)
 
 
