@@ -8,7 +8,10 @@ import functools
 import http.server
 import io
 import json
+import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -25,8 +28,9 @@ from clipscale.config import ConfigError, load_config
 from clipscale.data import prepare_data
 from clipscale.data.shards import ShardStream, StreamState
 from clipscale.distributed import World
+from clipscale.metrics import read_metrics
 
-from tiny_runs import DIGITS_YAML
+from tiny_runs import DIGITS_YAML, REPO
 
 CROP = T.Compose([T.RandomResizedCrop(16, scale=(0.3, 1.0)), T.ToTensor()])
 
@@ -179,14 +183,19 @@ def http_root(tmp_path):
 @pytest.mark.skipif(shutil.which("curl") is None, reason="webdataset opens http(s) shards with curl")
 def test_shards_served_over_http_read_as_local_ones(http_root):
     served, url = http_root
-    write_img2dataset_shards(served, shards=3, per_shard=6)
+    write_img2dataset_shards(served, shards=3, per_shard=8)
     local = config("data.kind=webdataset", f"data.train_shards={served}/{{00000..00002}}.tar")
     remote = config("data.kind=webdataset", f"data.train_shards={url}/{{00000..00002}}.tar")
-    assert captions(stream_of(remote), 4) == captions(stream_of(local), 4)
+    assert captions(stream_of(remote), 6) == captions(stream_of(local), 6)
     piped = config("data.kind=webdataset", f"data.train_shards=pipe:cat {served}/{{00000..00002}}.tar")
-    assert captions(stream_of(piped), 4) == captions(stream_of(local), 4)
+    assert captions(stream_of(piped), 6) == captions(stream_of(local), 6)
     with pytest.raises(ConfigError, match="data.train_shards: .* matches no file"):
         prepare_data(config("data.kind=webdataset", f"data.train_shards={served}/missing-{{0..2}}.tar").data, World())
+    # A URL that does not answer: counted as a shard error, not a stop (local files are checked at the start).
+    gone = config("data.kind=webdataset", f"data.train_shards={url}/{{00000..00003}}.tar")
+    pieces = list(islice(iter(stream_of(gone)), 5))
+    assert sorted(c for piece in pieces[:3] for c in piece["texts"]) == sorted(f"caption {i}" for i in range(24))
+    assert sum(piece["shard_errors"] for piece in pieces) >= 1
 
 
 # --- resume without re-reading ------------------------------------------------------------------
@@ -233,3 +242,33 @@ def test_a_resume_at_90_percent_of_an_epoch_seeks_instead_of_reading_the_epoch(t
           f"the resume opened {shards_read} of the epoch's first {stop * PIECE // PER_SHARD + 1} shards")
     assert shards_read < 60, "a resumed stream read shards that hold nothing it needs"
     assert resumed_s < 2 * fresh_s, (fresh_s, resumed_s)
+
+
+# --- the own-data page, run as written --------------------------------------------------------
+
+def _page_command(heading: str) -> str:
+    """The first bash block under `heading` in docs/own_data.md, its continued lines joined."""
+    page = (REPO / "docs" / "own_data.md").read_text()
+    block = page.split(heading, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return block.replace("\\\n", " ")
+
+
+@pytest.mark.slow
+def test_the_own_data_page_check_command_trains_and_validates_on_the_example_config(tmp_path):
+    """From a clone's root (train.py and configs/ beside data/), on data at the example
+    configuration's paths in img2dataset's layout."""
+    for name in ("train.py", "configs", "clipscale"):
+        (tmp_path / name).symlink_to(REPO / name)
+    write_img2dataset_shards(tmp_path / "data" / "cc12m", shards=100, per_shard=2, prefix="web ")
+    write_img2dataset_shards(tmp_path / "data" / "mine", shards=10, per_shard=2, prefix="mine ")
+    write_img2dataset_shards(tmp_path / "data" / "mine-val", shards=2, per_shard=8, prefix="held out ")
+    command = _page_command("## Check your data first")
+    assert command.startswith("python train.py --config configs/webdataset_example.yaml")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    result = subprocess.run(["bash", "-c", command.replace("python ", f"{sys.executable} ", 1)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 2: val_loss" in result.stdout + result.stderr
+    metrics = read_metrics(tmp_path / "runs" / "check-my-data" / "metrics.jsonl")
+    assert [m["step"] for m in metrics if "val_loss" in m] == [2]
+    assert [m["skipped_samples_total"] for m in metrics if "loss" in m][-1] == 0
