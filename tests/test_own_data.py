@@ -24,9 +24,10 @@ import torchvision.transforms as T
 import webdataset as wds
 from PIL import Image
 
-from clipscale.config import ConfigError, load_config
+from clipscale.config import ConfigError, DataConfig, load_config
 from clipscale.data import prepare_data
 from clipscale.data.shards import ShardStream, StreamState
+from clipscale.data.sources import IMAGE_KEYS, TEXT_KEYS, keys
 from clipscale.distributed import World
 from clipscale.metrics import read_metrics
 
@@ -75,6 +76,11 @@ def test_img2dataset_shards_give_their_txt_captions_not_the_json_metadata(tmp_pa
     pattern = write_img2dataset_shards(tmp_path / "shards", shards=3, per_shard=8)
     seen = captions(stream_of(config("data.kind=webdataset", f"data.train_shards={pattern}")), 3)
     assert sorted(seen) == sorted(f"caption {i}" for i in range(24))
+
+
+def test_the_configured_default_keys_are_the_stream_defaults():
+    defaults = DataConfig()
+    assert (keys(defaults.image_key), keys(defaults.caption_key)) == (IMAGE_KEYS, TEXT_KEYS)
 
 
 def test_image_and_caption_keys_are_configurable(tmp_path):
