@@ -29,6 +29,7 @@ from __future__ import annotations
 import random
 import zlib
 from bisect import bisect_right
+from collections import defaultdict
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Iterator, Optional
@@ -82,9 +83,11 @@ class ShuffledEpoch:
         current = len(self.sizes)  # the shard that holds the last sample read, unless the epoch is read
         slot_of = {phase + index * stride: slot for slot, index in enumerate(buffered)}  # member -> buffer slot
         found: list[Optional[dict]] = [None] * len(buffered)
-        earlier = sorted({bisect_right(offsets, member) - 1 for member in slot_of if member < offsets[current]})
-        for shard in earlier:
-            wanted = {m for m in slot_of if offsets[shard] <= m < offsets[shard + 1]}
+        earlier = defaultdict(set)  # shard read to its end -> its buffered members
+        for member in slot_of:
+            if member < offsets[current]:
+                earlier[bisect_right(offsets, member) - 1].add(member)
+        for shard, wanted in sorted(earlier.items()):
             self.opened += 1
             for member, sample in enumerate(self.source.read(self.plan.shards[shard], self.errors), offsets[shard]):
                 if member in wanted:
