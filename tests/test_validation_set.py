@@ -10,12 +10,14 @@ import torch.nn.functional as F
 import webdataset as wds
 import open_clip
 
+from clipscale.config import load_config
+from clipscale.distributed import World
+from clipscale.eval.validation import Validation
 from clipscale.metrics import read_metrics
+from clipscale.models import build_model
 
-from test_own_data import write_img2dataset_shards
-from tiny_runs import TINY_MODEL, run_train
-
-pytestmark = pytest.mark.slow
+from test_own_data import write_csv, write_img2dataset_shards
+from tiny_runs import DIGITS_YAML, TINY_MODEL, run_train
 
 VAL_BATCH = 8  # 20 validation samples: batches of 8, 8 and 4
 
@@ -40,6 +42,7 @@ def expected_figures(run_dir, val_pattern) -> dict:
             "val_text_retrieval_recall@1": float((similarity.argmax(0) == torch.arange(len(samples))).double().mean())}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_validation_set_gives_loss_and_retrieval_at_each_evaluation_and_the_end(tmp_path, nproc):
     train = write_img2dataset_shards(tmp_path / "train", shards=4, per_shard=16)
@@ -61,3 +64,24 @@ def test_a_validation_set_gives_loss_and_retrieval_at_each_evaluation_and_the_en
     assert final["val_image_retrieval_recall@1"] == expected["val_image_retrieval_recall@1"]
     assert final["val_text_retrieval_recall@1"] == expected["val_text_retrieval_recall@1"]
     assert "step 4: val_loss" in result.stdout + result.stderr
+
+
+def test_a_csv_validation_set_gives_the_figures_of_the_same_pairs_in_shards(tmp_path):
+    """The .csv table is read by the training reader, with data.csv_*'s columns, as shards are."""
+    table = write_csv(tmp_path / "csv", rows=12, separator=",", image_column="path", caption_column="text",
+                      missing={5})
+    with wds.TarWriter(str(tmp_path / "val.tar")) as sink:
+        for i in range(12):
+            if i != 5:  # the missing image: skipped in both
+                image = (tmp_path / "csv" / "images" / f"{i}.png").read_bytes()
+                sink.write({"__key__": f"{i:03d}", "png": image, "txt": f"a csv caption {i}".encode()})
+    csv_keys = ['data.csv_separator=","', "data.csv_image_key=path", "data.csv_caption_key=text"]
+    figures = {}
+    for name, val_data in {"csv": table, "shards": tmp_path / "val.tar"}.items():
+        cfg = load_config(DIGITS_YAML, [TINY_MODEL, f"eval.val_data={val_data}", f"eval.batch_size={VAL_BATCH}", *csv_keys])
+        torch.manual_seed(0)
+        towers = build_model(cfg.model)
+        figures[name] = Validation(cfg, towers, World(), None)(towers.model)
+    assert figures["csv"] == figures["shards"]
+    assert sorted(figures["csv"]) == sorted(["val_loss"] + [f"val_{way}_retrieval_recall@{k}" for way in ("image", "text")
+                                                            for k in (1, 5, 10)])
