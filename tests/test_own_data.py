@@ -119,6 +119,19 @@ def test_resampled_shards_are_drawn_with_replacement_and_resume_exactly(tmp_path
     _assert_resumes_exactly(lambda state: stream_of(cfg, state, piece_size=4), uninterrupted, stop=17)
 
 
+def test_a_resume_with_fewer_shards_than_loader_workers_is_exact(tmp_path):
+    """Each of 3 workers keeps every 3rd sample of the 2 shards: a resume seeks by member index."""
+    pattern = write_img2dataset_shards(tmp_path / "shards", shards=2, per_shard=20)
+    cfg = config("data.kind=webdataset", f"data.train_shards={pattern}", "data.shuffle_buffer=5")
+
+    def loader(state):
+        stream = stream_of(cfg, state, piece_size=3, workers=3)
+        return torch.utils.data.DataLoader(stream, batch_size=None, num_workers=3)
+
+    uninterrupted = list(islice(iter(loader(None)), 40))  # 3 epochs
+    _assert_resumes_exactly(loader, uninterrupted, stop=22)
+
+
 def _assert_resumes_exactly(make_stream, uninterrupted, stop):
     state = StreamState()
     for piece in uninterrupted[:stop]:
