@@ -12,6 +12,8 @@ of `HEADROOM` of the device's memory.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from clipscale.gradcache import autocast_factory, encode
@@ -67,21 +69,46 @@ def largest_chunk(module: torch.nn.Module, loss_fn, *, batch_size: int, precisio
         small, large = (_measure(lambda: chunk_pass(size), device) for size in PROBE_CHUNKS)
     module.zero_grad(set_to_none=True)
     torch.cuda.empty_cache()
-    per_sample = max(1, (large - small) / (PROBE_CHUNKS[1] - PROBE_CHUNKS[0]))
-    fixed = max(0, small - per_sample * PROBE_CHUNKS[0])
     capacity = HEADROOM * torch.cuda.get_device_properties(device).total_memory
-    room = capacity - static - features - fixed
-    if room < per_sample or capacity - static - features < loss_peak:
+    return chunk_for(batch_size, Probe(capacity, static, features, loss_peak, (small, large)))
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the probe measured or computed, in bytes."""
+
+    capacity: float  # HEADROOM of the device's memory
+    static: int  # what was allocated before, the weights' gradients and AdamW's moments
+    features: int  # the whole batch's features and their gradients
+    loss_peak: int  # the loss's forward and backward over the whole batch
+    chunk_peaks: tuple[int, int]  # one chunk's forward and backward at PROBE_CHUNKS
+
+    def activations(self) -> tuple[float, float]:
+        """(bytes per sample, bytes whatever the chunk) of a chunk's pass: the line through the two peaks."""
+        small, large = self.chunk_peaks
+        per_sample = max(1, (large - small) / (PROBE_CHUNKS[1] - PROBE_CHUNKS[0]))
+        return per_sample, max(0, small - per_sample * PROBE_CHUNKS[0])
+
+
+def chunk_for(batch_size: int, probe: Probe) -> tuple[int, dict]:
+    """The largest divisor of `batch_size` whose chunk's activations fit beside the rest, and the
+    figures in GiB; a RuntimeError saying what takes the memory when none fits."""
+    per_sample, fixed = probe.activations()
+    beside_the_model = probe.capacity - probe.static - probe.features
+    room = beside_the_model - fixed
+    if room < per_sample or beside_the_model < probe.loss_peak:
         raise RuntimeError(
-            f"train.chunk_size=auto: no chunk fits: {capacity / 2**30:.1f} GiB usable, the model and optimizer "
-            f"take {static / 2**30:.1f}, the batch's features {features / 2**30:.1f}, the loss {loss_peak / 2**30:.1f}, "
-            f"one sample's activations {per_sample / 2**20:.1f} MiB. Lower train.batch_size or use model.grad_checkpointing."
+            f"train.chunk_size=auto: no chunk fits: {probe.capacity / 2**30:.1f} GiB usable, the model and optimizer "
+            f"take {probe.static / 2**30:.1f}, the batch's features {probe.features / 2**30:.1f}, the loss "
+            f"{probe.loss_peak / 2**30:.1f}, one sample's activations {per_sample / 2**20:.1f} MiB. Lower "
+            "train.batch_size or use model.grad_checkpointing."
         )
     fits = min(batch_size, int(room // per_sample))
     chunk = max(d for d in range(1, fits + 1) if batch_size % d == 0)
     gib = 2**30
-    return chunk, {"usable_gib": capacity / gib, "static_gib": static / gib, "features_gib": features / gib,
-                   "loss_gib": loss_peak / gib, "per_sample_mib": per_sample / 2**20, "fits": fits}
+    return chunk, {"usable_gib": probe.capacity / gib, "static_gib": probe.static / gib,
+                   "features_gib": probe.features / gib, "loss_gib": probe.loss_peak / gib,
+                   "per_sample_mib": per_sample / 2**20, "fits": fits}
 
 
 def _feature_dim(module, device, autocast, context_length: int) -> int:

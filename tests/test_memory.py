@@ -1,0 +1,40 @@
+"""`train.chunk_size: auto`: the chunk follows from the probe's figures (here fixed, as a GPU
+would measure them; tests/test_gpu_memory.py measures them for real)."""
+
+from __future__ import annotations
+
+import pytest
+
+from clipscale.memory import PROBE_CHUNKS, Probe, chunk_for
+
+MIB, GIB = 2**20, 2**30
+PER_SAMPLE, FIXED = 30 * MIB, 200 * MIB  # a chunk's activations: 30 MiB a sample on 200 MiB whatever its size
+H100 = Probe(capacity=0.85 * 80 * GIB, static=2 * GIB, features=GIB // 2, loss_peak=GIB,
+             chunk_peaks=tuple(FIXED + size * PER_SAMPLE for size in PROBE_CHUNKS))
+
+
+def peak(probe: Probe, chunk: int) -> float:
+    """A step's peak as the probe models it: the model, the features, one chunk's activations."""
+    return probe.static + probe.features + FIXED + chunk * PER_SAMPLE
+
+
+@pytest.mark.parametrize("batch_size, chunk", [(4096, 2048), (6000, 2000), (1000, 1000), (4099, 1)])
+def test_the_chunk_is_the_largest_divisor_of_the_batch_that_fits(batch_size, chunk):
+    # 68 GiB usable - 2.5 GiB - 200 MiB leave 66,872 MiB: 2,229 samples of 30 MiB.
+    got, figures = chunk_for(batch_size, H100)
+    assert figures["fits"] == min(batch_size, 2229) and figures["per_sample_mib"] == 30
+    assert got == chunk
+    assert peak(H100, got) <= H100.capacity
+    larger = [d for d in range(got + 1, batch_size + 1) if batch_size % d == 0]
+    assert not larger or peak(H100, larger[0]) > H100.capacity
+
+
+def test_no_chunk_fits_says_what_takes_the_memory():
+    crowded = Probe(capacity=8 * GIB, static=7.4 * GIB, features=GIB // 2, loss_peak=GIB // 4,
+                    chunk_peaks=H100.chunk_peaks)
+    with pytest.raises(RuntimeError, match=r"no chunk fits: 8.0 GiB usable, the model and optimizer take 7.4, "
+                                           r"the batch's features 0.5, the loss 0.2, one sample's activations 30.0 MiB"):
+        chunk_for(4096, crowded)
+    loss_too_large = Probe(capacity=8 * GIB, static=GIB, features=GIB, loss_peak=7 * GIB, chunk_peaks=H100.chunk_peaks)
+    with pytest.raises(RuntimeError, match="no chunk fits"):
+        chunk_for(64, loss_too_large)
