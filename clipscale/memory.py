@@ -1,8 +1,8 @@
 """`train.chunk_size: auto`: the largest encoder chunk that fits the GPU, from a probe of the real model.
 
 A Gradient Cache step's peak memory is, whatever the chunk: the weights, their gradients
-and AdamW's two moments; the whole batch's features and their gradients; and, at two
-different moments, either the loss over the whole batch or one chunk's activations. So
+and AdamW's two moments; the whole batch's features and their gradients; and the loss over
+the whole batch while the last chunk's graph is still held (`GradCache.reuse_last_chunk`). So
 the probe measures what it cannot compute: the loss's peak on random features of the
 real batch size (a collective under several processes: every rank probes), and one
 chunk's activations at two small chunk sizes, fitted as a line in the chunk size. The
@@ -91,12 +91,13 @@ class Probe:
 
 
 def chunk_for(batch_size: int, probe: Probe) -> tuple[int, dict]:
-    """The largest divisor of `batch_size` whose chunk's activations fit beside the rest, and the
-    figures in GiB; a RuntimeError saying what takes the memory when none fits."""
+    """The largest divisor of `batch_size` whose chunk's activations fit beside the rest, the
+    loss's included (Gradient Cache keeps the last chunk's graph while the loss runs, its
+    `reuse_last_chunk`), and the figures in GiB; a RuntimeError saying what takes the memory
+    when none fits."""
     per_sample, fixed = probe.activations()
-    beside_the_model = probe.capacity - probe.static - probe.features
-    room = beside_the_model - fixed
-    if room < per_sample or beside_the_model < probe.loss_peak:
+    room = probe.capacity - probe.static - probe.features - probe.loss_peak - fixed
+    if room < per_sample:
         raise RuntimeError(
             f"train.chunk_size=auto: no chunk fits: {probe.capacity / 2**30:.1f} GiB usable, the model and optimizer "
             f"take {probe.static / 2**30:.1f}, the batch's features {probe.features / 2**30:.1f}, the loss "
