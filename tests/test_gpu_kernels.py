@@ -17,7 +17,7 @@ the magnitudes of the terms it adds up: each of these carries float32 rounding o
     4.9e-4 each): loss 2e-3, gradients 5e-3 (5.3e-4 measured at b = 4,096, s = 100).
   * bf16 / fp16 inputs: the products are exact in float32 and accumulate there, so the
     LSEs and the loss keep float32's 2e-5; the backward stores G in the input dtype for
-    its GEMMs and returns gradients in it (unit roundoff 2^-9 bf16, 2^-12 fp16, twice):
+    its GEMMs and returns gradients in it (unit roundoff 2^-8 bf16, 2^-11 fp16, twice):
     gradients 8e-3 (bf16) and 2e-3 (fp16).
 
 On a CPU the same bodies run at small sizes through Triton's interpreter (the CI check that
