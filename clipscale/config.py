@@ -58,7 +58,11 @@ class ModelConfig:
     lock_image_freeze_bn_stats: bool = False  # BatchNorm running statistics of the locked groups stay put
     # Speed
     grad_checkpointing: bool = False  # recompute tower activations in the backward: larger chunks fit
-    compile: bool = False  # torch.compile the model's forward
+    # torch.compile the towers: "auto" on a GPU (off on a CPU, where compiling costs more than it
+    # gains). Compiled code is cached in `compile_cache` (null: <run folder>/compile_cache), so a
+    # resumed or requeued run does not compile again.
+    compile: bool | Literal["auto"] = "auto"
+    compile_cache: Optional[str] = None
     channels_last: bool = False  # NHWC image tower: faster convolutions (timm convnets); no gain for ViTs
 
 
@@ -72,10 +76,18 @@ class DataConfig:
     image_size: int = 32
     workers: int = 2
     shuffle_buffer: int = 1000
-    # Who decodes training images. "loader": the loader workers, with PIL (open_clip_train's way).
-    # "device": the workers only read and draw crops; each Gradient Cache pass decodes its chunk
-    # on the training device (nvJPEG on a GPU), and the host holds the batch as encoded bytes.
-    decoder: Literal["loader", "device"] = "loader"
+    # Who decodes training images (clipscale/data/pipeline.py). "loader": the loader workers, with
+    # PIL (open_clip_train's way). "device": the workers only read, draw crops and check each JPEG;
+    # the GPU decodes each chunk once per step, and the host holds the batch as encoded bytes.
+    # "auto": device on a GPU, loader on a CPU.
+    decoder: Literal["auto", "loader", "device"] = "auto"
+    # With decoder=device: "nvimgcodec" (the GPU's hardware JPEG engines; the optional package
+    # nvidia-nvimgcodec-cu13 with nvidia-nvjpeg), "nvjpeg" (torchvision, on the SMs), "auto" (the
+    # engines where they can run, else nvjpeg, saying why).
+    device_decoder: Literal["auto", "nvimgcodec", "nvjpeg"] = "auto"
+    # GiB of a step's pass-1 chunks (uint8 pixels, tokens) kept on the device for Gradient Cache's
+    # pass 2, which then neither decodes nor copies them again; null: a quarter of the GPU's memory.
+    keep_on_device_gib: Optional[float] = None
     # train.offload: processes per rank decoding the kept image bytes again for Gradient Cache's
     # second pass (the first pass takes the loader's pixels); null = data.workers
     decode_workers: Optional[int] = None
@@ -295,6 +307,8 @@ def check_sections(cfg: Config) -> None:
         raise ConfigError(f"optim.lr: must be positive, got {cfg.optim.lr}")
     if cfg.data.workers < 0:
         raise ConfigError(f"data.workers: must be >= 0, got {cfg.data.workers}")
+    if cfg.data.keep_on_device_gib is not None and cfg.data.keep_on_device_gib < 0:
+        raise ConfigError(f"data.keep_on_device_gib: must be >= 0 or null, got {cfg.data.keep_on_device_gib}")
     if cfg.data.decode_workers is not None and cfg.data.decode_workers < 1:
         raise ConfigError(f"data.decode_workers: must be positive, got {cfg.data.decode_workers}")
 

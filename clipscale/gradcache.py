@@ -19,10 +19,12 @@ but that one (`reuse_last_chunk`). A batch of a single chunk takes the plain ste
     step = GradCache(model, loss_fn, chunk_size=512, autocast=torch.bfloat16)
     loss = step(images, texts)   # gradients accumulated into model parameters
 
-Inputs are device tensors (sliced; pass 1's chunks are kept for pass 2) or host columns
-(`clipscale.data.batches`: a pinned batch, one still arriving from the loader, an
-offloaded one), which are streamed to the device a chunk at a time in both passes, so
-GPU memory depends on the chunk alone. See README, "Large batches".
+Inputs are tensors (sliced; on another device, moved a chunk at a time) or chunk sources:
+anything with `chunks(bounds, device, pass_number, keep)` yielding each [start, stop) chunk
+on the device (`clipscale.data.batches.HostColumn`: a pinned batch, one still arriving
+from the loader, an offloaded one, one decoded on the GPU). Pass 1 names the chunks pass 2
+will ask for again (`keep`), so a source can keep them instead of preparing them twice.
+GPU memory then depends on the chunk (and what a source keeps), not on the batch.
 
 Under DistributedDataParallel the re-forward goes through the DDP module, under
 `no_sync()` for all chunks but the last, so gradients are all-reduced once per step.
@@ -35,15 +37,24 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Callable, ContextManager, Iterator, Sequence
+from typing import Callable, ContextManager, Iterator, Protocol, Sequence
 
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from clipscale.data.batches import HostColumn, HostTensor, stream_chunks
+Bounds = Sequence[tuple[int, int]]
 
-Batch = torch.Tensor | HostColumn
+
+class ChunkSource(Protocol):
+    """A batch handed to the device a chunk at a time (clipscale.data.batches.HostColumn)."""
+
+    def __len__(self) -> int: ...
+
+    def chunks(self, bounds: Bounds, device: torch.device, pass_number: int, keep: Bounds) -> Iterator[torch.Tensor]: ...
+
+
+Batch = torch.Tensor | ChunkSource
 
 
 class RandomState:
@@ -192,32 +203,45 @@ class GradCache:
             raise ValueError("empty batch")
         bounds = [(s, min(s + self.chunk_size, len(images))) for s in range(0, len(images), self.chunk_size)]
         if len(bounds) == 1:  # the batch is one chunk: a plain step, no second forward needed
-            return self.plain_step(next(self.chunks(images, bounds)), next(self.chunks(texts, bounds)))
+            return self.plain_step(next(self.chunks(images, bounds, 1)), next(self.chunks(texts, bounds, 1)))
         train_image, train_text = trainable_towers(self.module)
         # With reuse_last_chunk, pass 1 encodes the last chunk with its graph and pass 2
-        # re-encodes only the chunks before it.
+        # re-encodes only the chunks before it: the chunks of a trained tower that pass 2 asks for again.
         reencoded = bounds[:-1] if self.reuse_last_chunk else bounds
 
-        kept_images, kept_texts = [], []
-        first = self.first_pass(self.chunks(images, bounds, kept_images), self.chunks(texts, bounds, kept_texts), len(bounds))
+        first = self.first_pass(self.chunks(images, bounds, 1, reencoded if train_image else ()),
+                                self.chunks(texts, bounds, 1, reencoded if train_text else ()), len(bounds))
         loss, grads = self.loss_and_feature_grads(first, train_image, train_text)
         if first.last_chunk is not None:  # its graph is still there: backpropagate it first, then free it
             with self.no_sync():
                 grads.backward(first.last_chunk, *bounds[-1])
-        # Pass 2 replays the RNG state pass 1 had before the first trained tower's call.
-        states = first.image_states if train_image else first.text_states
+        states = list(zip(first.image_states, first.text_states))
         del first
 
-        image_chunks = self.chunks(images, reencoded, kept_images, again=True) if train_image else repeat(None)
-        text_chunks = self.chunks(texts, reencoded, kept_texts, again=True) if train_text else repeat(None)
+        image_chunks = self.chunks(images, reencoded, 2) if train_image else repeat(None)
+        text_chunks = self.chunks(texts, reencoded, 2) if train_text else repeat(None)
         final = len(reencoded) - 1
         for k, ((start, stop), image, text) in enumerate(zip(reencoded, image_chunks, text_chunks)):
             # DDP all-reduces in the final backward of the step only.
             with self.no_sync() if k < final else contextlib.nullcontext():
-                with states[k].replay(), self.autocast():
-                    out = encode(self.model, image, text)
-                grads.backward(out, start, stop, with_scalars=k == final)
+                grads.backward(self.reencode(image, text, *states[k]), start, stop, with_scalars=k == final)
         return loss.detach()
+
+    def reencode(self, image: torch.Tensor | None, text: torch.Tensor | None, image_state: RandomState,
+                 text_state: RandomState) -> Encoded:
+        """Pass 2's encoding of a chunk, with a graph: each trained tower called alone under the
+        RNG state pass 1 had before calling it, so it draws the same masks. Called as in pass 1
+        (one tower a call), a compiled tower runs the same graph but for autograd, whose random
+        ops take the same seeds; a call of both towers would be a graph of its own."""
+        image_out = text_out = None
+        if image is not None:
+            with image_state.replay(), self.autocast():
+                image_out = encode(self.model, image, None)
+        if text is not None:
+            with text_state.replay(), self.autocast():
+                text_out = encode(self.model, None, text)
+        return Encoded(image_out.image if image_out else None, text_out.text if text_out else None,
+                       (text_out or image_out).scalars)
 
     def no_sync(self) -> ContextManager:
         return self.model.no_sync() if self.model is not self.module else contextlib.nullcontext()
@@ -229,20 +253,12 @@ class GradCache:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         return loss.detach()
 
-    def chunks(self, batch: Batch, bounds: Sequence[tuple[int, int]], kept: list[torch.Tensor] | None = None,
-               again: bool = False) -> Iterator[torch.Tensor]:
-        """The batch's chunks on the device. A device tensor is sliced (and pass 2 reuses pass
-        1's slices, `kept`); a host column is streamed to the device, in both passes."""
-        if isinstance(batch, torch.Tensor) and batch.device == self.device:
-            if again:
-                return iter(kept)
-            slices = [batch[start:stop] for start, stop in bounds]
-            if kept is not None:
-                kept.extend(slices)
-            return iter(slices)
+    def chunks(self, batch: Batch, bounds: Bounds, pass_number: int, keep: Bounds = ()) -> Iterator[torch.Tensor]:
+        """The batch's chunks on the device, for pass 1 or 2. A tensor is sliced (and moved when it
+        lives elsewhere); a chunk source prepares them, keeping pass 1's `keep` chunks if it can."""
         if isinstance(batch, torch.Tensor):
-            batch = HostTensor(batch)
-        return stream_chunks(batch, bounds, self.device)
+            return (batch[start:stop].to(self.device, non_blocking=True) for start, stop in bounds)
+        return batch.chunks(bounds, self.device, pass_number, keep)
 
     def first_pass(self, image_chunks: Iterator[torch.Tensor], text_chunks: Iterator[torch.Tensor], count: int) -> FirstPass:
         """Every chunk's features, and the RNG state before each tower's call. The towers run

@@ -75,8 +75,6 @@ def build_model(cfg: ModelConfig) -> Towers:
         model.set_grad_checkpointing(True)
     if cfg.channels_last:  # convolutions then pick the NHWC kernels; the input need not be converted
         model.visual.to(memory_format=torch.channels_last)
-    if cfg.compile:  # in place: the module and its state_dict keys stay open_clip's
-        model.compile()
     open_clip_config = {
         "model_cfg": open_clip.get_model_config(architecture),
         "preprocess_cfg": open_clip.get_model_preprocess_cfg(model),

@@ -45,7 +45,7 @@ LAUNCHED_BY = "launched_by"  # the job that started the run folder (launcher.lau
 IGNORED = (
     "run.name", "run.resume", "run.overwrite", "run.extend_steps", "run.output_dir", "run.device",
     "model.compile", "model.grad_checkpointing", "model.channels_last",
-    "data.decode_workers", "data.decoder",  # the decoder: the same samples and crops, pixels within rounding
+    "model.compile_cache", "data.decode_workers", "data.decoder", "data.device_decoder", "data.keep_on_device_gib",  # the decoder: the same samples and crops, pixels within rounding
     "train.chunk_size", "train.offload", "train.log_every", "train.checkpoint_every",
     "train.keep_checkpoints", "train.keep_every", "train.max_nonfinite_steps",
     "eval", "wandb",

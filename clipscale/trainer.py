@@ -20,7 +20,6 @@ import json
 import resource
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,15 +30,13 @@ from tqdm import tqdm
 from clipscale import console
 from clipscale.checkpoint import CHECKPOINTS, load_checkpoint, load_latest, save_atomic, save_checkpoint
 from clipscale.config import Config, ConfigError, check_world
+from clipscale.compile import compile_enabled, compile_towers, seconds_compiling
 from clipscale.data import PreparedData, prepare_data
-from clipscale.data.batches import BatchStream, piece_size_for
-from clipscale.data.device_decode import DeviceDecodedImages, DeviceDecoder
-from clipscale.data.offload import DecodePool, OffloadedImages
-from clipscale.data.shards import ShardStream, StreamState
-from clipscale.data.transforms import SplitTransform
+from clipscale.data.pipeline import TrainingBatches
+from clipscale.data.shards import StreamState
 from clipscale.distributed import World, all_reduce_max, all_reduce_sum_list, barrier, init_distributed, shutdown_distributed
 from clipscale.eval.during_training import Evaluator
-from clipscale.gradcache import autocast_factory
+from clipscale.gradcache import autocast_factory, trainable_towers
 from clipscale.losses import build_loss
 from clipscale.memory import largest_chunk
 from clipscale.metrics import MetricsLogger
@@ -47,8 +44,9 @@ from clipscale.models import OPEN_CLIP_WEIGHTS, Towers, build_model, write_open_
 from clipscale.optim import build_optimizer, cosine_lr
 from clipscale.run_dir import plan_run
 from clipscale.run_state import RunState
-from clipscale.signals import StopRequest, ignore_stop_signals
+from clipscale.signals import StopRequest
 from clipscale.step import AUTOCAST_DTYPES, TrainStep
+from clipscale.utilization import peak_bf16_flops, train_flops_per_sample
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -152,10 +150,11 @@ class Run:
     stream_state: StreamState
     state: RunState
     start_step: int
-    batches: BatchStream
-    decode_pool: DecodePool | DeviceDecoder | None  # whoever decodes images apart from the loader
+    batches: TrainingBatches
     evaluator: Evaluator
     logger: MetricsLogger
+    flops_per_sample: int  # model FLOPs of a training sample (clipscale.utilization)
+    compiled: bool
 
     @classmethod
     def assemble(cls, cfg: Config, world: World, run_dir: Path, checkpoint: dict | None) -> "Run":
@@ -164,6 +163,12 @@ class Run:
         data = prepare_data(cfg.data, world)
         towers = build_model(cfg.model)
         module = towers.model.to(world.device)
+        visual = module.visual
+        image_size = visual.image_size[0] if isinstance(visual.image_size, tuple) else visual.image_size
+        flops = train_flops_per_sample(module, image_size, module.context_length, world.device, *trainable_towers(module))
+        compiled = compile_enabled(cfg.model.compile, world.device)
+        if compiled:
+            compile_towers(module, Path(cfg.model.compile_cache or run_dir / "compile_cache"))
         loss_fn = build_loss(cfg.loss.name, **cfg.loss.options)
         optimizer = build_optimizer(module, cfg.optim, fused=world.device.type == "cuda")
         chunk = chunk_size(cfg, towers, loss_fn, world)
@@ -179,12 +184,15 @@ class Run:
         if world.is_main:
             write_open_clip_folder(run_dir, towers)  # with OPEN_CLIP_WEIGHTS, open_clip's `local-dir:` loads the run
         logger = MetricsLogger(run_dir, cfg, enabled=world.is_main, resume_step=start_step)
-        batches, decode_pool = stream_batches(cfg, data, towers, world, stream_state, chunk, cfg.train.steps - start_step)
+        batches = TrainingBatches.build(cfg, data, towers.train_transform, towers.tokenizer, world, stream_state, chunk,
+                                        cfg.train.steps - start_step)
+        for line in batches.path.notes:
+            say(world, line)
         state.restore_rng()
         autocast = autocast_factory(AUTOCAST_DTYPES[cfg.train.precision], world.device)
         evaluator = Evaluator(cfg, data, towers, world, autocast)
         return cls(cfg, world, run_dir, data, towers, model, step, stream_state, state, start_step, batches,
-                   decode_pool, evaluator, logger)
+                   evaluator, logger, flops, compiled)
 
     def fit(self, preemption: StopRequest) -> dict:
         cfg, world = self.cfg, self.world
@@ -192,13 +200,18 @@ class Run:
         progress = tqdm(total=cfg.train.steps, initial=self.start_step, disable=not world.is_main, desc=cfg.run.name,
                         dynamic_ncols=True)
         data_errors_logged = self.state.logged_data_errors or self.data_errors()
-        window_start, window_steps = time.perf_counter(), 0
+        window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
+        peak = peak_bf16_flops(world.device)
         for step_number in range(self.start_step, cfg.train.steps):
             batch = self.batches.next()
             lr = cosine_lr(step_number, cfg.optim.lr, cfg.optim.warmup_steps, cfg.train.steps)
             result = self.step(batch.images, batch.texts, lr)
             batch.consumed(self.stream_state)
             self.batches.release(batch)
+            data_wait += batch.data_wait_s
+            if step_number == self.start_step and self.compiled:
+                say(world, f"compiling the towers took {seconds_compiling():.0f} s of the first step "
+                           f"({self.batches.path.describe()})")
 
             done = step_number + 1
             window_steps += 1
@@ -214,6 +227,7 @@ class Run:
                     "grad_norm": result.grad_norm.item(),
                     "samples_per_s": window_steps * cfg.train.batch_size / elapsed,
                     "step_s": elapsed / window_steps,
+                    "data_wait_s": data_wait / window_steps,  # per step, on this rank
                     "peak_memory_gib": peak_memory_gib(world.device),
                     "skipped_samples": data_errors[0] - data_errors_logged[0],
                     "skipped_samples_total": data_errors[0],
@@ -222,9 +236,13 @@ class Run:
                     "nonfinite_steps": self.step.nonfinite_total,
                     "time": time.time(),
                 }
+                if peak is not None:
+                    record["mfu"] = self.flops_per_sample * record["samples_per_s"] / world.world_size / peak
                 self.logger.log(done, record)
                 progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}")
-                window_start, window_steps, data_errors_logged = time.perf_counter(), 0, data_errors
+                if step_number > self.start_step:  # the first step's wait is the loader starting up
+                    self.warn_if_waiting(data_wait, elapsed)
+                window_start, window_steps, data_wait, data_errors_logged = time.perf_counter(), 0, 0.0, data_errors
                 self.state.logged_data_errors = data_errors
             if cfg.eval.every_n_steps and done % cfg.eval.every_n_steps == 0 and done < cfg.train.steps:
                 self.evaluate(done)
@@ -243,6 +261,18 @@ class Run:
         if world.is_main:  # last: these weights, equal to the final checkpoint's, say that the run has ended
             save_atomic(self.step.module.state_dict(), self.run_dir / OPEN_CLIP_WEIGHTS)
         return results
+
+    def warn_if_waiting(self, data_wait: float, elapsed: float) -> None:
+        """One console line, once a run, when the steps waited for their data over 10% of the time."""
+        if data_wait <= 0.1 * elapsed or getattr(self, "warned_about_data", False):
+            return
+        self.warned_about_data = True
+        path = self.batches.path
+        knob = (f"data.workers (now {self.cfg.data.workers}) reads, checks and tokenizes for the GPU's decoder"
+                if path.decoder == "device" else
+                f"more data.workers (now {self.cfg.data.workers}), or data.decoder=device to decode on the GPU")
+        say(self.world, f"the steps waited for their data {100 * data_wait / elapsed:.0f}% of the time "
+                        f"({path.describe()}): {knob}")
 
     def data_errors(self) -> list[int]:
         return all_reduce_sum_list([self.stream_state.skipped_samples, self.stream_state.shard_errors], self.world.device)
@@ -283,57 +313,5 @@ class Run:
 
     def close(self) -> None:
         self.batches.close()
-        if self.decode_pool is not None:
-            self.decode_pool.close()
         self.logger.close()
 
-
-def stream_batches(cfg: Config, data: PreparedData, towers: Towers, world: World, stream_state: StreamState,
-                   chunk: int, steps: int) -> tuple[BatchStream, DecodePool | DeviceDecoder | None]:
-    """The loader (worker processes decoding pieces of the rank's shard stream) and the thread
-    that gathers the pieces into each step's pinned host batch."""
-    per_rank = cfg.train.batch_size // world.world_size
-    piece = piece_size_for(per_rank, chunk)
-    split = SplitTransform.split(towers.train_transform)
-    if split is None and world.is_main:
-        warnings.warn(f"the image transform {towers.train_transform} does not split into uint8 host steps and float "
-                      "device steps: loader pieces and the host batch hold float32 images (4x the memory)")
-    keep_encoded = cfg.train.offload or cfg.data.decoder == "device"
-    if keep_encoded and split is None:
-        setting = "data.decoder=device" if cfg.data.decoder == "device" else "train.offload"
-        raise ConfigError(f"{setting} needs an image transform whose random crop can be kept with the image bytes "
-                         f"(open_clip's RandomResizedCrop pipelines); got {towers.train_transform}")
-    stream = ShardStream(
-        data.train_shards,
-        piece_size=piece,
-        rank=world.rank,
-        world_size=world.world_size,
-        num_workers=cfg.data.workers,
-        seed=cfg.run.seed,
-        image_transform=towers.train_transform,
-        tokenizer=towers.tokenizer,
-        shuffle_buffer=cfg.data.shuffle_buffer,
-        state=stream_state,
-        split=split,
-        keep_encoded=keep_encoded,
-        decode=cfg.data.decoder == "loader",
-    )
-    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=cfg.data.workers,
-                                         persistent_workers=cfg.data.workers > 0, worker_init_fn=ignore_stop_signals)
-    pool, image_column = None, None
-    if cfg.data.decoder == "device":
-        pool = DeviceDecoder(split, world.device)
-
-        def image_column(batch_size, arrivals, to_float):
-            return DeviceDecodedImages(batch_size, arrivals, to_float, pool)
-    elif cfg.train.offload:
-        pool = DecodePool(split.decode, cfg.data.decode_workers or max(1, cfg.data.workers))
-        # Without workers the batch is gathered whole before the step (BatchStream's in_thread): no bound then.
-        window = 2 * max(1, chunk // piece) if cfg.data.workers else 0
-
-        def image_column(batch_size, arrivals, to_float):
-            return OffloadedImages(batch_size, arrivals, to_float, pool, window)
-    to_float = split.to_float if split is not None else None
-    batches = BatchStream(loader, batch_size=per_rank, piece_size=piece, batches=steps, to_float=to_float,
-                          image_column=image_column, in_thread=cfg.data.workers > 0)
-    return batches, pool

@@ -12,8 +12,10 @@ nvidia-smi reports it).
         --case runner=clipscale,model=ViT-B-16,batch=32768,chunk=512,steps=3 --out results/bench_e2e.json
 
 Case keys: runner (clipscale | openclip), model, batch (global), chunk (clipscale: an int,
-auto or none), steps, offload (0/1), loss (clipscale, default infcl), decoder (clipscale: loader
-or device, default loader), nproc (torchrun
+auto or none; default the config's), steps, offload (0/1), loss (clipscale, default infcl),
+decoder and device_decoder (clipscale; default the config's: auto), compile (clipscale: 0/1,
+default the config's: auto; openclip: 1 adds --torchcompile), cache (clipscale: a
+model.compile_cache folder, so a second case reuses what the first compiled), nproc (torchrun
 processes, default 1), pythonpath (prepended for this case only: open_clip_train needs
 webdataset 0.2.x). Cases past --budget seconds are recorded as not run.
 """
@@ -79,12 +81,15 @@ def clipscale_command(case: dict, shards: str, workers: int, out_dir: Path) -> l
     launcher = [sys.executable]
     if int(case.get("nproc", 1)) > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(case["nproc"])]
-    chunk = case.get("chunk", "none")
+    optional = {"chunk": "train.chunk_size", "decoder": "data.decoder", "device_decoder": "data.device_decoder",
+                "compile": "model.compile", "cache": "model.compile_cache"}
+    chosen = [f"{key}={ {'none': 'null', '0': 'false', '1': 'true'}.get(case[name], case[name]) }"
+              for name, key in optional.items() if name in case]
     return [*launcher, str(REPO / "train.py"), "--config", str(REPO / "configs" / "vit_b16_infcl.yaml"),
             f"model.name={case['model']}", "data.kind=webdataset", f"data.train_shards={shards}", f"data.workers={workers}",
-            f"train.batch_size={case['batch']}", f"train.chunk_size={'null' if chunk == 'none' else chunk}",
+            f"train.batch_size={case['batch']}", *chosen,
             f"train.steps={case['steps']}", f"train.offload={'true' if int(case.get('offload', 0)) else 'false'}",
-            f"loss.name={case.get('loss', 'infcl')}", f"data.decoder={case.get('decoder', 'loader')}", "train.log_every=1", "train.checkpoint_every=1000000",
+            f"loss.name={case.get('loss', 'infcl')}", "train.log_every=1", "train.checkpoint_every=1000000",
             "optim.warmup_steps=1", "eval.zeroshot=false", "run.name=bench", f"run.output_dir={out_dir}"]
 
 
@@ -93,7 +98,8 @@ def openclip_command(case: dict, shards: str, workers: int, out_dir: Path) -> li
             "--train-num-samples", str(int(case["batch"]) * int(case["steps"])), "--batch-size", str(case["batch"]),
             "--epochs", "1", "--model", case["model"], "--precision", "amp_bf16", "--workers", str(workers),
             "--warmup", "1", "--lr", "1e-3", "--wd", "0.2", "--log-every-n-steps", "1", "--save-frequency", "0",
-            "--logs", str(out_dir), "--name", "bench", "--report-to", "", "--seed", "0"]
+            "--logs", str(out_dir), "--name", "bench", "--report-to", "", "--seed", "0",
+            *(["--torchcompile"] if int(case.get("compile", 0)) else [])]
 
 
 OPENCLIP_STEP = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/.*?Batch \(t\): [\d.]+, ([\d.]+)/s")
@@ -106,8 +112,8 @@ def steps_of(case: dict, out_dir: Path, log: str) -> list[dict]:
         return [{"samples": batch, "step_s": batch / float(rate)} for _, rate in OPENCLIP_STEP.findall(log)]
     metrics = out_dir / "bench" / "metrics.jsonl"
     lines = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.exists() else []
-    return [{"samples": batch, "step_s": m["step_s"], "peak_gpu_allocated_gib": m["peak_memory_gib"], "loss": m["loss"]}
-            for m in lines if "step_s" in m]
+    return [{"samples": batch, "step_s": m["step_s"], "peak_gpu_allocated_gib": m["peak_memory_gib"], "loss": m["loss"],
+             "data_wait_s": m.get("data_wait_s"), "mfu": m.get("mfu")} for m in lines if "step_s" in m]
 
 
 def run_case(case: dict, args, timeout: float) -> dict:
@@ -142,6 +148,8 @@ def run_case(case: dict, args, timeout: float) -> dict:
         if "peak_gpu_allocated_gib" in steps[-1]:
             result["peak_gpu_allocated_gib"] = steps[-1]["peak_gpu_allocated_gib"]
             result["losses"] = [s["loss"] for s in steps]
+            result["data_wait_s"] = [s["data_wait_s"] for s in steps]
+            result["mfu"] = [s["mfu"] for s in steps]
             if None in result["losses"]:  # metrics.jsonl writes a non-finite loss as null
                 result["void"] = ("a loss was not finite: the trainer skipped that step after its first pass, "
                                   "so the times are not those of training steps")
@@ -150,6 +158,8 @@ def run_case(case: dict, args, timeout: float) -> dict:
     chosen = re.search(r"train.chunk_size=auto: .*", log)
     if chosen:
         result["auto_chunk"] = chosen.group(0)
+    if case["runner"] == "clipscale":  # what the run said of its data path and compilation
+        result["console"] = re.findall(r"^(?:compiling the towers.*|data\.\w+.*|the steps waited.*)$", log, re.M)
     return result
 
 
@@ -188,7 +198,8 @@ def main(argv=None) -> None:
         record["cases"].append(result)
         shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()
                  if k in ("steps_done", "samples_per_s", "first_step_s", "steady_step_s", "peak_host_gib",
-                          "peak_gpu_allocated_gib", "peak_gpu_used_gib", "exit_code", "auto_chunk")}
+                          "peak_gpu_allocated_gib", "peak_gpu_used_gib", "exit_code", "auto_chunk", "mfu",
+                          "data_wait_s", "console", "losses")}
         print(spec, shown, flush=True)
         if "log_tail" in result:
             print(result["log_tail"][-1500:], flush=True)

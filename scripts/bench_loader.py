@@ -1,7 +1,7 @@
 """How fast the trainer's data path delivers a batch with no model behind it: the loader workers
 read the shards, decode (`data.decoder: loader`) or only parse each JPEG's header
 (`device`), tokenize, and `BatchStream` gathers the pieces, exactly as train.py builds them
-(`trainer.stream_batches`). Nothing is decoded on the device: this is the rate the workers
+(`clipscale.data.pipeline.TrainingBatches`). Nothing is decoded on the device: this is the rate the workers
 can feed a step at, and so the bound on a first step, whose batch cannot be gathered ahead.
 
 A component benchmark on real shards: it explains what `scripts/bench_e2e.py` measures
@@ -30,7 +30,7 @@ from clipscale.data import prepare_data  # noqa: E402
 from clipscale.data.shards import StreamState  # noqa: E402
 from clipscale.distributed import World  # noqa: E402
 from clipscale.models import build_model  # noqa: E402
-from clipscale.trainer import stream_batches  # noqa: E402
+from clipscale.data.pipeline import TrainingBatches  # noqa: E402
 
 
 def run_case(case: dict, shards: str, workers: int) -> dict:
@@ -41,19 +41,18 @@ def run_case(case: dict, shards: str, workers: int) -> dict:
         f"train.chunk_size={chunk}", "eval.zeroshot=false", "run.output_dir=/tmp/bench_loader"])
     world = World()
     started = time.perf_counter()
-    stream, decoder = stream_batches(cfg, prepare_data(cfg.data, world), build_model(cfg.model), world, StreamState(),
-                                     chunk=chunk, steps=batches)
+    towers = build_model(cfg.model)
+    stream = TrainingBatches.build(cfg, prepare_data(cfg.data, world), towers.train_transform, towers.tokenizer, world,
+                                   StreamState(), chunk=chunk, steps=batches)
     arrived = []  # seconds since the start when each batch's last piece was in
     try:
         for _ in range(batches):
             gathered = stream.next()
-            gathered.texts.submit(0, len(gathered))()  # the texts arrive with the images: every piece is in
+            gathered.texts.submit(0, len(gathered), 1)()  # the texts arrive with the images: every piece is in
             arrived.append(time.perf_counter() - started)
             stream.release(gathered)  # at once: with no step to wait for, the next batch is gathered flat out
     finally:
         stream.close()
-        if decoder is not None:
-            decoder.close()
     later = [b - a for a, b in zip(arrived, arrived[1:])]
     return {"case": case, "first_batch_s": arrived[0], "later_batch_s": later,
             "samples_per_s": batch * len(later) / sum(later) if later else None}

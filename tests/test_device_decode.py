@@ -21,7 +21,7 @@ from open_clip.transform import image_transform
 from PIL import Image
 
 from clipscale.config import load_config
-from clipscale.data.batches import Arrivals, HostTensor
+from clipscale.data.batches import Arrivals, DeviceBudget, HostTensor
 from clipscale.data.device_decode import DeviceDecodedImages, DeviceDecoder, decode_rows, is_whole_jpeg
 from clipscale.data.offload import EncodedImages
 from clipscale.data.shards import ShardStream
@@ -108,15 +108,18 @@ def test_the_device_path_skips_the_same_samples_and_draws_the_same_crops(jpeg_sh
     assert skipped >= 4  # the truncated and the garbage sample, in each of two epochs
 
 
-def test_device_decoded_chunks_give_gradient_cache_identical_pixels_in_both_passes(jpeg_shards):
-    """The column decodes each chunk again in the second pass: the gradients equal those of the
-    same decoded batch held whole."""
+@pytest.mark.parametrize("kept", [True, False], ids=["kept-on-device", "decoded-again"])
+def test_device_decoded_chunks_give_gradient_cache_identical_pixels_in_both_passes(jpeg_shards, kept):
+    """Pass 2 takes the pixels pass 1 kept on the device (each image decoded once a step) or,
+    without room for them, decodes its chunks again: either way the gradients equal those of
+    the same decoded batch held whole."""
     piece = next(iter(_stream(jpeg_shards, decode=False, piece_size=12)))
-    kept = decode_rows(SPLIT, piece["encoded"], 0, 12, torch.device("cpu"))
+    whole = decode_rows(SPLIT, piece["encoded"], 0, 12, torch.device("cpu"))
     model, (_, texts) = tiny_clip(), make_batch(12, seed=1)
     arrivals = Arrivals()
     decoder = DeviceDecoder(SPLIT, torch.device("cpu"))
-    images = DeviceDecodedImages(12, arrivals, SPLIT.to_float, decoder)
+    budget = DeviceBudget(2**30) if kept else None
+    images = DeviceDecodedImages(12, arrivals, SPLIT.to_float, budget, decoder)
 
     def arrive():
         for start in range(0, 12, 3):
@@ -128,11 +131,33 @@ def test_device_decoded_chunks_give_gradient_cache_identical_pixels_in_both_pass
 
     filler = threading.Thread(target=arrive)
     filler.start()
-    _, decoded_twice = gradcache_grads(model, float64_clip_loss, images, HostTensor(texts), chunk_size=4)
+    _, streamed = gradcache_grads(model, float64_clip_loss, images, HostTensor(texts), chunk_size=4)
     filler.join()
     decoder.close()
-    _, held = gradcache_grads(model, float64_clip_loss, SPLIT.to_float(kept), texts, chunk_size=4)
-    assert relative_error(decoded_twice, held) == 0.0
+    # Chunks of 4: pass 2 re-encodes the first two (the last keeps its graph from pass 1).
+    assert decoder.images_decoded == (12 if kept else 12 + 8)
+    assert not images.kept and (budget is None or budget.used == 0), "pass 2 took and freed every kept chunk"
+    _, held = gradcache_grads(model, float64_clip_loss, SPLIT.to_float(whole), texts, chunk_size=4)
+    assert relative_error(streamed, held) == 0.0
+
+
+def test_what_pass_one_keeps_stays_within_the_budget(jpeg_shards):
+    """A budget of two chunks keeps two and the other chunk is decoded again in pass 2."""
+    piece = next(iter(_stream(jpeg_shards, decode=False, piece_size=12)))
+    chunk_bytes = 4 * 3 * 32 * 32  # uint8 pixels of one chunk of 4 at the transform's 32 px
+    budget = DeviceBudget(2 * chunk_bytes)
+    decoder = DeviceDecoder(SPLIT, torch.device("cpu"))
+    arrivals = Arrivals()
+    images = DeviceDecodedImages(12, arrivals, SPLIT.to_float, budget, decoder)
+    images.put(slice(0, 12), piece)
+    arrivals.add(12)
+    bounds = [(0, 4), (4, 8), (8, 12)]
+    first = [chunk.clone() for chunk in images.chunks(bounds, torch.device("cpu"), 1, keep=bounds)]
+    assert budget.used == 2 * chunk_bytes and len(images.kept) == 2 and decoder.images_decoded == 12
+    second = list(images.chunks(bounds, torch.device("cpu"), 2))
+    decoder.close()
+    assert decoder.images_decoded == 16 and budget.used == 0 and not images.kept
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 def _train(digits_root, tmp_path, jpeg_shards, name, *extra, monkeypatch=None, record=None):

@@ -268,7 +268,7 @@ def test_offloaded_images_decoded_again_in_processes_give_the_same_gradients():
     pool = DecodePool(split.decode, processes=2)
     try:
         arrivals = Arrivals()
-        images = OffloadedImages(12, arrivals, split.to_float, pool, window=2)
+        images = OffloadedImages(12, arrivals, split.to_float, None, pool, window=2)
 
         def arrive():  # pieces of 2: the window holds 2, so the loader waits for the first pass
             for start in range(0, 12, 2):

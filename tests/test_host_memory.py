@@ -1,6 +1,6 @@
 """Host memory of the training data path grows with the batch as two batches of uint8, no more.
 
-The trainer's own data path (`trainer.stream_batches`: loader workers decoding pieces,
+The trainer's own data path (`TrainingBatches`: loader workers decoding pieces,
 `BatchStream` gathering them one batch ahead) runs in a child process at two batch sizes,
 measured from outside as scripts/bench_e2e.py measures it on the GPU (PSS, loader workers
 included). Per added sample:
@@ -37,15 +37,15 @@ from clipscale.data import prepare_data
 from clipscale.data.shards import StreamState
 from clipscale.distributed import World
 from clipscale.models import build_model
-from clipscale.trainer import stream_batches
+from clipscale.data.pipeline import TrainingBatches
 
 cfg = load_config(sys.argv[1], sys.argv[2:])
 towers = build_model(cfg.model)
-batches, _ = stream_batches(cfg, prepare_data(cfg.data, World()), towers, World(), StreamState(),
-                            chunk=cfg.train.chunk_size, steps=2)
+batches = TrainingBatches.build(cfg, prepare_data(cfg.data, World()), towers.train_transform, towers.tokenizer, World(),
+                                StreamState(), chunk=cfg.train.chunk_size, steps=2)
 for _ in range(2):  # the second is gathered while the first is held: both slots full
     batch = batches.next()
-    batch.texts.submit(0, len(batch))()  # every piece has arrived
+    batch.texts.submit(0, len(batch), 1)()  # every piece has arrived
     batches.release(batch)
 print("HELD", flush=True)  # both slots' buffers hold a whole batch until close(): measured now
 sys.stdin.readline()

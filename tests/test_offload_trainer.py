@@ -72,8 +72,8 @@ def _streamed(loader, batch_size, piece_size, to_float, count):
                                      to_float=to_float), StreamState(), []
     for _ in range(count):
         batch = stream.next()
-        images = torch.cat([batch.images.submit(s, s + piece_size)() for s in range(0, batch_size, piece_size)])
-        texts = batch.texts.submit(0, batch_size)().clone()
+        images = torch.cat([batch.images.submit(s, s + piece_size, 1)() for s in range(0, batch_size, piece_size)])
+        texts = batch.texts.submit(0, batch_size, 1)().clone()
         batch.consumed(state)
         out.append((to_float(images), texts, copy.deepcopy(state)))
         stream.release(batch)
@@ -209,7 +209,7 @@ def test_the_kept_bytes_are_copied_out_of_the_loader_workers_shared_memory():
     until it is freed: a column that kept them for a million-sample batch would run out of them."""
     piece = next(iter(torch.utils.data.DataLoader(_OnePiece(), batch_size=None, num_workers=1)))
     assert piece["encoded"].data.is_shared()  # as the worker sent it
-    for column in (OffloadedImages(2, None, None, None, window=1), DeviceDecodedImages(2, None, None, None)):
+    for column in (OffloadedImages(2, None, None, None, None, window=1), DeviceDecodedImages(2, None, None, None, None)):
         column.put(slice(0, 2), piece)
         [(first_row, kept)] = column.encoded
         assert first_row == 0 and [kept[i] for i in range(2)] == [piece["encoded"][i] for i in range(2)]

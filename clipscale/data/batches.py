@@ -11,7 +11,10 @@ batch ahead, so host memory is about two batches of uint8.
 
 A column moves to the device one chunk at a time (`stream_chunks`): the copy of chunk
 i+1 is issued on a side CUDA stream while the model computes on chunk i, and the float
-conversion and normalisation run on the device (`device_transform`).
+conversion and normalisation run on the device (`device_transform`). Gradient Cache asks
+for every chunk twice, naming the pass; a chunk that pass 1 brought to the device is kept
+there, as uint8, for pass 2 while a `DeviceBudget` allows, so an image is decoded (or
+copied) once per step. The time the step spends waiting for its data is counted per batch.
 
     stream = BatchStream(loader, batch_size=..., piece_size=..., batches=steps, to_float=split.to_float)
     batch = stream.next()        # at once: its pieces keep arriving
@@ -24,10 +27,11 @@ from __future__ import annotations
 import math
 import queue
 import threading
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Optional, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -56,39 +60,78 @@ def copy_to_device(host: torch.Tensor, device: torch.device, copy_stream) -> tor
     return moved
 
 
-class HostColumn(Protocol):
-    """One column of a batch kept on the host (images or tokens), handed out a chunk at a time.
+class DeviceBudget:
+    """How many bytes of pass-1 chunks may stay on the device for pass 2 (shared by all columns)."""
 
-    `submit(start, stop)` starts preparing rows [start, stop) and returns a waiter for the
-    host tensor; `to_device` moves it; `device_transform` finishes it on the device."""
+    def __init__(self, limit_bytes: int):
+        self.limit = limit_bytes
+        self.used = 0
+        self.lock = threading.Lock()
 
-    device_transform: DeviceTransform
+    def take(self, tensor: torch.Tensor) -> bool:
+        size = tensor.numel() * tensor.element_size()
+        with self.lock:
+            if self.used + size > self.limit:
+                return False
+            self.used += size
+            return True
 
-    def __len__(self) -> int: ...
-
-    def submit(self, start: int, stop: int) -> Callable[[], torch.Tensor]: ...
-
-    def to_device(self, host: torch.Tensor, device: torch.device, copy_stream) -> torch.Tensor: ...
+    def give_back(self, tensor: torch.Tensor) -> None:
+        with self.lock:
+            self.used -= tensor.numel() * tensor.element_size()
 
 
-class HostTensor:
+class HostColumn:
+    """One column of a batch kept on the host (images or tokens), handed to the device a chunk at a time.
+
+    Subclasses say how rows [start, stop) are prepared (`submit`, which returns a waiter for
+    the host tensor) and moved (`to_device`); `device_transform` finishes them on the device.
+    `chunks` is what Gradient Cache calls, once per pass."""
+
+    def __init__(self, device_transform: DeviceTransform | None = None, budget: DeviceBudget | None = None):
+        self.device_transform = device_transform or identity
+        self.budget = budget
+        self.kept: dict[tuple[int, int], torch.Tensor] = {}  # pass-1 chunks on the device, for pass 2
+        self.wait_s = 0.0  # time the step spent waiting for this column's chunks
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def submit(self, start: int, stop: int, pass_number: int) -> Callable[[], torch.Tensor]:
+        raise NotImplementedError
+
+    to_device = staticmethod(copy_to_device)
+
+    def chunks(self, bounds: Sequence[tuple[int, int]], device: torch.device, pass_number: int = 1,
+               keep: Sequence[tuple[int, int]] = ()) -> Iterator[torch.Tensor]:
+        """Rows [start, stop) of each bound on `device`, in order. In pass 1 the chunks in `keep`
+        (those pass 2 will ask for) stay on the device while the budget allows."""
+        return stream_chunks(self, bounds, device, pass_number, keep)
+
+    def drop_kept(self) -> None:
+        """Free what pass 1 kept and pass 2 did not take (a step that ended early)."""
+        for tensor in self.kept.values():
+            self.budget.give_back(tensor)
+        self.kept.clear()
+
+
+class HostTensor(HostColumn):
     """A column held whole in one host tensor (uint8 images, token ids), pinned once so that
     every chunk copy can be asynchronous."""
 
-    def __init__(self, tensor: torch.Tensor, device_transform: DeviceTransform | None = None):
+    def __init__(self, tensor: torch.Tensor, device_transform: DeviceTransform | None = None,
+                 budget: DeviceBudget | None = None):
+        super().__init__(device_transform, budget)
         if torch.cuda.is_available() and not tensor.is_pinned():
             tensor = tensor.pin_memory()
         self.tensor = tensor
-        self.device_transform = device_transform or identity
 
     def __len__(self) -> int:
         return len(self.tensor)
 
-    def submit(self, start: int, stop: int) -> Callable[[], torch.Tensor]:
+    def submit(self, start: int, stop: int, pass_number: int) -> Callable[[], torch.Tensor]:
         chunk = self.tensor[start:stop]  # a row slice of a pinned tensor is pinned
         return lambda: chunk
-
-    to_device = staticmethod(copy_to_device)
 
 
 class Arrivals:
@@ -123,11 +166,12 @@ class Arrivals:
 class ArrivingTensor(HostTensor):
     """A HostTensor whose rows are still being filled: a chunk is handed out once it has arrived."""
 
-    def __init__(self, tensor: torch.Tensor, arrivals: Arrivals, device_transform: DeviceTransform | None = None):
-        super().__init__(tensor, device_transform)
+    def __init__(self, tensor: torch.Tensor, arrivals: Arrivals, device_transform: DeviceTransform | None = None,
+                 budget: DeviceBudget | None = None):
+        super().__init__(tensor, device_transform, budget)
         self.arrivals = arrivals
 
-    def submit(self, start: int, stop: int) -> Callable[[], torch.Tensor]:
+    def submit(self, start: int, stop: int, pass_number: int) -> Callable[[], torch.Tensor]:
         def wait() -> torch.Tensor:
             self.arrivals.wait_for(stop)
             return self.tensor[start:stop]
@@ -135,22 +179,37 @@ class ArrivingTensor(HostTensor):
         return wait
 
 
-def stream_chunks(column: HostColumn, bounds: Sequence[tuple[int, int]], device: torch.device,
-                  lookahead: int = 2) -> Iterator[torch.Tensor]:
+def stream_chunks(column: HostColumn, bounds: Sequence[tuple[int, int]], device: torch.device, pass_number: int = 1,
+                  keep: Sequence[tuple[int, int]] = (), lookahead: int = 2) -> Iterator[torch.Tensor]:
     """Yield column[start:stop] on `device` for each bound, preparing the next ones meanwhile.
 
     Up to `lookahead` chunks are being prepared on the host while one is used; the copy of
     a chunk is issued on a side stream, so it overlaps the kernels still queued for the
-    previous chunk."""
+    previous chunk. Pass 2 takes the chunks pass 1 kept instead of preparing them again."""
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    pending = deque(column.submit(start, stop) for start, stop in bounds[:lookahead])
+    keep = set(keep) if column.budget is not None and pass_number == 1 else set()
+
+    def prepare(bound: tuple[int, int]) -> tuple[Callable[[], torch.Tensor], bool]:
+        kept = column.kept.pop(bound, None) if pass_number > 1 else None
+        if kept is not None:
+            column.budget.give_back(kept)  # freed once this chunk has been used
+            return (lambda: kept), True
+        return column.submit(*bound, pass_number), False
+
+    pending = deque(prepare(bound) for bound in bounds[:lookahead])
     later = iter(bounds[lookahead:])
-    for _ in bounds:
-        host = pending.popleft()()
+    for bound in bounds:
+        waiter, on_device = pending.popleft()
+        started = time.perf_counter()
+        host = waiter()
+        column.wait_s += time.perf_counter() - started
         upcoming = next(later, None)
         if upcoming is not None:
-            pending.append(column.submit(*upcoming))
-        yield column.device_transform(column.to_device(host, device, copy_stream))
+            pending.append(prepare(upcoming))
+        moved = host if on_device else column.to_device(host, device, copy_stream)
+        if bound in keep and column.budget.take(moved):
+            column.kept[bound] = moved
+        yield column.device_transform(moved)
 
 
 def pinned_empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -178,6 +237,12 @@ class StreamedBatch:
     arrivals: Arrivals
     slot: int
     records: list = field(default_factory=list)  # (cursor, skipped, shard errors) of each piece, in order
+    handed_out_after_s: float = 0.0  # how long `BatchStream.next` waited for this batch to start
+
+    @property
+    def data_wait_s(self) -> float:
+        """Time the step waited for this batch's data: its start, then each chunk not yet there."""
+        return self.handed_out_after_s + self.images.wait_s + self.texts.wait_s
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -197,9 +262,10 @@ class BatchStream:
     batch_size: this rank's samples per step, a multiple of piece_size.
     to_float:   the device transform of the images (uint8 -> normalised float), or None when
                 the pieces already hold the final images.
-    image_column: None, or a factory (batch_size, arrivals, to_float) -> a column that takes the
-                images piece by piece (`offload.OffloadedImages`, `device_decode.DeviceDecodedImages`)
-                instead of one pinned buffer.
+    image_column: None, or a factory (batch_size, arrivals, to_float, budget) -> a column that
+                takes the images piece by piece (`offload.OffloadedImages`,
+                `device_decode.DeviceDecodedImages`) instead of one pinned buffer.
+    budget:     what pass-1 chunks may keep on the device for pass 2 (`DeviceBudget`), or None.
     in_thread:  gather in a background thread, one batch ahead. Off when the loader decodes in
                 this process (no workers): its per-sample seeding sets the process-wide RNG,
                 which a thread would race with the step's dropout and Gradient Cache's replays.
@@ -209,13 +275,15 @@ class BatchStream:
     SLOTS = 2  # the batch in use and the next one
 
     def __init__(self, loader: Iterable[dict], *, batch_size: int, piece_size: int, batches: int,
-                 to_float: DeviceTransform | None = None, image_column=None, in_thread: bool = True):
+                 to_float: DeviceTransform | None = None, image_column=None, in_thread: bool = True,
+                 budget: DeviceBudget | None = None):
         if batch_size % piece_size:
             raise ValueError(f"batch_size {batch_size} is not a multiple of piece_size {piece_size}")
         self.loader = iter(loader)
         self.batch_size, self.piece_size, self.batches = batch_size, piece_size, batches
         self.to_float = to_float
         self.image_column = image_column
+        self.budget = budget
         self.buffers: list[dict] = [{} for _ in range(self.SLOTS)]  # per slot: column name -> pinned tensor
         self.free: queue.Queue = queue.Queue()
         for slot in range(self.SLOTS):
@@ -229,17 +297,22 @@ class BatchStream:
 
     def next(self) -> StreamedBatch:
         """The next step's batch, as soon as its first piece is on its way."""
+        started = time.perf_counter()
         if self.thread is None:
             gathered: list = []
             self._gather_batch(self.free.get_nowait(), gathered.append)
-            return gathered[0]
-        batch = self.ready.get()
-        if isinstance(batch, BaseException):
-            raise RuntimeError("the data loader failed") from batch
+            batch = gathered[0]
+        else:
+            batch = self.ready.get()
+            if isinstance(batch, BaseException):
+                raise RuntimeError("the data loader failed") from batch
+        batch.handed_out_after_s = time.perf_counter() - started
         return batch
 
     def release(self, batch: StreamedBatch) -> None:
         """The step is done with `batch`: its buffers take the batch after next."""
+        batch.images.drop_kept()
+        batch.texts.drop_kept()
         self.free.put(batch.slot)
 
     def close(self) -> None:
@@ -277,10 +350,10 @@ class BatchStream:
         piece = next(self.loader)
         arrivals = Arrivals()
         if self.image_column is not None:
-            images = self.image_column(self.batch_size, arrivals, self.to_float)
+            images = self.image_column(self.batch_size, arrivals, self.to_float, self.budget)
         else:
-            images = ArrivingTensor(self._buffer(slot, "images", piece["images"]), arrivals, self.to_float)
-        texts = ArrivingTensor(self._buffer(slot, "texts", piece["texts"]), arrivals)
+            images = ArrivingTensor(self._buffer(slot, "images", piece["images"]), arrivals, self.to_float, self.budget)
+        texts = ArrivingTensor(self._buffer(slot, "texts", piece["texts"]), arrivals, budget=self.budget)
         batch = StreamedBatch(images, texts, arrivals, slot)
         publish(batch)
         try:

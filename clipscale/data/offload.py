@@ -5,11 +5,11 @@ JPEG bytes, about 16 GB. With offload the loader workers still decode every imag
 -- that decode is Gradient Cache's first pass, and it is how unusable samples are found
 and counted -- and hand over both the pixels and the bytes, with the crop each image
 drew (`EncodedImages`). The trainer keeps the bytes of the whole batch but the pixels of
-a few pieces only: the first pass takes them as they arrive (`OffloadedImages`). The
-second pass decodes the bytes again, chunk by chunk, in a pool of processes
-(`DecodePool`), with the same PIL code and the same crop, so it sees the same pixels bit
-for bit. Gradient Cache needs that: the cached feature gradients hold only for the
-features they were computed at.
+a few pieces only: the first pass takes them as they arrive (`OffloadedImages`), and keeps
+what the device has room for (`batches.DeviceBudget`). The second pass decodes the bytes
+of the other chunks again, chunk by chunk, in a pool of processes (`DecodePool`), with the
+same PIL code and the same crop, so it sees the same pixels bit for bit. Gradient Cache
+needs that: the cached feature gradients hold only for the features they were computed at.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from clipscale.data.batches import Arrivals, DeviceTransform, identity, copy_to_device
+from clipscale.data.batches import Arrivals, DeviceBudget, DeviceTransform, HostColumn
 
 POLL_S = 1.0  # how often a waiting first pass checks whether the loader failed
 
@@ -105,23 +105,22 @@ class DecodePool:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-class OffloadedImages:
+class OffloadedImages(HostColumn):
     """The images column of an offloaded batch (a `HostColumn`, filled by `BatchStream`).
 
-    Gradient Cache asks for chunks in order twice. The first time a row range is asked
-    for (pass 1) it comes from the loader's pixels, taken off a queue of at most `window`
-    pieces, so the pixels of only a few pieces are ever held; afterwards (pass 2) it is
-    decoded again from the kept bytes in the pool."""
+    Gradient Cache asks for chunks in order, once per pass. In pass 1 a row range comes from
+    the loader's pixels, taken off a queue of at most `window` pieces, so the pixels of only
+    a few pieces are ever held on the host; in pass 2 (for the chunks pass 1 could not keep
+    on the device) it is decoded again from the kept bytes in the pool."""
 
-    def __init__(self, batch_size: int, arrivals: Arrivals, to_float: DeviceTransform | None, pool: DecodePool,
-                 window: int):
+    def __init__(self, batch_size: int, arrivals: Arrivals, to_float: DeviceTransform | None, budget: DeviceBudget | None,
+                 pool: DecodePool, window: int):
+        super().__init__(to_float, budget)
         self.batch_size = batch_size
         self.arrivals = arrivals
-        self.device_transform = to_float or identity
         self.pool = pool
         self.pixels: queue.Queue = queue.Queue(maxsize=window)  # (first row, uint8 piece), in order
         self.encoded: list[tuple[int, EncodedImages]] = []
-        self.first_pass_rows = 0
 
     def __len__(self) -> int:
         return self.batch_size
@@ -133,9 +132,8 @@ class OffloadedImages:
         self.encoded.append((rows.start, piece["encoded"].clone()))
         self.pixels.put((rows.start, piece["images"]))
 
-    def submit(self, start: int, stop: int) -> Callable[[], torch.Tensor]:
-        if start >= self.first_pass_rows:
-            self.first_pass_rows = stop
+    def submit(self, start: int, stop: int, pass_number: int) -> Callable[[], torch.Tensor]:
+        if pass_number == 1:
             return lambda: self._take_pixels(start, stop)
         futures = [future for encoded, lo, hi in encoded_rows(self.encoded, start, stop)
                    for future in self.pool.decode(encoded, lo, hi)]
@@ -163,5 +161,3 @@ class OffloadedImages:
         out = torch.empty((sum(len(p) for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype,
                           pin_memory=torch.cuda.is_available())
         return torch.cat(parts, out=out)
-
-    to_device = staticmethod(copy_to_device)

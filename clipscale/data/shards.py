@@ -47,7 +47,7 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from clipscale.data.device_decode import is_whole_jpeg
+from clipscale.data.device_decode import decodes_at_reduced_scale, is_whole_jpeg
 from clipscale.data.offload import EncodedImages
 from clipscale.data.transforms import SplitTransform
 
@@ -102,8 +102,9 @@ def load_sample(raw: dict, transform: Callable, split: Optional[SplitTransform],
     Pixels are uint8 when the transform splits (`SplitTransform`), else the whole
     transform's float tensor. With `keep_encoded` (offload) the image's bytes and the crop
     it drew are kept too, so the batch can be decoded again later without the loader.
-    Without `decode` (the device decodes) a whole JPEG is only opened, for the size its crop
-    is drawn from, and pixels is None; anything else is still decoded, to be judged."""
+    Without `decode` (the device decodes) a whole JPEG is opened for the size its crop is
+    drawn from and decoded at 1/8 scale only, to be judged, and pixels is None; anything else
+    is still decoded whole, to be judged."""
     image_key = next((k for k in IMAGE_KEYS if k in raw), None)
     text_key = next((k for k in TEXT_KEYS if k in raw), None)
     if image_key is None or text_key is None:
@@ -112,7 +113,8 @@ def load_sample(raw: dict, transform: Callable, split: Optional[SplitTransform],
         data = raw[image_key]
         with Image.open(io.BytesIO(data)) as img:
             if not decode and is_whole_jpeg(data):
-                params, pixels = split.draw(img), None  # the header holds the size; PIL has decoded nothing
+                params, pixels = split.draw(img), None  # the crop is drawn from the header's size
+                decodes_at_reduced_scale(img)  # the device decodes it; undecodable data is skipped here
             else:
                 img = img.convert("RGB")  # PIL decodes lazily; this forces it, so bad bytes fail here
                 if split is None:

@@ -1,0 +1,47 @@
+"""Compiled towers (`model.compile`): on by default on a GPU, compiled once per run folder.
+
+torch.compile turns each tower's forward (and, through AOTAutograd, its backward) into fused
+Triton kernels: on an H100 a ViT-B/16 Gradient Cache step runs about 1.5x faster. Gradient
+Cache calls the model in three ways, each its own graph, compiled once: pass 1 encodes each
+tower alone without a graph, the last chunk and pass 2 encode both with one. Shapes are
+static (`dynamic=False`): the full chunk and a short last chunk are two graphs, compiled in the
+first step and reused by every later one, instead of one slower dynamic graph.
+
+The compiled code is cached under the run folder (or `model.compile_cache`): a resumed or
+requeued run, or a second run pointed at the same cache, reuses it and its first step costs
+tracing only (Inductor's FX graph and AOTAutograd caches and the Triton kernels they built).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+# Graphs per tower call site: {pass 1 image, pass 1 text, both with grad} x {full chunk, last chunk}
+# x {train, eval} and evaluation's last batch. Past the limit dynamo runs the model eagerly.
+RECOMPILE_LIMIT = 64
+COMPILE_TIMERS = ("_compile.compile_inner",)  # torch._dynamo's timers of a graph's compilation
+
+
+def compile_enabled(setting: bool | str, device: torch.device) -> bool:
+    """model.compile as it applies on `device`: "auto" compiles on a GPU only."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
+def compile_towers(model: torch.nn.Module, cache_dir: Path, backend: str = "inductor") -> None:
+    """Compile `model`'s forward in place (its state_dict keys stay open_clip's), caching under
+    `cache_dir`. `backend`: torch.compile's (the tests use "aot_eager", which needs no compiler)."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Read by Inductor when it first compiles (after this): its FX graph, AOTAutograd and Triton caches.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir.resolve())
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    model.compile(backend=backend, dynamic=False)
+
+
+def seconds_compiling() -> float:
+    """Seconds this process has spent compiling graphs so far (torch._dynamo's own timers)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(sum(compilation_time_metrics.get(name, ())) for name in COMPILE_TIMERS)

@@ -1,0 +1,45 @@
+"""How busy the GPU is: model FLOPs per sample and model FLOPs utilisation (`mfu` in metrics.jsonl).
+
+The towers' forward FLOPs are counted once, at start, by `torch.utils.flop_counter` on one
+sample through the real model (whatever its architecture). A trained tower costs three
+forwards a sample (forward, and a backward of twice that), a locked one a forward. That is
+the model's arithmetic: Gradient Cache's extra forward is not counted, so `mfu` shows what
+the re-encoding costs, as it shows any time the GPU waits. The peak is the device's dense
+bf16 rate from its data sheet; on other devices `mfu` is not logged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+# Dense bf16 tensor-core peaks (TFLOP/s), from the vendors' data sheets; the first match by name wins.
+PEAK_BF16_TFLOPS = (("H100", 989.0), ("H200", 989.0), ("GH200", 989.0), ("B200", 2250.0), ("A100", 312.0),
+                    ("L40S", 362.0), ("A10", 125.0))
+
+
+def peak_bf16_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS if key in name), None)
+
+
+def forward_flops(model: torch.nn.Module, image_size: int, context_length: int, device: torch.device) -> tuple[int, int]:
+    """FLOPs of one sample's forward through the image tower and through the text tower."""
+    image = torch.zeros(1, 3, image_size, image_size, device=device)
+    text = torch.zeros(1, context_length, dtype=torch.long, device=device)
+    counts = []
+    with torch.no_grad():
+        for encode, sample in ((model.encode_image, image), (model.encode_text, text)):
+            with FlopCounterMode(display=False) as counter:
+                encode(sample)
+            counts.append(counter.get_total_flops())
+    return counts[0], counts[1]
+
+
+def train_flops_per_sample(model: torch.nn.Module, image_size: int, context_length: int, device: torch.device,
+                           train_image: bool, train_text: bool) -> int:
+    """Model FLOPs of one training sample: 3 forwards for a trained tower, 1 for a locked one."""
+    image, text = forward_flops(model, image_size, context_length, device)
+    return (3 if train_image else 1) * image + (3 if train_text else 1) * text

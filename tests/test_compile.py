@@ -1,0 +1,67 @@
+"""Compiled towers (`model.compile`, clipscale/compile.py) in Gradient Cache's two passes.
+
+torch.compile with the "aot_eager" backend runs here without a GPU or a C compiler: dynamo
+traces the towers and AOTAutograd splits forward and backward, as with Inductor, and the graphs
+run ATen's own kernels. So the gradients must equal the eager step's to float32 rounding, dropout
+and patch dropout included (the RNG replay must reach the compiled graphs), and the graphs made in
+the first step must serve every later one. The same check with Inductor on a GPU is
+tests/test_gpu_compile.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from clipscale.compile import compile_enabled, compile_towers
+from clipscale.gradcache import GradCache
+
+from test_gradcache import float64_clip_loss, grads_of, make_batch, relative_error, tiny_clip
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def step_grads(model, images, texts, chunk_size, seed):
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    loss = GradCache(model, float64_clip_loss, chunk_size)(images, texts)
+    return loss, grads_of(model)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["no-dropout", "dropout"])
+def test_the_compiled_gradient_cache_step_equals_the_eager_one(tmp_path, dropout):
+    eager = tiny_clip(dropout)
+    compiled = copy.deepcopy(eager)
+    compile_towers(compiled, tmp_path / "cache", backend="aot_eager")
+    images, texts = make_batch(10, seed=0)  # chunks of 4: 4, 4 and a short last chunk of 2
+    for seed in (1, 2, 3):  # three steps: the first compiles, the others reuse its graphs
+        want_loss, want = step_grads(eager, images, texts, chunk_size=4, seed=seed)
+        got_loss, got = step_grads(compiled, images, texts, chunk_size=4, seed=seed)
+        assert abs(got_loss.item() - want_loss.item()) < 1e-6
+        assert relative_error(got, want) < 1e-5, f"step with seed {seed}"
+        if seed == 1:
+            graphs_after_first_step = counters["stats"]["unique_graphs"]
+    assert graphs_after_first_step > 0, "nothing was compiled"
+    assert counters["stats"]["unique_graphs"] == graphs_after_first_step, "a later step compiled new graphs"
+
+
+def test_compilation_is_on_by_default_on_a_gpu_only():
+    assert compile_enabled("auto", torch.device("cuda")) and not compile_enabled("auto", torch.device("cpu"))
+    assert compile_enabled(True, torch.device("cpu")) and not compile_enabled(False, torch.device("cuda"))
+
+
+def test_compiled_code_is_cached_in_the_folder_given(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    compile_towers(tiny_clip(0.0), tmp_path / "runs" / "x" / "compile_cache", backend="aot_eager")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "runs" / "x" / "compile_cache").resolve())
+    assert (tmp_path / "runs" / "x" / "compile_cache").is_dir()
