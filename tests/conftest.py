@@ -16,7 +16,7 @@ from _pytest.mark.expression import Expression  # noqa: E402
 from clipscale.data.digits import write_digits_shards  # noqa: E402
 from triton_interpreter import interpreter_env  # noqa: E402
 
-GPU_SUITE = "python -m pytest -m gpu -n 0 tests/test_gpu_*.py"
+GPU_SUITE = "python -m pytest -m gpu -n 0 tests"
 
 
 def is_gpu_session(config) -> bool:
@@ -26,6 +26,15 @@ def is_gpu_session(config) -> bool:
         return False
     selects = Expression.compile(markexpr).evaluate
     return selects(lambda name, **_: name == "gpu") and not selects(lambda name, **_: False)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """The GPU suite's session imports only its own modules (tests/test_gpu_*.py): the others
+    import the Triton programs for the interpreter (test_kernels, test_crop_resize)."""
+    name = collection_path.name
+    if getattr(config, "gpu_session", False) and name.startswith("test_") and not name.startswith("test_gpu_"):
+        return True
+    return None
 
 
 def pytest_configure(config):

@@ -1,13 +1,16 @@
-"""Device decoding (`data.decoder: device`) on the GPU: nvJPEG and the batched crop-and-resize
-against the loader's PIL pixels on the same crops, and the same samples skipped.
+"""Device decoding (`data.decoder: device`) on the GPU, from shards: nvJPEG or the hardware JPEG
+engines, then the batched crop-and-resize, against the loader's PIL pixels on the same crops,
+and the same samples skipped. (tests/test_gpu_decode.py holds each decoder to PIL on one
+chunk; this follows the stream, its damaged samples and the trainer.)
 
 The shards hold JPEGs of several sizes (smaller and larger than the 224-px crop, odd sizes,
 4:2:0 and 4:4:4 chroma, greyscale, progressive, CMYK), a PNG, and damaged samples (cut short,
 JPEG markers around garbage, bytes after the end marker). Two decoders and two resamplers
-round differently, by a grey level or two: per image the mean difference stays under one
-grey level and 99% of the values within two; over the whole stream the mean under half.
-Anything not decoded by nvJPEG (the PNG, the judged samples, a JPEG it rejects) goes through
-PIL on both paths and must be equal.
+round differently (IDCT and chroma upsampling by a level or two, the resize by one): per
+image the mean difference stays under 1.5 grey levels and 99% of the values within 8, as in
+tests/test_gpu_decode.py; over the whole stream the mean under one. Anything not decoded on
+the device (the PNG, the samples the worker judges, a JPEG both device decoders refuse) goes
+through PIL on both paths and must be equal.
 
 On a CPU the same body runs torchvision's CPU decoder (the CI check of the test itself).
 """
@@ -23,7 +26,7 @@ import webdataset as wds
 from open_clip.transform import image_transform
 from PIL import Image, ImageDraw
 
-from clipscale.data.device_decode import decode_rows, is_whole_jpeg
+from clipscale.data.device_decode import JpegEngines, TorchvisionJpeg, decode_rows, is_whole_jpeg
 from clipscale.data.shards import ShardStream
 from clipscale.data.transforms import SplitTransform
 
@@ -91,8 +94,21 @@ def stream(urls: list[str], decode: bool):
                        split=SPLIT, keep_encoded=True, decode=decode)
 
 
-@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu), "cpu"])
-def test_device_decoding_gives_the_loaders_pixels_and_skips(shards, device):
+def jpeg_decoder(name: str, device: torch.device):
+    """The device's JPEG decoder by its data.device_decoder name; a skip saying why it cannot run here."""
+    if name == "nvjpeg":
+        return TorchvisionJpeg(device)
+    engines, why = JpegEngines.create(device)
+    if engines is None:
+        pytest.skip(why)
+    return engines
+
+
+@pytest.mark.parametrize("device, decoder", [pytest.param("cuda", "nvjpeg", marks=pytest.mark.gpu),
+                                             pytest.param("cuda", "nvimgcodec", marks=pytest.mark.gpu),
+                                             ("cpu", "nvjpeg")])  # on a CPU: torchvision's libjpeg-turbo
+def test_device_decoding_gives_the_loaders_pixels_and_skips(shards, device, decoder):
+    jpeg = jpeg_decoder(decoder, torch.device(device))
     loader_path, device_path = iter(stream(shards, decode=True)), iter(stream(shards, decode=False))
     skipped = {"loader": 0, "device": 0}
     differences, whole_jpegs = [], 0
@@ -106,7 +122,7 @@ def test_device_decoding_gives_the_loaders_pixels_and_skips(shards, device):
             assert torch.equal(getattr(want["encoded"], column), getattr(got["encoded"], column))
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no image may fall back to black
-            pixels = decode_rows(SPLIT, got["encoded"], 0, PIECE, torch.device(device))
+            pixels = decode_rows(SPLIT, got["encoded"], 0, PIECE, torch.device(device), jpeg)
         assert pixels.device.type == device and pixels.dtype == torch.uint8 and pixels.shape == want["images"].shape
         for i in range(PIECE):
             difference = (pixels[i].cpu().int() - want["images"][i].int()).abs()
@@ -115,11 +131,11 @@ def test_device_decoding_gives_the_loaders_pixels_and_skips(shards, device):
                 continue
             whole_jpegs += 1
             box = got["encoded"].params_of(i)
-            assert difference.float().mean() < 1.0, f"crop {box}: mean difference {difference.float().mean():.2f}"
-            assert difference.float().quantile(0.99) <= 2, f"crop {box}: 99th percentile {difference.float().quantile(0.99)}"
+            assert difference.float().mean() < 1.5, f"crop {box}: mean difference {difference.float().mean():.2f}"
+            assert difference.float().quantile(0.99) <= 8, f"crop {box}: 99th percentile {difference.float().quantile(0.99)}"
             differences.append(difference.flatten())
     everything = torch.cat(differences).float()
-    assert everything.mean() < 0.5, f"mean difference {everything.mean():.3f}, largest {everything.max():.0f}"
+    assert everything.mean() < 1.0, f"mean difference {everything.mean():.3f}, largest {everything.max():.0f}"
     assert whole_jpegs >= SAMPLES // 2  # most samples went through the device decoder
     # The cut-short and the garbage samples (the shuffle buffer may carry one into the next pass); the
     # device path judges them in the worker too.
@@ -127,10 +143,13 @@ def test_device_decoding_gives_the_loaders_pixels_and_skips(shards, device):
 
 
 @pytest.mark.gpu
-def test_the_trainer_decodes_on_the_gpu_on_the_loaders_curve(digits_root, tmp_path, jpeg_shards):
+@pytest.mark.parametrize("decoder", ["nvjpeg", "nvimgcodec"])
+def test_the_trainer_decodes_on_the_gpu_on_the_loaders_curve(digits_root, tmp_path, jpeg_shards, decoder):
     """The whole path on the GPU: DeviceDecoder's thread and CUDA stream feeding both Gradient
     Cache passes; the run follows the loader-decoded run's curve and counts the same skips."""
-    device = _train(digits_root, tmp_path, jpeg_shards, "device", "data.decoder=device", "run.device=cuda")
-    loader = _train(digits_root, tmp_path, jpeg_shards, "loader", "run.device=cuda")
+    jpeg_decoder(decoder, torch.device("cuda"))
+    device = _train(digits_root, tmp_path, jpeg_shards, "device", "run.device=cuda", "data.decoder=device",
+                    f"data.device_decoder={decoder}")
+    loader = _train(digits_root, tmp_path, jpeg_shards, "loader", "run.device=cuda", "data.decoder=loader")
     assert [m["loss"] for m in device] == pytest.approx([m["loss"] for m in loader], rel=2e-3)
     assert [m["skipped_samples_total"] for m in device] == [m["skipped_samples_total"] for m in loader]
