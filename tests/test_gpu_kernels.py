@@ -189,15 +189,16 @@ def test_ntxent_loss_and_its_gradient_match_float64(case, device, kernels):
     assert_matches(case.id, mode, loss, [views.grad], None, ref, positive_terms)
 
 
-# --- the ring: two GPUs, each with its rows; the global loss and DDP-style gradients -----------
+# --- the ring: two ranks (GPUs; gloo processes on a CPU), each with its rows: the global loss, DDP-style gradients
 
-RING_CASES = [Case(32769, 32769, 256, "fp32-exact"), Case(32769, 32769, 256, "bf16"), Case(4099, 6000, 512, "bf16")]
+RING_GPU = [Case(32769, 32769, 256, "fp32-exact"), Case(32769, 32769, 256, "bf16"), Case(4099, 6000, 512, "bf16")]
+RING_CPU = [Case(7, 7, 64, "fp32-exact"), Case(5, 9, 64, "bf16")]
 
 
-def ring_worker(rank: int, world: int, case: Case) -> dict:
+def ring_worker(rank: int, world: int, case: Case, device_type: str) -> dict:
     """This rank's rows of one global batch (every rank draws the whole batch from one seed):
     its errors against the float64 reference of the whole batch."""
-    device = f"cuda:{rank}"
+    device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
     mode = MODES[case.mode]
     images = features(world * case.images, case.dim, mode.dtype, device, seed=1)
     texts = features(world * case.texts, case.dim, mode.dtype, device, seed=2)
@@ -206,6 +207,7 @@ def ring_worker(rank: int, world: int, case: Case) -> dict:
     scale = torch.tensor(case.scale, device=device, requires_grad=True)
     loss = infcl_loss(image, text, scale, backend="triton", exact=mode.exact)
     loss.backward()
+    from clipscale.losses.infcl.kernels import launch_counts  # imported by the call above
     # The reference pairs image i with text i: the ranks' paired texts first, then their extra ones.
     paired = torch.cat([texts[r * case.texts:r * case.texts + case.images] for r in range(world)])
     extra = torch.cat([texts[r * case.texts + case.images:(r + 1) * case.texts] for r in range(world)])
@@ -215,6 +217,7 @@ def ring_worker(rank: int, world: int, case: Case) -> dict:
                            ref.grads[1][world * case.images + rank * extras:world * case.images + (rank + 1) * extras]])
     terms = case.scale / math.sqrt(world * case.images)
     return {
+        "launches": launch_counts["lse_fwd"],
         "loss": loss.item(), "want_loss": ref.loss, "loss_terms": ref.loss_terms,
         # DDP's convention: rank r's gradient is world * dL/dfeatures_r.
         "image": gradient_error(image.grad / world, ref.grads[0][mine[0]], terms / math.sqrt(world)),
@@ -223,14 +226,21 @@ def ring_worker(rank: int, world: int, case: Case) -> dict:
     }
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", RING_CASES, ids=lambda case: f"world2-{case.id}")
-def test_the_ring_on_two_gpus_matches_float64(case):
-    if torch.cuda.device_count() < 2:
+@pytest.mark.parametrize("case, device", [
+    *(pytest.param(case, "cuda", id=f"cuda-world2-{case.id}", marks=pytest.mark.gpu) for case in RING_GPU),
+    # Two gloo processes with the interpreted kernels (slow to start: spawned, they import everything).
+    *(pytest.param(case, "cpu", id=f"cpu-world2-{case.id}", marks=pytest.mark.slow) for case in RING_CPU),
+])
+def test_the_ring_on_two_ranks_matches_float64(case, device, monkeypatch):
+    if device == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip(f"the ring needs two GPUs; this machine has {torch.cuda.device_count()}")
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the spawned ranks import the kernels for the interpreter
     mode = MODES[case.mode]
-    results = run_in_gloo_world(ring_worker, 2, args=(case,), timeout=300, backend="nccl")
+    results = run_in_gloo_world(ring_worker, 2, args=(case, device), timeout=300,
+                                backend="nccl" if device == "cuda" else "gloo")
     for rank, result in enumerate(results):
+        assert result["launches"] >= 1, "the Triton programs, not the PyTorch reference, computed the loss"
         assert result["loss"] == results[0]["loss"], "every rank returns the same global loss"
         assert abs(result["loss"] - result["want_loss"]) / result["loss_terms"] <= mode.loss_tol, result
         assert result["image"] <= mode.grad_tol and result["text"] <= mode.grad_tol, (rank, result)
