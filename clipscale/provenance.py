@@ -3,6 +3,12 @@ the commit, one record that every results JSON starts from (scripts/bench_*.py a
 scripts/reproduce/*.py call `provenance()`; tests/test_results_provenance.py checks every
 committed file for it).
 
+A file written before a field was recorded gets it from what is known after the fact, marked as
+such (`recovered`):
+
+    git add results/bench_x.json && git commit ...   # as the run wrote it: the date is this commit's
+    python -m clipscale.provenance results/bench_x.json
+
 It lives in the package, not in scripts/, because the scripts run from two folders (scripts/
 and scripts/reproduce/) and on machines where only `import clipscale` is set up; a module there
 would need a sys.path edit in each of them.
@@ -10,8 +16,10 @@ would need a sys.path edit in each of them.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 import re
@@ -19,6 +27,8 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+from clipscale.errors import UserError, run_main
 
 REQUIRED = ("device", "versions", "date", "command")
 # Versions every record names, installed or not: what a speed or memory figure depends on.
@@ -101,3 +111,54 @@ def git_commit() -> str:
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"unknown (git: {error})"
     return head.stdout.strip() + (" (with uncommitted changes)" if changed else "")
+
+
+def recovered(record: dict, path: Path) -> dict:
+    """The record with the fields its run did not write filled in, each marked as recovered: the
+    date is the day git last committed the file (`date_source`), CUDA is read from torch's build
+    tag (+cu130), a version nobody recorded is UNKNOWN (`versions_source` names both). What the run
+    wrote is kept as it is; an older layout's top-level versions move into `versions`."""
+    out, notes = dict(record), []
+    if not isinstance(out.get("versions"), dict):
+        moved = {name: out.pop(name) for name in REQUIRED_VERSIONS if name in out}
+        out["versions"] = moved
+        if moved:
+            notes.append(f"moved {', '.join(moved)} from the record's top level into versions")
+    found = dict(out["versions"])
+    tag = re.search(r"\+cu(\d+)(\d)$", found.get("torch", ""))
+    if "cuda" not in found and tag:
+        found["cuda"] = f"{tag.group(1)}.{tag.group(2)}"
+        notes.append(f"cuda read from torch's build tag (+cu{tag.group(1)}{tag.group(2)})")
+    unknown = [name for name in REQUIRED_VERSIONS if name not in found]
+    found.update({name: UNKNOWN for name in unknown})
+    if unknown:
+        notes.append(f"{', '.join(unknown)} not recorded by the run")
+    out["versions"] = found
+    if notes:
+        out["versions_source"] = "; ".join(notes)
+    if "date" not in out:
+        last = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h %cI", "--", str(path.resolve())],
+                              capture_output=True, text=True).stdout.split()
+        if not last:
+            raise UserError(f"{path} has no date and git has no commit of it: commit the file as the run wrote it, "
+                            "then recover its date from that commit")
+        commit, date = last
+        out["date"] = date[:10]
+        out["date_source"] = f"the day git last committed this file's figures ({commit}); the run did not record its date"
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Fill in the provenance fields a results file lacks, marked as recovered.")
+    parser.add_argument("files", nargs="+", type=Path, help="results JSON files, committed (the date comes from git)")
+    for path in parser.parse_args(argv).files:
+        text = path.read_text()
+        record = json.loads(text)
+        completed = recovered(record, path)
+        if completed != record:
+            path.write_text(json.dumps(completed, indent=1) + ("\n" if text.endswith("\n") else ""))
+            print(f"{path}: recovered {sorted(set(completed) ^ set(record)) or ['versions']}")
+
+
+if __name__ == "__main__":
+    run_main(main)

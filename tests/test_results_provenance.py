@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from clipscale.provenance import REQUIRED, REQUIRED_VERSIONS, provenance
+from clipscale.provenance import REQUIRED, REQUIRED_VERSIONS, UNKNOWN, provenance, recovered
 from tiny_runs import REPO
 
 RESULT_FILES = sorted([*(REPO / "results").glob("*.json"), *(REPO / "docs" / "results").glob("*.json")])
@@ -83,6 +83,30 @@ def test_a_command_line_is_the_interpreters_own():
     script = "from clipscale.provenance import provenance; print(provenance()['command'])"
     out = subprocess.run([sys.executable, "-c", script, "--flag", "a b"], capture_output=True, text=True, check=True)
     assert out.stdout.strip().endswith(shlex.join(["-c", script, "--flag", "a b"]))
+
+
+def test_recovery_fills_only_what_the_run_did_not_write_and_says_so():
+    path = REPO / "results" / "bench_step_h100.json"
+    complete = json.loads(path.read_text())
+    assert recovered(complete, path) == complete
+    as_run = {k: v for k, v in complete.items() if k not in ("date", "date_source", "versions_source")}
+    as_run["versions"] = {k: v for k, v in complete["versions"].items() if k not in ("cuda", "triton")}
+    found = recovered(as_run, path)
+    assert found["versions"]["cuda"] == "13.0" and found["versions"]["triton"] == UNKNOWN
+    assert "torch's build tag" in found["versions_source"] and "triton" in found["versions_source"]
+    committed = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%cI", "--", str(path)],
+                               capture_output=True, text=True, check=True).stdout
+    assert found["date"] == committed[:10] and "git" in found["date_source"]
+    assert {k: v for k, v in found.items() if k not in ("versions", "versions_source", "date", "date_source")} == \
+        {k: v for k, v in as_run.items() if k != "versions"}
+
+
+def test_an_uncommitted_file_without_a_date_is_one_error_line(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"device": "NVIDIA H100", "command": "python x.py", "versions": {}}))
+    run = subprocess.run([sys.executable, "-m", "clipscale.provenance", str(path)], capture_output=True, text=True)
+    assert run.returncode == 2 and run.stderr.startswith("error: ") and "Traceback" not in run.stderr
+    assert str(path) in run.stderr
 
 
 def calls(path) -> set[str]:
