@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 SOURCES = "results/bench_e2e_*.json"
 BEGIN = "<!-- speed table: written by scripts/results_table.py from results/bench_e2e_*.json; do not edit by hand -->"
 END = "<!-- end of speed table -->"
-HEADER = ("| trainer | model | GPUs | global batch | chunk | decoder | samples/s | first / steady step "
-          "| peak host | peak GPU allocated | file |\n|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| trainer | model | GPUs (loader workers each) | global batch | chunk | decoder | samples/s | first / steady step "
+          "| peak host | peak GPU allocated, per GPU | file |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def rows(repo: Path = REPO) -> list[tuple[tuple, str]]:
@@ -55,7 +55,8 @@ def row(result: dict, record: dict, path: Path) -> tuple[tuple, str]:
     if result.get("exit_code"):
         speed += f" (stopped after step {result['steps_done']}, exit {result['exit_code']})"
     gpu = f"{result['peak_gpu_allocated_gib']:.1f} GiB" if "peak_gpu_allocated_gib" in result else "–"
-    cells = ["clipscale" if clipscale else "open_clip_train", case["model"], f"{gpus} × {short(record['device'])}", f"{batch:,}",
+    trainer = "open_clip_train" if not clipscale else f"clipscale, loss {case['loss']}" if "loss" in case else "clipscale"
+    cells = [trainer, case["model"], f"{gpus} × {short(record['device'])} ({record['workers']})", f"{batch:,}",
              case.get("chunk", "–"), decoder, speed, steps, f"{result['peak_host_gib']:.1f} GiB", gpu,
              f"[{path.name}]({path})"]
     return (case["model"], batch, gpus, decoder, not clipscale, str(path)), "| " + " | ".join(cells) + " |"

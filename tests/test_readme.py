@@ -113,8 +113,9 @@ def test_the_table_shows_current_cases_only(tmp_path):
             "peak_host_gib": 20.0, "peak_gpu_allocated_gib": 44.0}
     void = {**case, "case": {**case["case"], "batch": "1024"}, "void": "a loss was not finite"}
     superseded = {**case, "case": {**case["case"], "batch": "2048"}, "superseded": "measured again"}
-    record = {"device": "NVIDIA H100 80GB HBM3", "cases": [case, void, superseded]}
+    record = {"device": "NVIDIA H100 80GB HBM3", "workers": 14, "cases": [case, void, superseded]}
     (tmp_path / "results" / "bench_e2e_new.json").write_text(json.dumps(record))
     lines = results_table().table(tmp_path).splitlines()
     assert len(lines) == 3
-    assert "| 65,536 | 512 | loader | 1,234 | 80 s / 50.0 s | 20.0 GiB | 44.0 GiB |" in lines[2]
+    assert lines[2].startswith("| clipscale | ViT-B-16 | 1 × H100 (14) | 65,536 | 512 | loader | 1,234 | 80 s / 50.0 s "
+                               "| 20.0 GiB | 44.0 GiB |")
