@@ -81,11 +81,22 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     # "digits": scikit-learn's handwritten digits, written as shards on first use.
-    # "webdataset": train_shards / val_shards brace patterns ("data/{000..099}.tar").
-    kind: Literal["digits", "webdataset"] = "digits"
+    # "webdataset": train_shards is a brace pattern of tar shards ("data/{00000..00099}.tar"; img2dataset's
+    #   layout: KEY.jpg, KEY.txt, KEY.json), local files, `pipe:` commands or http(s):// URLs; several
+    #   sources joined with "::". "csv": train_shards is a CSV file (several joined with "::") of image
+    #   paths (relative to its folder) and captions. docs/own_data.md.
+    kind: Literal["digits", "webdataset", "csv"] = "digits"
     root: str = "data/digits"
     train_shards: Optional[str] = None
-    image_size: int = 32
+    image_size: Optional[int] = None  # digits only: the size the digits are drawn at (null: 32); else the model's decides
+    image_key: str = "jpg;jpeg;png;webp"  # a sample's image: the first of these members it has
+    caption_key: str = "txt;text;caption"  # a sample's caption: the first of these members it has
+    # open_clip's --train-data-upsampling-factors: one draw weight per "::" source (a list or "1::2"); needs resampled
+    upsampling_factors: Optional[list | str] = None
+    resampled: bool = False  # open_clip's --dataset-resampled: each epoch's shards drawn with replacement
+    csv_image_key: str = "filepath"  # open_clip's --csv-img-key
+    csv_caption_key: str = "title"  # open_clip's --csv-caption-key
+    csv_separator: str = "\t"  # open_clip's --csv-separator
     workers: int = 2
     shuffle_buffer: int = 1000
     # Who decodes training images (clipscale/data/pipeline.py). "loader": the loader workers, with
@@ -163,6 +174,9 @@ class EvalConfig:
     sets: list = field(default_factory=list)
     batch_size: int = 256
     workers: int = 2
+    # open_clip's --val-data: held-out shards (a brace pattern) or a .csv/.tsv file, read with data.*'s keys;
+    # gives val_loss (the configured loss over eval.batch_size batches) and val_ retrieval recalls
+    val_data: Optional[str] = None
 
 
 @dataclass
@@ -364,20 +378,50 @@ def resolve_run_length(cfg: TrainConfig) -> None:
     cfg.steps = steps
 
 
+def check_data_section(cfg: DataConfig) -> None:
+    if cfg.kind != "digits" and not cfg.train_shards:
+        raise ConfigError(f"data.train_shards: required when data.kind is {cfg.kind!r}")
+    if cfg.image_size is not None and cfg.kind != "digits":
+        raise ConfigError(f"data.image_size: only for data.kind=digits (the size the digits are drawn at); with "
+                          f"{cfg.kind} data the model's image size decides the training crop: remove the key")
+    if cfg.image_size is not None and cfg.image_size <= 0:
+        raise ConfigError(f"data.image_size: must be positive, got {cfg.image_size}")
+    for key in ("image_key", "caption_key", "csv_image_key", "csv_caption_key"):
+        if not getattr(cfg, key).strip(";"):
+            raise ConfigError(f"data.{key}: must name at least one key")
+    if len(cfg.csv_separator) != 1:
+        raise ConfigError(f"data.csv_separator: must be one character, got {cfg.csv_separator!r}")
+    if cfg.upsampling_factors is not None:
+        if not cfg.resampled:
+            raise ConfigError("data.upsampling_factors: weights for drawing shards with replacement; "
+                              "set data.resampled: true (as open_clip's --dataset-resampled)")
+        factors = cfg.upsampling_factors
+        factors = factors.split("::") if isinstance(factors, str) else factors
+        sources = len((cfg.train_shards or "").split("::"))
+        try:
+            cfg.upsampling_factors = [check_value("data.upsampling_factors", float(f) if isinstance(f, str) else f, float)
+                                      for f in factors]
+        except ValueError:
+            raise ConfigError(f"data.upsampling_factors: expected numbers (a list or '1::2'), got {factors!r}") from None
+        if len(cfg.upsampling_factors) != sources:
+            raise ConfigError(f"data.upsampling_factors: {len(cfg.upsampling_factors)} factors for {sources} sources "
+                              "(data.train_shards joined with '::'); give one per source")
+        if not all(f > 0 for f in cfg.upsampling_factors):
+            raise ConfigError(f"data.upsampling_factors: must be positive, got {factors!r}")
+
+
 def check_sections(cfg: Config) -> None:
     """Checks that span keys of the configuration alone; per-key types are checked while applying."""
     check_model_section(cfg.model)
     if cfg.train.batch_size <= 0:
         raise ConfigError(f"train.batch_size: must be positive, got {cfg.train.batch_size}")
     resolve_run_length(cfg.train)
-    if cfg.data.kind == "webdataset" and not cfg.data.train_shards:
-        raise ConfigError("data.train_shards: required when data.kind is 'webdataset'")
+    check_data_section(cfg.data)
     positive = {
         "train.batch_size": cfg.train.batch_size,
         "train.steps": cfg.train.steps,
         "train.log_every": cfg.train.log_every,
         "train.checkpoint_every": cfg.train.checkpoint_every,
-        "data.image_size": cfg.data.image_size,
         "data.max_image_pixels": cfg.data.max_image_pixels,
         "eval.batch_size": cfg.eval.batch_size,
     }

@@ -1,16 +1,18 @@
 """`train.chunk_size: auto`: the largest encoder chunk that fits the GPU, from a probe of the real model.
 
 A Gradient Cache step's peak memory is, whatever the chunk: the weights, their gradients
-and AdamW's two moments; the whole batch's features and their gradients; and, at two
-different moments, either the loss over the whole batch or one chunk's activations. So
+and AdamW's two moments; the whole batch's features and their gradients; and the loss over
+the whole batch while the last chunk's graph is still held (`GradCache.reuse_last_chunk`). So
 the probe measures what it cannot compute: the loss's peak on random features of the
 real batch size (a collective under several processes: every rank probes), and one
 chunk's activations at two small chunk sizes, fitted as a line in the chunk size. The
 chunk is then the largest divisor of the batch whose activations fit in what is left
-of `HEADROOM` of the device's memory.
+of `HEADROOM` of the device's memory, less what the data path keeps there for pass 2.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -34,9 +36,11 @@ def _measure(fn, device: torch.device) -> int:
 
 
 def largest_chunk(module: torch.nn.Module, loss_fn, *, batch_size: int, precision_dtype, image_size: int,
-                  context_length: int, vocab_size: int) -> tuple[int, dict]:
+                  context_length: int, vocab_size: int, reserved: int = 0) -> tuple[int, dict]:
     """(chunk size, the probe's figures in GiB) for this process's `batch_size` on `module`'s
-    device. `module` is the unwrapped model (no DDP: its backward hooks would all-reduce)."""
+    device. `module` is the unwrapped model (no DDP: its backward hooks would all-reduce).
+    `reserved`: bytes the step holds on the device beyond what the probe sees (pass-1 chunks
+    kept for pass 2: the data path's `DeviceBudget`)."""
     device = next(module.parameters()).device
     if device.type != "cuda":
         return batch_size, {"note": "not a CUDA device: the whole batch is one chunk"}
@@ -67,21 +71,49 @@ def largest_chunk(module: torch.nn.Module, loss_fn, *, batch_size: int, precisio
         small, large = (_measure(lambda: chunk_pass(size), device) for size in PROBE_CHUNKS)
     module.zero_grad(set_to_none=True)
     torch.cuda.empty_cache()
-    per_sample = max(1, (large - small) / (PROBE_CHUNKS[1] - PROBE_CHUNKS[0]))
-    fixed = max(0, small - per_sample * PROBE_CHUNKS[0])
     capacity = HEADROOM * torch.cuda.get_device_properties(device).total_memory
-    room = capacity - static - features - fixed
-    if room < per_sample or capacity - static - features < loss_peak:
+    return chunk_for(batch_size, Probe(capacity, static, features, loss_peak, (small, large), reserved))
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the probe measured or computed, in bytes."""
+
+    capacity: float  # HEADROOM of the device's memory
+    static: int  # what was allocated before, the weights' gradients and AdamW's moments
+    features: int  # the whole batch's features and their gradients
+    loss_peak: int  # the loss's forward and backward over the whole batch
+    chunk_peaks: tuple[int, int]  # one chunk's forward and backward at PROBE_CHUNKS
+    reserved: int = 0  # held by others during the step: pass-1 chunks kept for pass 2
+
+    def activations(self) -> tuple[float, float]:
+        """(bytes per sample, bytes whatever the chunk) of a chunk's pass: the line through the two peaks."""
+        small, large = self.chunk_peaks
+        per_sample = max(1, (large - small) / (PROBE_CHUNKS[1] - PROBE_CHUNKS[0]))
+        return per_sample, max(0, small - per_sample * PROBE_CHUNKS[0])
+
+
+def chunk_for(batch_size: int, probe: Probe) -> tuple[int, dict]:
+    """The largest divisor of `batch_size` whose chunk's activations fit beside the rest, the
+    loss's included (Gradient Cache keeps the last chunk's graph while the loss runs, its
+    `reuse_last_chunk`), and the figures in GiB; a RuntimeError saying what takes the memory
+    when none fits."""
+    per_sample, fixed = probe.activations()
+    room = probe.capacity - probe.reserved - probe.static - probe.features - probe.loss_peak - fixed
+    if room < per_sample:
         raise RuntimeError(
-            f"train.chunk_size=auto: no chunk fits: {capacity / 2**30:.1f} GiB usable, the model and optimizer "
-            f"take {static / 2**30:.1f}, the batch's features {features / 2**30:.1f}, the loss {loss_peak / 2**30:.1f}, "
-            f"one sample's activations {per_sample / 2**20:.1f} MiB. Lower train.batch_size or use model.grad_checkpointing."
+            f"train.chunk_size=auto: no chunk fits: {probe.capacity / 2**30:.1f} GiB usable, the model and optimizer "
+            f"take {probe.static / 2**30:.1f}, the batch's features {probe.features / 2**30:.1f}, the loss "
+            f"{probe.loss_peak / 2**30:.1f}, chunks kept for pass 2 {probe.reserved / 2**30:.1f}, one sample's "
+            f"activations {per_sample / 2**20:.1f} MiB. Lower train.batch_size or data.keep_on_device_gib, or use "
+            "model.grad_checkpointing."
         )
     fits = min(batch_size, int(room // per_sample))
     chunk = max(d for d in range(1, fits + 1) if batch_size % d == 0)
     gib = 2**30
-    return chunk, {"usable_gib": capacity / gib, "static_gib": static / gib, "features_gib": features / gib,
-                   "loss_gib": loss_peak / gib, "per_sample_mib": per_sample / 2**20, "fits": fits}
+    return chunk, {"usable_gib": probe.capacity / gib, "static_gib": probe.static / gib,
+                   "features_gib": probe.features / gib, "loss_gib": probe.loss_peak / gib,
+                   "kept_gib": probe.reserved / gib, "per_sample_mib": per_sample / 2**20, "fits": fits}
 
 
 def _feature_dim(module, device, autocast, context_length: int) -> int:

@@ -64,19 +64,22 @@ class TrainStep:
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
+        # A GradScaler unscales and updates only after a backward: with no gradient it has no
+        # inf check to update from, and it raises.
+        scaled = self.scaler is not None
         try:
             loss = self.gradcache(images, texts)
         except NonFiniteError:  # raised on every rank alike, before any backward
-            loss = torch.tensor(math.nan)
-        if self.scaler is not None:
+            loss, scaled = torch.tensor(math.nan), False
+        if scaled:
             self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
         applied = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
-        if applied and self.scaler is not None:
+        if applied and scaled:
             self.scaler.step(self.optimizer)
         elif applied:
             self.optimizer.step()
-        if self.scaler is not None:
+        if scaled:
             self.scaler.update()  # after an fp16 overflow this lowers the loss scale
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():

@@ -24,7 +24,6 @@ import torch
 from PIL import Image
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from bench_e2e import versions  # noqa: E402
 from make_synthetic_shards import COLOURS, synthetic_jpeg  # noqa: E402
 
 from clipscale.config import ModelConfig  # noqa: E402
@@ -32,6 +31,7 @@ from clipscale.data.device_decode import DeviceDecoder, decode_parts  # noqa: E4
 from clipscale.data.offload import EncodedImages  # noqa: E402
 from clipscale.data.transforms import SplitTransform  # noqa: E402
 from clipscale.models import build_model  # noqa: E402
+from clipscale.provenance import provenance  # noqa: E402
 
 
 def chunk_of_pieces(split: SplitTransform, chunk: int, piece: int, size: int) -> list[tuple[EncodedImages, int, int]]:
@@ -136,7 +136,7 @@ def main(argv=None) -> None:
         rows.append({"case": name, "ms_per_chunk": 1000 * seconds, "ms_per_image": 1000 * seconds / args.chunk})
         print(f"{name}: {1000 * seconds:.1f} ms per chunk of {args.chunk}", flush=True)
     decoder.close()
-    record = {"device": torch.cuda.get_device_name(device), "versions": versions(), "command": " ".join(sys.argv),
+    record = {**provenance(argv),
               "model": args.model, "chunk": args.chunk, "piece": args.piece, "image_size": args.size,
               "batched_against_image_by_image_resize": agreement, "rows": rows}
     Path(args.out).write_text(json.dumps(record, indent=1))

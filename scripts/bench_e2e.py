@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -34,6 +33,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from clipscale.provenance import provenance
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -163,16 +164,6 @@ def run_case(case: dict, args, timeout: float) -> dict:
     return result
 
 
-def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for name in ("torch", "torchvision", "open_clip", "webdataset", "triton"):
-        try:
-            out[name] = __import__(name).__version__
-        except ImportError:
-            pass
-    return out
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shards", required=True, help="brace pattern of webdataset shards")
@@ -182,11 +173,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
-    import torch
-
-    record = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
-              "cpus": os.cpu_count(), "versions": versions(), "command": " ".join(sys.argv), "shards": args.shards,
-              "workers": args.workers, "date": time.strftime("%Y-%m-%d"), "cases": []}
+    record = {**provenance(argv), "shards": args.shards, "workers": args.workers, "cases": []}
     deadline = time.monotonic() + args.budget
     for spec in args.case:
         case = dict(item.split("=", 1) for item in spec.split(","))

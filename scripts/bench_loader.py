@@ -16,21 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "scripts")]
-from bench_e2e import versions  # noqa: E402
-
 from clipscale.config import load_config  # noqa: E402
 from clipscale.data import prepare_data  # noqa: E402
 from clipscale.data.shards import StreamState  # noqa: E402
 from clipscale.distributed import World  # noqa: E402
 from clipscale.models import build_model  # noqa: E402
 from clipscale.data.pipeline import TrainingBatches  # noqa: E402
+from clipscale.provenance import provenance  # noqa: E402
 
 
 def run_case(case: dict, shards: str, workers: int) -> dict:
@@ -67,11 +65,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
-    import torch
-
-    record = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
-              "cpus": os.cpu_count(), "versions": versions(), "command": " ".join(sys.argv), "shards": args.shards,
-              "workers": args.workers, "date": time.strftime("%Y-%m-%d"), "cases": []}
+    record = {**provenance(argv), "shards": args.shards, "workers": args.workers, "cases": []}
     for spec in args.case:
         result = run_case(dict(item.split("=", 1) for item in spec.split(",")), args.shards, args.workers)
         record["cases"].append(result)

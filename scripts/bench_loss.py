@@ -26,7 +26,6 @@ at b = --acc-b: relative error of the loss and of the feature gradients.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -41,6 +40,7 @@ from clipscale.losses.infcl import infcl_loss
 from clipscale.losses.infcl import kernels as K
 from clipscale.losses.infcl import triton_programs as P
 from clipscale.losses.infcl.precision import tf32_allowed
+from clipscale.provenance import provenance
 
 GiB = 1024**3
 
@@ -369,8 +369,7 @@ def fp32_precision_check(acc_b: int, acc_d: int, speed_b: int, speed_d: int, rep
     if speed_b:
         rows[1]["speedup_vs_tf32_off"] = rows[0]["ms"] / rows[1]["ms"]
     return dict(what="infcl_loss, float32 features: errors against float64 and speed, TF32 not allowed vs allowed",
-                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (TRITON_INTERPRET=1)",
-                torch=torch.__version__, results=rows, kernel_launches=dict(K.launch_counts))
+                **provenance(), results=rows, kernel_launches=dict(K.launch_counts))
 
 
 # ---------------------------------------------------------------------- main
@@ -408,7 +407,6 @@ def main():
             record = fp32_precision_check(37, 16, 48, 16, 1, torch.device("cpu"))
         else:
             record = fp32_precision_check(args.fp32_acc_b, args.fp32_acc_d, args.fp32_speed_b, args.d, 3, torch.device("cuda"))
-        record["command"] = " ".join([os.path.basename(sys.executable)] + sys.argv)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
@@ -416,13 +414,8 @@ def main():
     methods = [m for m in args.methods.split(",") if m]
     sizes = [int(x) for x in args.b.split(",") if x]
 
-    import triton
-
     result = dict(
-        device=torch.cuda.get_device_name(), sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
-        torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command=" ".join([os.path.basename(sys.executable)] + sys.argv), d=args.d,
+        **provenance(), sm_count=torch.cuda.get_device_properties(0).multi_processor_count, d=args.d,
         harness="clipscale.losses.infcl.infcl_loss" if args.via_loss else "scripts/bench_loss.py _OursSymmetric over kernels.lse_pass/grad_pass",
         flops_per_step="8*b^2*d", scale=100.0, timing=[], accuracy=[], selfcheck=None)
 

@@ -15,12 +15,9 @@ median ms and peak extra memory, device, versions, command.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -28,6 +25,7 @@ import torch.distributed as dist
 
 from clipscale.losses import build_loss
 from clipscale.losses.infcl import infcl_loss
+from clipscale.provenance import provenance
 
 
 def timed(fn, repeats: int, device) -> tuple[float, float]:
@@ -124,10 +122,7 @@ def main() -> None:
             "dim": args.dim,
             "dtype": str(dtype),
             "world_size": world,
-            "device": torch.cuda.get_device_name() if cuda else platform.processor(),
-            "versions": {"torch": torch.__version__, "python": platform.python_version()},
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(sys.argv),
+            **provenance(),
             "rows": rows,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

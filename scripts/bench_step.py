@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ from clipscale.config import ModelConfig, OptimConfig
 from clipscale.losses import build_loss
 from clipscale.models import build_model, register_custom
 from clipscale.optim import build_optimizer
+from clipscale.provenance import provenance
 from clipscale.step import TrainStep
 
 SMOKE_MODEL = {  # a few seconds per case on a CPU
@@ -140,9 +140,7 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     architecture = register_custom(SMOKE_MODEL) if args.smoke else args.model
     record = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "versions": {"torch": torch.__version__, "open_clip": open_clip.__version__, "python": platform.python_version()},
-        "command": " ".join(sys.argv),
+        **provenance(),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "cases": [],
     }

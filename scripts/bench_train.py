@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import sys
 import time
 
 import open_clip
 import torch
-import torchvision
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
 from clipscale.data.batches import HostTensor
 from clipscale.losses import build_loss
+from clipscale.provenance import provenance
 from clipscale.step import TrainStep
 
 IMAGE_SIZE, CONTEXT, VOCAB = 224, 77, 49408
@@ -50,9 +48,7 @@ class Bench:
         self.deadline = time.monotonic() + args.budget
         self.loss_name, self.loss_note = self.pick_loss()
         self.record = {
-            "device": torch.cuda.get_device_name() if self.device.type == "cuda" else platform.processor(),
-            "versions": versions(),
-            "command": " ".join(sys.argv),
+            **provenance(),
             "loss": self.loss_name,
             "loss_note": self.loss_note,
             "precision": "bf16 autocast, fp32 master weights, AdamW",
@@ -203,18 +199,6 @@ def host_bytes(column) -> int:
     """Bytes of a batch column on the host as if every sample were distinct."""
     tensor = column.tensor if isinstance(column, HostTensor) else column
     return tensor.numel() * tensor.element_size() if tensor.device.type == "cpu" else 0
-
-
-def versions() -> dict:
-    found = {"python": platform.python_version(), "torch": torch.__version__,
-             "open_clip": open_clip.__version__, "torchvision": torchvision.__version__}
-    try:
-        import triton
-
-        found["triton"] = triton.__version__
-    except ImportError:
-        pass
-    return found
 
 
 def main():

@@ -9,18 +9,44 @@ from pathlib import Path
 # core, and OpenMP threads spinning for a core that another worker holds cost more than they give.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# Triton decides when it is first imported whether its own @jit library functions
-# are interpreted, and torch, timm or open_clip may import it before the kernel
-# tests set TRITON_INTERPRET=1; kernels run later would then fail. Import it here,
-# before any test module, in interpreter mode (CPU tests never run compiled kernels).
-from triton_interpreter import interpreter_env  # noqa: E402
-
-with interpreter_env():
-    import triton.language  # noqa: F401
-
 import pytest  # noqa: E402
+import torch  # noqa: E402
+from _pytest.mark.expression import Expression  # noqa: E402
 
 from clipscale.data.digits import write_digits_shards  # noqa: E402
+from triton_interpreter import interpreter_env  # noqa: E402
+
+GPU_SUITE = "python -m pytest -m gpu -n 0 tests"
+
+
+def is_gpu_session(config) -> bool:
+    """`-m gpu` (the GPU suite alone) on a machine with CUDA: Triton compiles for the GPU."""
+    markexpr = config.getoption("markexpr") or ""
+    if not markexpr or not torch.cuda.is_available():
+        return False
+    selects = Expression.compile(markexpr).evaluate
+    return selects(lambda name, **_: name == "gpu") and not selects(lambda name, **_: False)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """The GPU suite's session imports only its own modules (tests/test_gpu_*.py): the others
+    import the Triton programs for the interpreter (test_kernels, test_crop_resize)."""
+    name = collection_path.name
+    if getattr(config, "gpu_session", False) and name.startswith("test_") and not name.startswith("test_gpu_"):
+        return True
+    return None
+
+
+def pytest_configure(config):
+    """Triton decides when it is first imported whether its own @jit library functions are
+    interpreted, and torch, timm or open_clip may import it before the kernel tests set
+    TRITON_INTERPRET=1; kernels run later would then fail. So it is imported here, before any
+    test module: in interpreter mode for the CPU tests, compiled for the GPU suite (one mode a
+    process: the two never run in one session)."""
+    config.gpu_session = is_gpu_session(config)
+    if not config.gpu_session:
+        with interpreter_env():
+            import triton.language  # noqa: F401
 
 
 @pytest.fixture(scope="session")
@@ -73,8 +99,16 @@ def mounted(tmp_path):
         subprocess.run(["umount", str(point)], check=True)
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """Modules that are slow as a whole (chains of real runs, the Slurm cluster) first: with
     `--dist loadfile` pytest-xdist hands modules out in this order, so the longest start early
-    and the short ones fill in the end."""
+    and the short ones fill in the end. Tests marked `gpu` are skipped, saying why, outside the
+    GPU suite's own session."""
     items.sort(key=lambda item: getattr(item.module, "pytestmark", None) != pytest.mark.slow)
+    if config.gpu_session:
+        return
+    reason = (f"needs a CUDA device: the GPU suite runs on the GPU machine ({GPU_SUITE})" if not torch.cuda.is_available()
+              else f"a GPU test runs in the GPU suite's own session, where Triton compiles ({GPU_SUITE})")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.skip(reason=reason))

@@ -2,6 +2,8 @@
 
     results = run_in_gloo_world(worker, world_size=3, args=(...), timeout=120)
 
+`backend="nccl"` runs one process per GPU (rank r on cuda:r) instead.
+
 `worker(rank, world_size, *args)` must be a module-level function (it is
 pickled into spawned processes). The process group is initialised before it
 runs and destroyed after; its return value (tensors are fine) comes back in
@@ -29,11 +31,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, worker, args, results):
+def _entry(rank, world_size, port, worker, args, results, backend):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
         out = worker(rank, world_size, *args)
         # Tensors put on a queue live in shared memory that vanishes with this
@@ -48,12 +52,12 @@ def _entry(rank, world_size, port, worker, args, results):
             dist.destroy_process_group()
 
 
-def run_in_gloo_world(worker, world_size: int, args: tuple = (), timeout: float = 120.0) -> list:
+def run_in_gloo_world(worker, world_size: int, args: tuple = (), timeout: float = 120.0, backend: str = "gloo") -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(rank, world_size, port, worker, args, results), daemon=True)
+        ctx.Process(target=_entry, args=(rank, world_size, port, worker, args, results, backend), daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:
@@ -64,7 +68,7 @@ def run_in_gloo_world(worker, world_size: int, args: tuple = (), timeout: float 
             try:
                 rank, status, payload = results.get(timeout=timeout)
             except queue.Empty:
-                raise TimeoutError(f"gloo world of {world_size} did not finish within {timeout}s") from None
+                raise TimeoutError(f"{backend} world of {world_size} did not finish within {timeout}s") from None
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
             collected[rank] = torch.load(io.BytesIO(payload), weights_only=False)

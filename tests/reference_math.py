@@ -106,3 +106,96 @@ def block_logits_float64(image, text, scale, row_offset=0, col_offset=0, mask_di
         cols = torch.arange(len(text))[None, :] + col_offset
         x = x.masked_fill(rows == cols, float("-inf"))
     return x
+
+
+# --- the same losses in float64 blocks, for batches whose b x b matrix does not fit --------------
+
+@dataclass
+class TiledReference:
+    loss: float
+    loss_terms: float  # mean |LSE| + mean |positive logit|: the size of what the loss is the difference of
+    grads: list[torch.Tensor]  # dL/d(each input), float64, on the inputs' device
+    scale_grad: float  # dL/ds (0.0 where the scale is not an input)
+    scale_grad_terms: float  # sum_ij |dL/dx_ij * x_ij| / s: the size of the terms dL/ds adds up
+
+
+def _blocks(count: int, block: int) -> list[slice]:
+    return [slice(start, min(start + block, count)) for start in range(0, count, block)]
+
+
+def clip_loss_float64_tiled(image: torch.Tensor, text: torch.Tensor, scale: float, block: int = 8192) -> TiledReference:
+    """clip_loss_float64 for one process (image i's partner is text i; texts from len(image) on
+    are extra negatives), in float64 blocks of `block` x `block` logits on the inputs' device:
+    O((m + n) * d + block^2) memory. Row and column log-sum-exps first, then per block
+
+        G_ij = dL/dx_ij = (exp(x_ij - r_i) + [j < m] exp(x_ij - c_j)) / 2m    (- [i == j] / m, added after)
+        dL/dI = s G T,  dL/dT = s G^T I,  dL/ds = sum_ij G_ij x_ij / s
+    """
+    m, n, s = len(image), len(text), float(scale)
+    image, text = image.double(), text.double()
+    rows, cols = _blocks(m, block), _blocks(n, block)
+    row_lse = torch.full((m,), float("-inf"), dtype=torch.float64, device=image.device)
+    col_lse = torch.full((n,), float("-inf"), dtype=torch.float64, device=image.device)
+    for r in rows:
+        for c in cols:
+            x = s * image[r] @ text[c].T
+            row_lse[r] = torch.logaddexp(row_lse[r], x.logsumexp(1))
+            col_lse[c] = torch.logaddexp(col_lse[c], x.logsumexp(0))
+    positive = s * (image * text[:m]).sum(1)
+    loss = ((row_lse - positive).mean() + (col_lse[:m] - positive).mean()) / 2
+
+    grad_image, grad_text = torch.zeros_like(image), torch.zeros_like(text)
+    scale_grad = terms = torch.zeros((), dtype=torch.float64, device=image.device)
+    for r in rows:
+        for c in cols:
+            x = s * image[r] @ text[c].T
+            g = torch.exp(x - row_lse[r, None])
+            paired = max(0, min(c.stop, m) - c.start)  # the block's columns with a partner image
+            g[:, :paired] += torch.exp(x[:, :paired] - col_lse[None, c.start:c.start + paired])
+            g /= 2 * m
+            grad_image[r] += s * g @ text[c]
+            grad_text[c] += s * g.T @ image[r]
+            scale_grad = scale_grad + (g * x).sum() / s
+            terms = terms + (g * x).abs().sum() / s
+    grad_image -= s / m * text[:m]  # the positive logits' -1/m
+    grad_text[:m] -= s / m * image
+    scale_grad = scale_grad - positive.sum() / (m * s)
+    terms = terms + positive.abs().sum() / (m * s)
+    loss_terms = (row_lse.abs().mean() + col_lse[:m].abs().mean()) / 2 + positive.abs().mean()
+    return TiledReference(loss.item(), loss_terms.item(), [grad_image, grad_text], scale_grad.item(), terms.item())
+
+
+def ntxent_loss_float64_tiled(features: torch.Tensor, temperature: float, block: int = 8192) -> TiledReference:
+    """ntxent_loss_float64 for one process ([2b, d], row k's positive is row (k + b) mod 2b, the
+    diagonal excluded), in float64 blocks on the inputs' device. With x = F F^T / t and N = 2b:
+
+        G_kj = exp(x_kj - l_k) / N  (0 on the diagonal; - [j == pos(k)] / N added after)
+        dL/dF = (G + G^T) F / t
+    """
+    count, s = len(features), 1.0 / temperature
+    f = features.double()
+    blocks = _blocks(count, block)
+    lse = torch.full((count,), float("-inf"), dtype=torch.float64, device=f.device)
+
+    def logits(r: slice, c: slice) -> torch.Tensor:
+        x = s * f[r] @ f[c].T
+        first = max(r.start, c.start)
+        diagonal = torch.arange(first, max(first, min(r.stop, c.stop)), device=f.device)
+        x[diagonal - r.start, diagonal - c.start] = float("-inf")
+        return x
+
+    for r in blocks:
+        for c in blocks:
+            lse[r] = torch.logaddexp(lse[r], logits(r, c).logsumexp(1))
+    partner = f.roll(-(count // 2), 0)  # row k: the features of row pos(k)
+    positive = s * (f * partner).sum(1)
+    loss = (lse - positive).mean()
+
+    grad = torch.zeros_like(f)
+    for r in blocks:
+        for c in blocks:
+            g = torch.exp(logits(r, c) - lse[r, None]) / count
+            grad[r] += s * g @ f[c]
+            grad[c] += s * g.T @ f[r]
+    grad -= 2 * s / count * partner  # pos is an involution: -1/N at (k, pos(k)) reaches row k twice
+    return TiledReference(loss.item(), (lse.abs().mean() + positive.abs().mean()).item(), [grad], 0.0, 0.0)

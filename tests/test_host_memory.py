@@ -80,7 +80,7 @@ def _measure(shards: str, batch_size: int, tmp_path) -> dict[str, int]:
     the process tree's peak through the run."""
     model = ("model.custom={embed_dim: 32, vision_cfg: {image_size: %d, patch_size: 16, width: 64, layers: 1, "
              "head_width: 32}, text_cfg: {context_length: 16, vocab_size: 49408, width: 64, heads: 2, layers: 1}}" % SIZE)
-    overrides = [model, "data.kind=webdataset", f"data.train_shards={shards}", f"data.image_size={SIZE}",
+    overrides = [model, "data.kind=webdataset", f"data.train_shards={shards}",
                  f"train.batch_size={batch_size}", "train.chunk_size=256", f"run.output_dir={tmp_path}"]
     child = subprocess.Popen([sys.executable, "-c", CHILD, DIGITS_YAML, *overrides], cwd=REPO, text=True,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

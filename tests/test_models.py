@@ -262,7 +262,7 @@ def test_training_starts_from_an_open_clip_checkpoint_with_lit(digits_root, tmp_
     assert not torch.equal(trained["text_projection"], pretrained["text_projection"])
 
 
-@pytest.mark.parametrize("name", ["vit_b16_infcl", "lit_vit_b16", "timm_hf_example"])
+@pytest.mark.parametrize("name", ["vit_b16_infcl", "lit_vit_b16", "timm_hf_example", "webdataset_example"])
 def test_example_configs_are_valid(name, hf_folder, tmp_path):
     """The example configs pass every check (keys, values, loss against model) once their local files exist."""
     (tmp_path / "weights.pt").write_bytes(b"")

@@ -24,6 +24,7 @@ from clipscale.data.batches import BatchStream
 from clipscale.data.device_decode import DeviceDecodedImages
 from clipscale.data.offload import EncodedImages, OffloadedImages
 from clipscale.data.shards import ShardErrors, ShardStream, StreamState
+from clipscale.data.sources import IMAGE
 from clipscale.data.transforms import SplitTransform
 from clipscale.step import TrainStep
 from clipscale.metrics import read_metrics
@@ -111,7 +112,8 @@ def test_the_offloaded_piece_keeps_the_encoded_bytes(digits_root):
     """What the loader hands over with offload is the shards' PNG bytes, in stream order."""
     stream = _stream(digits_root, OPEN_CLIP_TRAIN, offload=True)
     piece = next(iter(stream))
-    raw = [s["png"] for s, _ in zip(stream._raw_samples(0, 0, 1, ShardErrors()), range(50))]  # digits: none skipped
+    shuffled = stream.shuffled_epoch(0, 0, 1, ShardErrors()).samples()
+    raw = [s[IMAGE] for s, _ in zip(shuffled, range(50))]  # digits: none skipped
     encoded = piece["encoded"]
     assert encoded.data.numpy().tobytes() == b"".join(raw)
     assert [encoded[i][0] for i in range(50)] == raw

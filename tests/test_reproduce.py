@@ -1,6 +1,6 @@
 """The GPU reproduction scripts (Tables 1, 2, 4, S1): their --smoke path runs on a CPU and
 writes a well-formed JSON with its provenance, and a PNG. The GPU numbers themselves come
-from running them on the device (docs/results.md says how)."""
+from running them on the device (docs/benchmarks.md says how)."""
 
 import json
 import sys

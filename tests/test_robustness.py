@@ -82,10 +82,10 @@ def _consume(batches, state: StreamState) -> StreamState:
 def test_broken_samples_and_shards_are_skipped_and_counted(broken_shards, offload):
     stream = _stream(broken_shards, offload=offload)
     state = _consume(islice(stream, 30), StreamState())  # ~4 epochs of ~130 usable samples
-    (epoch, position), = state.cursors.values()
+    (epoch, position, *_), = state.cursors.values()
     # Every sample the stream consumed, in its order, judged by what the fixture broke.
-    consumed = [raw for e in range(epoch) for raw in stream._raw_samples(e, 0, 1, ShardErrors())]
-    consumed += list(islice(stream._raw_samples(epoch, 0, 1, ShardErrors()), position))
+    consumed = [raw for e in range(epoch) for raw in stream.shuffled_epoch(e, 0, 1, ShardErrors()).samples()]
+    consumed += list(islice(stream.shuffled_epoch(epoch, 0, 1, ShardErrors()).samples(), position))
     assert state.skipped_samples == sum(map(_unusable, consumed)) >= 3 * 16
     # The truncated shard fails once per pass; the shuffle buffer reads a little ahead of the batches.
     assert epoch <= state.shard_errors <= epoch + 1

@@ -3,20 +3,26 @@
 Every (rank, loader worker) pair is one *consumer*. In epoch e the shard list
 is permuted with a seed derived from (seed, e); consumer c reads every
 C-th shard of that order (or, with fewer shards than consumers, every C-th
-sample of all shards), shuffles through a buffer seeded by (seed, e, c),
-decodes and hands out *pieces* of `piece_size` samples. The stream never ends,
-so every rank takes exactly `train.steps` steps whatever the shard sizes.
+sample of all shards); with resampled shards (`ShardSource.resampled`) it draws
+its epoch's shards with replacement instead, seeded by (seed, e, c). It shuffles
+through a buffer seeded by (seed, e, c) (`clipscale.data.epoch`), decodes and hands
+out *pieces* of `piece_size` samples. The stream never ends, so every rank takes
+exactly `train.steps` steps whatever the shard sizes. Shards are tar files (local,
+`pipe:`, `http(s)://`) or a CSV table's row blocks (`clipscale.data.sources`).
 
 Workers never assemble a whole batch. DataLoader hands out pieces round-robin over
 its workers, so all workers decode for the same step at once, and the trainer
 gathers a step's pieces (`clipscale.data.batches`) while the step already runs on
 the first ones. Piece k of a rank comes from logical worker (k + first) mod W.
 
-Resumption is exact: every piece carries its worker's cursor (epoch and the number
-of raw samples consumed in that epoch). The trainer records the cursor of the last
-piece it used from each worker and how many pieces it used; a resumed stream skips
-whole epochs for free, replays only the current epoch's raw samples without
-decoding them, and rotates which logical worker its first loader slot serves.
+Resumption is exact, resampled shards included: every piece carries its worker's
+cursor (epoch, and where the epoch stands: draws from the shuffle buffer, the sizes
+of the shards read to their end, the buffer's raw sample indices). The trainer
+records the cursor of the last piece it used from each worker and how many pieces
+it used; a resumed stream skips whole epochs for free, seeks to its place in the
+current epoch (it reads again only the shards that hold the buffer's samples, and
+decodes none of them; `clipscale.data.epoch`), and rotates which logical worker
+its first loader slot serves.
 
 Nothing in the data stops a run or shrinks a batch. Samples that cannot be
 decoded (corrupt image bytes, no caption, an image whose header claims more
@@ -40,24 +46,22 @@ import random
 import warnings
 import zlib
 from dataclasses import dataclass, field
-from itertools import chain
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import webdataset as wds
 
 from clipscale.data.device_decode import decodes_at_reduced_scale, is_whole_jpeg
 from clipscale.data.members import DATA_ERRORS, decode_text, first_member, open_image
+from clipscale.data.epoch import EpochPlan, ShuffledEpoch
 from clipscale.data.offload import EncodedImages
+from clipscale.data.sources import IMAGE_KEYS, TEXT_KEYS, ShardSource
 from clipscale.data.transforms import SplitTransform
-
-IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
-TEXT_KEYS = ("txt", "text", "caption")
 
 
 @dataclass
 class StreamState:
-    """Where each logical worker of one rank stands: {worker: (epoch, raw samples consumed)}."""
+    """Where each logical worker of one rank stands: {worker: (epoch, *ShuffledEpoch.position())}."""
 
     cursors: dict = field(default_factory=dict)
     pieces: int = 0  # pieces consumed by the trainer; decides the worker rotation on resume
@@ -65,8 +69,8 @@ class StreamState:
     shard_errors: int = 0  # shards that could not be read to their end
 
     def update(self, piece: dict) -> None:
-        worker, epoch, position = piece["cursor"]
-        self.cursors[worker] = (epoch, position)
+        worker, *cursor = piece["cursor"]
+        self.cursors[worker] = tuple(cursor)
         self.pieces += 1
         self.skipped_samples += piece["skipped_samples"]
         self.shard_errors += piece["shard_errors"]
@@ -142,7 +146,7 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def __init__(
         self,
-        shards: list[str],
+        shards: Sequence[str] | ShardSource,
         *,
         piece_size: int,
         rank: int,
@@ -158,11 +162,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         decode: bool = True,
         max_image_pixels: Optional[int] = None,
     ):
-        if not shards:
-            raise ValueError("no training shards given")
         if (keep_encoded or not decode) and split is None:
             raise ValueError("keeping images encoded needs a split transform (the crop drawn apart from the decode)")
-        self.shards = list(shards)
+        self.source = shards if isinstance(shards, ShardSource) else ShardSource(list(shards))
         self.piece_size = piece_size
         self.rank = rank
         self.world_size = world_size
@@ -179,18 +181,21 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.cursors = dict(state.cursors)
         self.first_worker = state.pieces % self.num_workers
 
-    def _raw_samples(self, epoch: int, consumer: int, consumers: int, errors: ShardErrors):
-        order = list(self.shards)
+    def _plan(self, epoch: int, consumer: int, consumers: int) -> EpochPlan:
+        """The shards `consumer` reads in `epoch`, and which of their samples are its own."""
+        shards = self.source.shards
+        if self.source.resampled:  # drawn with replacement, weighted by the sources' upsampling factors
+            draw = random.Random(f"{self.seed}/resampled/{epoch}/{consumer}")
+            return EpochPlan(draw.choices(shards, weights=self.source.weights, k=max(1, len(shards) // consumers)))
+        order = list(shards)
         random.Random(f"{self.seed}/shards/{epoch}").shuffle(order)
         if len(order) >= consumers:
-            mine, keep = order[consumer::consumers], None
-        else:
-            mine, keep = order, consumer
-        samples = chain.from_iterable(errors.read(url) for url in mine)
-        if keep is not None:
-            samples = (s for i, s in enumerate(samples) if i % consumers == keep)
-        return wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, seed=f"{self.seed}/{epoch}/{consumer}")(samples)
+            return EpochPlan(order[consumer::consumers])
+        return EpochPlan(order, stride=consumers, phase=consumer)
 
+    def shuffled_epoch(self, epoch: int, consumer: int, consumers: int, errors: ShardErrors) -> ShuffledEpoch:
+        return ShuffledEpoch(self.source, self._plan(epoch, consumer, consumers), self.shuffle_buffer,
+                             f"{self.seed}/{epoch}/{consumer}", errors)
     def _piece(self, samples: list[tuple], cursor: tuple, skipped: int, shard_errors: int) -> dict:
         pixels, encoded, captions = zip(*samples)
         piece = {
@@ -211,38 +216,35 @@ class ShardStream(torch.utils.data.IterableDataset):
         worker = (slot + self.first_worker) % self.num_workers
         consumer = self.rank * self.num_workers + worker
         consumers = self.world_size * self.num_workers
-        epoch, position = self.cursors.get(worker, (0, 0))
+        epoch, *position = self.cursors.get(worker, (0,))
         samples, skipped, errors = [], 0, ShardErrors()
         epochs_without_a_sample = 0
         while True:
             usable = 0
-            for index, raw in enumerate(self._raw_samples(epoch, consumer, consumers, errors)):
-                if index < position:  # consumed before a resume: its errors were counted then
-                    errors.count = 0
-                    continue
-                position = index + 1
+            shuffled = self.shuffled_epoch(epoch, consumer, consumers, errors)
+            for raw in shuffled.samples(*position):
                 # Augmentation randomness is a function of the sample's place in the
                 # stream, so a resumed run draws the same crops as an uninterrupted one.
                 # Only the CPU generator: torch.manual_seed also queues a CUDA reseed, whose stack capture
                 # cost a third of a sample's loading time, and reseeded a GPU's RNG under an in-process loader.
-                sample_seed = zlib.crc32(f"{self.seed}/{epoch}/{consumer}/{position}".encode())
+                sample_seed = zlib.crc32(f"{self.seed}/{epoch}/{consumer}/{shuffled.draws}".encode())
                 with torch.random.fork_rng(devices=[]):
                     torch.random.default_generator.manual_seed(sample_seed)
-                    sample = load_sample(raw, self.image_transform, self.split, self.keep_encoded, self.decode,
-                                         self.max_image_pixels)
+                    sample = None if raw is None else load_sample(raw, self.image_transform, self.split,
+                                                                   self.keep_encoded, self.decode, self.max_image_pixels)
                 if sample is None:
                     skipped += 1
                     continue
                 usable += 1
                 samples.append(sample)
                 if len(samples) == self.piece_size:
-                    yield self._piece(samples, (worker, epoch, position), skipped, errors.count)
+                    yield self._piece(samples, (worker, epoch, *shuffled.position()), skipped, errors.count)
                     samples, skipped, errors.count = [], 0, 0
-            if position == 0:
-                raise RuntimeError(f"consumer {consumer} found no samples in its shards: {self.shards}")
+            if shuffled.draws == 0:
+                raise RuntimeError(f"consumer {consumer} found no samples in its shards: {self.source.shards}")
             # Shards move between consumers every epoch, so one bad pass can be bad luck;
             # several in a row mean the data itself is broken, and waiting would hang the run.
             epochs_without_a_sample = 0 if usable else epochs_without_a_sample + 1
             if epochs_without_a_sample == 3:
                 raise RuntimeError(f"consumer {consumer} decoded no sample in 3 passes over its shards ({skipped} skipped)")
-            epoch, position = epoch + 1, 0
+            epoch, position = epoch + 1, ()

@@ -1,7 +1,8 @@
 """The evaluations a training run makes: every configured set, by all ranks together.
 
 Results are flat `<set>_<metric>` keys: `zeroshot_acc1` for the held-out digits,
-`imagenet_acc1`, `coco_image_retrieval_recall@1`, ... for eval.sets.
+`imagenet_acc1`, `coco_image_retrieval_recall@1`, ... for eval.sets, `val_loss` and
+`val_image_retrieval_recall@1`, ... for eval.val_data (`clipscale.eval.validation`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from clipscale.config import Config, eval_task
 from clipscale.distributed import World
 from clipscale.distributed import unwrap
 from clipscale.eval.tasks import run_task
+from clipscale.eval.validation import Validation
 from clipscale.eval.zeroshot import evaluate_zeroshot, zeroshot_classifier
 
 
@@ -17,6 +19,7 @@ class Evaluator:
     def __init__(self, cfg: Config, data, towers, world: World, autocast):
         self.cfg, self.data, self.towers, self.world, self.autocast = cfg, data, towers, world, autocast
         self.tasks = [eval_task(entry) for entry in cfg.eval.sets]
+        self.validation = Validation(cfg, towers, world, autocast) if cfg.eval.val_data else None
 
     def __call__(self, model) -> dict:
         unwrapped = unwrap(model)
@@ -36,4 +39,6 @@ class Evaluator:
                 progress=self.world.is_main,
             )
             results.update({f"{task.name}_{k}": v for k, v in metrics.items()})
+        if self.validation is not None:
+            results.update(self.validation(model))
         return results

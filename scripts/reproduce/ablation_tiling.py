@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from clipscale.checks import check_loss_choices
-from common import RESULTS, provenance, publish, pyplot, save_figure
+from clipscale.provenance import provenance
+from common import RESULTS, publish, pyplot, save_figure
 from training_step import (
     load_workload,
     loss_memory_gib,

@@ -22,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO, RESULTS, provenance, pyplot, save_figure, write_json
+from clipscale.provenance import provenance
+from common import REPO, RESULTS, pyplot, save_figure, write_json
 
 sys.path.insert(0, str(REPO / "scripts"))
 from bench_step import SMOKE_MODEL

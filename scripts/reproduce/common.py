@@ -1,37 +1,14 @@
-"""What every reproduction script shares: the provenance block of its JSON, and its output files."""
+"""What every reproduction script shares: its output files (the provenance block of its JSON is
+clipscale.provenance's)."""
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
-import platform
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "docs" / "results"
-
-
-def provenance(argv: list[str] | None) -> dict:
-    """Device, versions, date and command, so a JSON file says where its numbers come from."""
-    import torch
-
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for package in ("open_clip", "triton"):
-        try:
-            versions[package] = __import__(package).__version__
-        except ImportError:
-            pass
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or platform.machine()
-    if torch.cuda.is_available() and torch.distributed.is_initialized():
-        device = f"{torch.distributed.get_world_size()} x {device}"
-    return {
-        "device": device,
-        "versions": versions,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join(["python", sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-    }
 
 
 def write_json(record: dict, path: Path) -> None:

@@ -21,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO, RESULTS, provenance, publish, pyplot, save_figure
+from clipscale.provenance import provenance
+from common import REPO, RESULTS, publish, pyplot, save_figure
 
 
 def run_loss(loss: str, args, run_root: Path) -> list[float]:

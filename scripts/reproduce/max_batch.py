@@ -46,7 +46,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # scripts/bench_*.py
 from bench_step import SyntheticBatches, open_clip_train_steps
 from clipscale.checks import check_loss_choices
-from common import RESULTS, log_log, provenance, publish, pyplot, save_figure, write_json
+from clipscale.provenance import provenance
+from common import RESULTS, log_log, publish, pyplot, save_figure, write_json
 from training_step import (
     GIB,
     agree,

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from clipscale.checks import check_loss_choices
-from common import RESULTS, log_log, provenance, publish, pyplot, save_figure, write_json
+from clipscale.provenance import provenance
+from common import RESULTS, log_log, publish, pyplot, save_figure, write_json
 from training_step import agree, load_workload, smoke_model_name, start, training_step
 
 

@@ -1,0 +1,106 @@
+"""The README's speed table, made from the committed results/bench_e2e_*.json files alone.
+
+    python scripts/results_table.py            # print the table
+    python scripts/results_table.py --write    # rewrite it in README.md, between its markers
+
+Every case of every results/bench_e2e_*.json file (what scripts/bench_e2e.py writes) is a row,
+unless it has no figures (a process that ended before its first step), or it or its file
+carries "void" (figures known to be wrong) or "superseded" (why a later file replaces it): those
+stay in their files and in docs/benchmarks.md, not in the README. A new file of the same kind
+shows up by running --write; to retire a row, add "superseded": "<why>" to its case.
+tests/test_readme.py fails while README.md's table differs from this script's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCES = "results/bench_e2e_*.json"
+BEGIN = "<!-- speed table: written by scripts/results_table.py from results/bench_e2e_*.json; do not edit by hand -->"
+END = "<!-- end of speed table -->"
+HEADER = ("| trainer | model | GPUs (loader workers each) | global batch | chunk | decoder | samples/s | first / steady step "
+          "| peak host | peak GPU allocated, per GPU | file |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def rows(repo: Path = REPO) -> list[tuple[tuple, str]]:
+    """(sort key, markdown row) for every current case with figures."""
+    found = []
+    for path in sorted(repo.glob(SOURCES)):
+        record = json.loads(path.read_text())
+        if "void" in record or "superseded" in record:
+            continue
+        for result in record["cases"]:
+            if "void" in result or "superseded" in result or not result.get("steps_done"):
+                continue
+            found.append(row(result, record, path.relative_to(repo)))
+    return sorted(found)
+
+
+def row(result: dict, record: dict, path: Path) -> tuple[tuple, str]:
+    case = result["case"]
+    gpus = int(case.get("nproc", 1))
+    batch = int(case["batch"])
+    clipscale = case["runner"] == "clipscale"
+    decoder = case.get("decoder", "loader") if clipscale else "loader (open_clip_train's)"
+    if int(case.get("offload", 0)):
+        decoder += ", train.offload"
+    if result["steps_done"] == 1:
+        speed, steps = f"one step: {result['first_step_s']:.0f} s", "–"
+    else:
+        speed = f"{result['samples_per_s']:,.0f}{ratio(result, record)}"
+        steps = f"{result['first_step_s']:.0f} s / {result['steady_step_s']:.1f} s"
+    if result.get("exit_code"):
+        speed += f" (stopped after step {result['steps_done']}, exit {result['exit_code']})"
+    gpu = f"{result['peak_gpu_allocated_gib']:.1f} GiB" if "peak_gpu_allocated_gib" in result else "–"
+    trainer = "open_clip_train" if not clipscale else f"clipscale, loss {case['loss']}" if "loss" in case else "clipscale"
+    cells = [trainer, case["model"], f"{gpus} × {short(record['device'])} ({record['workers']})", f"{batch:,}",
+             case.get("chunk", "–"), decoder, speed, steps, f"{result['peak_host_gib']:.1f} GiB", gpu,
+             f"[{path.name}]({path})"]
+    return (case["model"], batch, gpus, decoder, not clipscale, str(path)), "| " + " | ".join(cells) + " |"
+
+
+def short(device: str) -> str:
+    """"NVIDIA H100 80GB HBM3" -> "H100"."""
+    return device.removeprefix("NVIDIA ").split()[0]
+
+
+def ratio(result: dict, record: dict) -> str:
+    """clipscale against open_clip_train's case of the same model and batch in the same command."""
+    case = result["case"]
+    if case["runner"] != "clipscale":
+        return ""
+    for other in record["cases"]:
+        peer = other["case"]
+        if (peer["runner"] == "openclip" and (peer["model"], peer["batch"]) == (case["model"], case["batch"])
+                and other.get("samples_per_s") and "superseded" not in other):
+            return f" ({result['samples_per_s'] / other['samples_per_s']:.2f}× open_clip_train, same command)"
+    return ""
+
+
+def table(repo: Path = REPO) -> str:
+    return "\n".join([HEADER, *(line for _, line in rows(repo))])
+
+
+def with_table(text: str, new_table: str) -> str:
+    """text with the part between the markers replaced by new_table."""
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    return text[:start] + "\n" + new_table + "\n" + text[end:]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true", help="rewrite the table in README.md")
+    args = parser.parse_args(argv)
+    if not args.write:
+        print(table())
+        return
+    readme = REPO / "README.md"
+    readme.write_text(with_table(readme.read_text(), table()))
+    print(f"wrote the speed table of {readme}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""`skipped_samples_total` and `shard_errors_total` count the whole run: on two processes reading
+broken shards, metrics.jsonl's totals are the sums over ranks of the per-rank counts that the
+checkpoint keeps (and the ranks' counts differ, so rank 0's own would not do)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainer_harness import checked, newest_checkpoint, shard_run, training_records, write_shards
+from tiny_runs import run_train
+
+pytestmark = pytest.mark.slow
+
+STEPS, BATCH, SHARDS, PER_SHARD = 8, 16, 4, 20  # 80 samples, less the broken: about 2 epochs over 8 steps
+
+
+@pytest.fixture(scope="module")
+def broken_run(module_tmp) -> Path:
+    """Four shards with a corrupt JPEG every 7th sample; shards 1 and 3 cut off in the middle
+    of a sample at different depths. Each epoch deals two shards to each rank."""
+    root = module_tmp("error_totals")
+    pattern = write_shards(root / "shards", shards=SHARDS, per_shard=PER_SHARD, corrupt_every=7)
+    for part, kept in ((1, 0.3), (3, 0.7)):
+        path = root / "shards" / f"part-{part:04d}.tar"
+        whole = path.read_bytes()
+        path.write_bytes(whole[: int(len(whole) * kept) + 700])
+    overrides = shard_run(pattern, root, "broken", f"train.steps={STEPS}", f"train.batch_size={BATCH}",
+                          "train.log_every=1", "train.checkpoint_every=100", "data.workers=1", "data.shuffle_buffer=4")
+    checked(run_train(overrides, nproc=2, timeout=240))
+    return root / "broken"
+
+
+def test_two_processes_log_the_sum_over_ranks_of_skipped_samples_and_shard_errors(broken_run):
+    records = training_records(broken_run)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    ranks = newest_checkpoint(broken_run)["data"]
+    assert len(ranks) == 2
+    for key in ("skipped_samples", "shard_errors"):
+        per_rank = [rank[key] for rank in ranks]
+        assert all(per_rank) and per_rank[0] != per_rank[1], (key, per_rank)  # both ranks hit damage, unequally
+        assert records[-1][f"{key}_total"] == sum(per_rank), (key, per_rank)
+        assert sum(r[key] for r in records) == sum(per_rank)

@@ -1,0 +1,293 @@
+"""Training data the way users have it: img2dataset shards with metadata, own keys, several
+sources with upsampling factors, resampled shards, a CSV table, shards served over HTTP, and a
+resume that seeks instead of reading the epoch again. All on data the tests write."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from itertools import islice
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision.transforms as T
+import webdataset as wds
+from PIL import Image
+
+from clipscale.config import ConfigError, DataConfig, load_config
+from clipscale.data import prepare_data
+from clipscale.data.shards import ShardStream, StreamState
+from clipscale.data.sources import IMAGE_KEYS, TEXT_KEYS, keys
+from clipscale.distributed import World
+from clipscale.metrics import read_metrics
+
+from tiny_runs import DIGITS_YAML, REPO
+
+CROP = T.Compose([T.RandomResizedCrop(16, scale=(0.3, 1.0)), T.ToTensor()])
+
+
+def _image(index: int, fmt: str = "JPEG") -> bytes:
+    buffer = io.BytesIO()
+    Image.effect_noise((24, 24), 20 + index % 70).convert("RGB").save(buffer, fmt)
+    return buffer.getvalue()
+
+
+def write_img2dataset_shards(folder: Path, shards: int, per_shard: int, prefix: str = "", image_key: str = "jpg",
+                             caption_key: str = "txt") -> str:
+    """Shards in img2dataset's layout: KEY.jpg, KEY.txt and KEY.json (metadata whose values are
+    not the caption); returns their brace pattern. Captions: '<prefix>caption <i>'."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for s in range(shards):
+        with wds.TarWriter(str(folder / f"{s:05d}.tar")) as sink:
+            for j in range(per_shard):
+                i = s * per_shard + j
+                key = f"{s:05d}{j:04d}"
+                metadata = {"key": key, "status": "success", "caption": "not the caption", "width": 24, "height": 24}
+                sink.write({"__key__": key, image_key: _image(i), caption_key: f"{prefix}caption {i}".encode(),
+                            "json": json.dumps(metadata).encode()})
+    return str(folder / f"{{00000..{shards - 1:05d}}}.tar")
+
+
+def config(*overrides):
+    return load_config(DIGITS_YAML, list(overrides))
+
+
+def stream_of(cfg, state=None, piece_size=8, workers=1, seed=7):
+    source = prepare_data(cfg.data, World()).train_shards
+    return ShardStream(source, piece_size=piece_size, rank=0, world_size=1, num_workers=workers, seed=seed,
+                       image_transform=CROP, tokenizer=list, shuffle_buffer=cfg.data.shuffle_buffer, state=state)
+
+
+def captions(stream, pieces):
+    return [c for piece in islice(iter(stream), pieces) for c in piece["texts"]]
+
+
+def test_img2dataset_shards_give_their_txt_captions_not_the_json_metadata(tmp_path):
+    pattern = write_img2dataset_shards(tmp_path / "shards", shards=3, per_shard=8)
+    seen = captions(stream_of(config("data.kind=webdataset", f"data.train_shards={pattern}")), 3)
+    assert sorted(seen) == sorted(f"caption {i}" for i in range(24))
+
+
+def test_the_configured_default_keys_are_the_stream_defaults():
+    defaults = DataConfig()
+    assert (keys(defaults.image_key), keys(defaults.caption_key)) == (IMAGE_KEYS, TEXT_KEYS)
+
+
+def test_image_and_caption_keys_are_configurable(tmp_path):
+    pattern = write_img2dataset_shards(tmp_path / "shards", shards=2, per_shard=8, image_key="picture.png",
+                                       caption_key="alt")
+    default = stream_of(config("data.kind=webdataset", f"data.train_shards={pattern}"))
+    with pytest.raises(RuntimeError, match="decoded no sample"):  # neither key is a default one
+        next(iter(default))
+    own = config("data.kind=webdataset", f"data.train_shards={pattern}", "data.image_key=picture.png",
+                 "data.caption_key=title;alt")
+    assert sorted(captions(stream_of(own), 2)) == sorted(f"caption {i}" for i in range(16))
+
+
+def test_two_sources_are_drawn_by_their_upsampling_factors(tmp_path):
+    """Equal sources, factors 1 and 3: a quarter of the samples from the first. 600 shard draws
+    of 5 samples: the share's standard error is 0.018; the test allows 4 of them."""
+    a = write_img2dataset_shards(tmp_path / "a", shards=4, per_shard=5, prefix="a ")
+    b = write_img2dataset_shards(tmp_path / "b", shards=4, per_shard=5, prefix="b ")
+    shares = {}
+    for factors in ("1::3", "1::1"):
+        cfg = config("data.kind=webdataset", f"data.train_shards={a}::{b}", "data.resampled=true",
+                     f"data.upsampling_factors={factors}", "data.shuffle_buffer=10")
+        seen = captions(stream_of(cfg, piece_size=30), 100)
+        shares[factors] = sum(c.startswith("a ") for c in seen) / len(seen)
+    assert abs(shares["1::3"] - 0.25) < 4 * 0.018, shares
+    assert abs(shares["1::1"] - 0.5) < 4 * 0.021, shares
+
+
+def test_resampled_shards_are_drawn_with_replacement_and_resume_exactly(tmp_path):
+    pattern = write_img2dataset_shards(tmp_path / "shards", shards=6, per_shard=4)
+    cfg = config("data.kind=webdataset", f"data.train_shards={pattern}", "data.resampled=true", "data.shuffle_buffer=6")
+    uninterrupted = list(islice(iter(stream_of(cfg, piece_size=4)), 30))
+    # Epoch 0 (6 draws of 6 shards): samples of one shard twice, of some shard never, as with replacement.
+    first_epoch = Counter(c for piece in uninterrupted[:6] for c in piece["texts"])
+    assert max(first_epoch.values()) > 1 and len(first_epoch) < 24
+    _assert_resumes_exactly(lambda state: stream_of(cfg, state, piece_size=4), uninterrupted, stop=17)
+
+
+def test_a_resume_with_fewer_shards_than_loader_workers_is_exact(tmp_path):
+    """Each of 3 workers keeps every 3rd sample of the 2 shards: a resume seeks by member index."""
+    pattern = write_img2dataset_shards(tmp_path / "shards", shards=2, per_shard=20)
+    cfg = config("data.kind=webdataset", f"data.train_shards={pattern}", "data.shuffle_buffer=5")
+
+    def loader(state):
+        stream = stream_of(cfg, state, piece_size=3, workers=3)
+        return torch.utils.data.DataLoader(stream, batch_size=None, num_workers=3)
+
+    uninterrupted = list(islice(iter(loader(None)), 40))  # 3 epochs
+    _assert_resumes_exactly(loader, uninterrupted, stop=22)
+
+
+def _assert_resumes_exactly(make_stream, uninterrupted, stop):
+    state = StreamState()
+    for piece in uninterrupted[:stop]:
+        state.update(piece)
+    resumed = list(islice(iter(make_stream(state)), len(uninterrupted) - stop))
+    for a, b in zip(uninterrupted[stop:], resumed, strict=True):
+        assert a["cursor"] == b["cursor"]
+        assert a["texts"] == b["texts"]
+        assert torch.equal(a["images"], b["images"])
+        assert a["skipped_samples"] == b["skipped_samples"]
+
+
+def write_csv(folder: Path, rows: int, separator: str = "\t", image_column="filepath", caption_column="title",
+              missing: set = frozenset()) -> Path:
+    """A CSV of image paths relative to its folder (images/<i>.png, those in `missing` not written)."""
+    (folder / "images").mkdir(parents=True)
+    lines = [f"{image_column}{separator}{caption_column}"]
+    for i in range(rows):
+        if i not in missing:
+            (folder / "images" / f"{i}.png").write_bytes(_image(i, "PNG"))
+        lines.append(f"images/{i}.png{separator}a csv caption {i}")
+    path = folder / "train.csv"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_csv_table_trains_like_shards_and_resumes_exactly(tmp_path, monkeypatch):
+    table = write_csv(tmp_path, rows=62, missing={3, 10})  # 60 usable: 10 pieces an epoch
+    monkeypatch.chdir(tmp_path / "images")  # paths are relative to the CSV's folder, not to the working one
+    cfg = config("data.kind=csv", f"data.train_shards={table}", "data.shuffle_buffer=12")
+    uninterrupted = list(islice(iter(stream_of(cfg, piece_size=6)), 25))  # 2.5 epochs
+    first_epoch = [c for piece in uninterrupted[:10] for c in piece["texts"]]
+    assert sorted(first_epoch) == sorted(f"a csv caption {i}" for i in range(62) if i not in {3, 10})
+    assert sum(piece["skipped_samples"] for piece in uninterrupted[:10]) == 2  # the two missing image files
+    _assert_resumes_exactly(lambda state: stream_of(cfg, state, piece_size=6), uninterrupted, stop=13)
+
+
+def test_csv_columns_and_separator_are_configurable_and_checked(tmp_path):
+    table = write_csv(tmp_path, rows=10, separator=",", image_column="path", caption_column="text")
+    with pytest.raises(ConfigError, match="data.train_shards: .* has no column 'filepath'"):
+        prepare_data(config("data.kind=csv", f"data.train_shards={table}").data, World())
+    cfg = config("data.kind=csv", f"data.train_shards={table}", 'data.csv_separator=","', "data.csv_image_key=path",
+                 "data.csv_caption_key=text")
+    assert sorted(captions(stream_of(cfg, piece_size=5), 2)) == sorted(f"a csv caption {i}" for i in range(10))
+
+
+def test_data_image_size_is_refused_where_the_model_decides_the_size(tmp_path):
+    with pytest.raises(ConfigError, match="data.image_size: only for data.kind=digits"):
+        config("data.kind=webdataset", "data.train_shards=x.tar", "data.image_size=224")
+    assert config().data.image_size is None  # digits draw at 32 unless told
+
+
+@pytest.fixture
+def http_root(tmp_path):
+    """An HTTP server on 127.0.0.1 serving tmp_path/served; yields (folder, base URL)."""
+    served = tmp_path / "served"
+    served.mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield served, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    thread.join()
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="webdataset opens http(s) shards with curl")
+def test_shards_served_over_http_read_as_local_ones(http_root):
+    served, url = http_root
+    write_img2dataset_shards(served, shards=3, per_shard=8)
+    local = config("data.kind=webdataset", f"data.train_shards={served}/{{00000..00002}}.tar")
+    remote = config("data.kind=webdataset", f"data.train_shards={url}/{{00000..00002}}.tar")
+    assert captions(stream_of(remote), 6) == captions(stream_of(local), 6)
+    piped = config("data.kind=webdataset", f"data.train_shards=pipe:cat {served}/{{00000..00002}}.tar")
+    assert captions(stream_of(piped), 6) == captions(stream_of(local), 6)
+    with pytest.raises(ConfigError, match="data.train_shards: .* matches no file"):
+        prepare_data(config("data.kind=webdataset", f"data.train_shards={served}/missing-{{0..2}}.tar").data, World())
+    # A URL that does not answer: counted as a shard error, not a stop (local files are checked at the start).
+    gone = config("data.kind=webdataset", f"data.train_shards={url}/{{00000..00003}}.tar")
+    pieces = list(islice(iter(stream_of(gone)), 5))
+    assert sorted(c for piece in pieces[:3] for c in piece["texts"]) == sorted(f"caption {i}" for i in range(24))
+    assert sum(piece["shard_errors"] for piece in pieces) >= 1
+
+
+# --- resume without re-reading ------------------------------------------------------------------
+
+SHARDS, PER_SHARD, BUFFER, PIECE = 200, 10, 50, 50
+
+
+def _first_piece_seconds(make_stream, state, repeats=3):
+    """The best of `repeats` times to the first piece of a fresh stream iterator, and that piece."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        piece = next(iter(make_stream(state)))
+        best = min(best, time.perf_counter() - start)
+    return best, piece
+
+
+def test_a_resume_at_90_percent_of_an_epoch_seeks_instead_of_reading_the_epoch(tmp_path):
+    pattern = write_img2dataset_shards(tmp_path / "shards", shards=SHARDS, per_shard=PER_SHARD)
+    cfg = config("data.kind=webdataset", f"data.train_shards={pattern}", f"data.shuffle_buffer={BUFFER}")
+    opened = []
+
+    def make_stream(state):
+        stream = stream_of(cfg, state, piece_size=PIECE)
+        epoch_of = stream.shuffled_epoch
+        stream.shuffled_epoch = lambda *args: opened.append(epoch_of(*args)) or opened[-1]
+        return stream
+
+    stop = SHARDS * PER_SHARD * 9 // 10 // PIECE  # pieces before the cursor: 90% of the epoch
+    uninterrupted = list(islice(iter(make_stream(None)), stop + 3))
+    state = StreamState()
+    for piece in uninterrupted[:stop]:
+        state.update(piece)
+
+    fresh_s, _ = _first_piece_seconds(make_stream, None)
+    opened.clear()
+    resumed_s, first = _first_piece_seconds(make_stream, state)
+    assert first["cursor"] == uninterrupted[stop]["cursor"]
+    assert first["texts"] == uninterrupted[stop]["texts"] and torch.equal(first["images"], uninterrupted[stop]["images"])
+    _assert_resumes_exactly(make_stream, uninterrupted, stop)
+    # The shards the resumed reader opened: those holding the buffer's samples and the current one.
+    shards_read = opened[0].opened
+    print(f"\nfirst piece: fresh {fresh_s * 1e3:.1f} ms, resumed at 90% {resumed_s * 1e3:.1f} ms; "
+          f"the resume opened {shards_read} of the epoch's first {stop * PIECE // PER_SHARD + 1} shards")
+    assert shards_read < 60, "a resumed stream read shards that hold nothing it needs"
+    assert resumed_s < 2 * fresh_s, (fresh_s, resumed_s)
+
+
+# --- the own-data page, run as written --------------------------------------------------------
+
+def _page_command(heading: str) -> str:
+    """The first bash block under `heading` in docs/own_data.md, its continued lines joined."""
+    page = (REPO / "docs" / "own_data.md").read_text()
+    block = page.split(heading, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return block.replace("\\\n", " ")
+
+
+@pytest.mark.slow
+def test_the_own_data_page_check_command_trains_and_validates_on_the_example_config(tmp_path):
+    """From a clone's root (train.py and configs/ beside data/), on data at the example
+    configuration's paths in img2dataset's layout."""
+    for name in ("train.py", "configs", "clipscale"):
+        (tmp_path / name).symlink_to(REPO / name)
+    write_img2dataset_shards(tmp_path / "data" / "cc12m", shards=100, per_shard=2, prefix="web ")
+    write_img2dataset_shards(tmp_path / "data" / "mine", shards=10, per_shard=2, prefix="mine ")
+    write_img2dataset_shards(tmp_path / "data" / "mine-val", shards=2, per_shard=8, prefix="held out ")
+    command = _page_command("## Check your data first")
+    assert command.startswith("python train.py --config configs/webdataset_example.yaml")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    result = subprocess.run(["bash", "-c", command.replace("python ", f"{sys.executable} ", 1)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 2: val_loss" in result.stdout + result.stderr
+    metrics = read_metrics(tmp_path / "runs" / "check-my-data" / "metrics.jsonl")
+    assert [m["step"] for m in metrics if "val_loss" in m] == [2]
+    assert [m["skipped_samples_total"] for m in metrics if "loss" in m][-1] == 0
