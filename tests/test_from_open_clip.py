@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from clipscale.checks import load_checked_config
+from clipscale.config import load_config
 
 from tiny_runs import REPO
 
@@ -73,16 +74,20 @@ def test_open_clip_defaults_where_ours_differ():
     assert config["train"]["keep_checkpoints"] is None  # open_clip_train keeps every epoch's checkpoint
 
 
-def test_data_source_flags_map_to_the_data_keys():
+def test_data_source_flags_map_to_the_data_keys(tmp_path):
     config, _ = from_open_clip.to_config([
         "--train-data", "/data/a.csv::/data/b.csv", "--train-num-samples", "100", "--csv-img-key", "path",
         "--csv-caption-key", "caption", "--csv-separator", ",", "--dataset-resampled",
         "--train-data-upsampling-factors", "1::3", "--val-data", "/data/val.csv", "--image-key", "png",
-        "--text-key", "caption"])
+        "--text-key", "caption", "--max-image-pixels", "1000000"])
     assert config["data"] == {"kind": "csv", "train_shards": "/data/a.csv::/data/b.csv", "csv_image_key": "path",
                               "csv_caption_key": "caption", "csv_separator": ",", "image_key": "png", "caption_key": "caption",
-                              "upsampling_factors": "1::3", "resampled": True, "workers": 4}
+                              "upsampling_factors": "1::3", "max_image_pixels": 1000000, "resampled": True, "workers": 4}
     assert config["eval"]["val_data"] == "/data/val.csv"
+    path = tmp_path / "csv.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cfg = load_config(str(path))
+    assert cfg.data.upsampling_factors == [1.0, 3.0] and cfg.data.csv_separator == "," and cfg.eval.val_data == "/data/val.csv"
 
 
 def test_unsupported_flags_are_listed_with_why():
