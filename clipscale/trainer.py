@@ -32,7 +32,7 @@ from clipscale.checkpoint import CHECKPOINTS, load_checkpoint, load_latest, save
 from clipscale.config import Config, ConfigError, check_world
 from clipscale.compile import compile_enabled, compile_towers, seconds_compiling
 from clipscale.data import PreparedData, prepare_data
-from clipscale.data.pipeline import TrainingBatches
+from clipscale.data.pipeline import TrainingBatches, kept_bytes
 from clipscale.data.shards import StreamState
 from clipscale.distributed import World, all_reduce_max, all_reduce_sum_list, barrier, init_distributed, shutdown_distributed
 from clipscale.eval.during_training import Evaluator
@@ -129,7 +129,8 @@ def chunk_size(cfg: Config, towers: Towers, loss_fn, world: World) -> int:
     image_size = visual.image_size[0] if isinstance(visual.image_size, tuple) else visual.image_size
     chunk, figures = largest_chunk(towers.model, loss_fn, batch_size=per_rank,
                                    precision_dtype=AUTOCAST_DTYPES[cfg.train.precision], image_size=image_size,
-                                   context_length=towers.model.context_length, vocab_size=towers.model.vocab_size)
+                                   context_length=towers.model.context_length, vocab_size=towers.model.vocab_size,
+                                   reserved=kept_bytes(cfg, world.device))
     chunk = int(min(all_reduce_max(-chunk, world.device) * -1, per_rank))  # the smallest over ranks
     shown = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
     say(world, f"train.chunk_size=auto: {chunk} samples per encoder pass ({shown})")

@@ -26,15 +26,21 @@ def peak_bf16_flops(device: torch.device) -> float | None:
 
 
 def forward_flops(model: torch.nn.Module, image_size: int, context_length: int, device: torch.device) -> tuple[int, int]:
-    """FLOPs of one sample's forward through the image tower and through the text tower."""
-    image = torch.zeros(1, 3, image_size, image_size, device=device)
-    text = torch.zeros(1, context_length, dtype=torch.long, device=device)
-    counts = []
-    with torch.no_grad():
-        for encode, sample in ((model.encode_image, image), (model.encode_text, text)):
-            with FlopCounterMode(display=False) as counter:
-                encode(sample)
-            counts.append(counter.get_total_flops())
+    """FLOPs of one sample's forward through the image tower and through the text tower: counted
+    on two samples (a BatchNorm needs more than one) in eval mode (no dropout: the run's RNG is
+    not touched), halved."""
+    image = torch.zeros(2, 3, image_size, image_size, device=device)
+    text = torch.zeros(2, context_length, dtype=torch.long, device=device)
+    counts, training = [], model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for encode, sample in ((model.encode_image, image), (model.encode_text, text)):
+                with FlopCounterMode(display=False) as counter:
+                    encode(sample)
+                counts.append(counter.get_total_flops() // 2)
+    finally:
+        model.train(training)
     return counts[0], counts[1]
 
 

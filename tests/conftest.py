@@ -13,7 +13,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from _pytest.mark.expression import Expression  # noqa: E402
 
-from clipscale.data.digits import write_digits_shards  # noqa: E402
 from triton_interpreter import interpreter_env  # noqa: E402
 
 GPU_SUITE = "python -m pytest -m gpu -n 0 tests"
@@ -52,6 +51,10 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def digits_root(tmp_path_factory) -> Path:
     """The digits shards, written once per test session."""
+    # Imported here, not at the top: clipscale.data imports torchvision, which imports Triton, and
+    # Triton must first be imported in pytest_configure, in the session's mode.
+    from clipscale.data.digits import write_digits_shards
+
     root = tmp_path_factory.mktemp("digits")
     write_digits_shards(root, image_size=32)
     return root

@@ -134,6 +134,7 @@ class TrainingBatches:
             split=split,
             keep_encoded=path.offload,
             decode=path.decoder == "loader",
+            max_image_pixels=cfg.data.max_image_pixels,
         )
         loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=cfg.data.workers,
                                              persistent_workers=cfg.data.workers > 0, worker_init_fn=ignore_stop_signals)

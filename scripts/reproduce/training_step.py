@@ -30,6 +30,7 @@ from bench_train import build_model, host_images
 from clipscale.data.batches import HostTensor
 from clipscale.distributed import World, init_distributed
 from clipscale.distributed import unwrap
+from clipscale.gradcache import trainable_towers
 from clipscale.losses import build_loss
 from clipscale.models import register_custom
 from clipscale.step import TrainStep
@@ -120,12 +121,13 @@ class SampledEncoders:
         self.stand_in = stand_in.to(device=device, dtype=dtype)
         self.real_forward = model.forward
         self.calls = {True: 0, False: 0}  # grad-enabled, no-grad calls so far in this step
+        self.calls_per_chunk = sum(trainable_towers(model))  # pass 2 calls each trained tower alone
 
     def forward(self, image=None, text=None):
         grad = torch.is_grad_enabled()
         call = self.calls[grad]
         self.calls[grad] += 1
-        real = call in (0, self.chunks - 1) if grad else call < self.REAL_NO_GRAD_CALLS
+        real = call // self.calls_per_chunk in (0, self.chunks - 1) if grad else call < self.REAL_NO_GRAD_CALLS
         if real:
             return self.real_forward(image, text)
         scale = self.model.logit_scale
