@@ -3,9 +3,9 @@
 A run is made of stateful parts, each with `state_dict()` and `load_state_dict(state)`:
 
     shared (rank 0 saves its copy, every rank loads it); their keys are the checkpoint's own
-        ModelWeights    "state_dict"   the unwrapped model (open_clip's key)
-        OptimizerState  "optimizer"    (open_clip's key)
-        TrainStep       "step", "scaler" (open_clip's key), "nonfinite_steps"
+        UnderKey     "state_dict"   the unwrapped model (open_clip's key)
+        UnderKey     "optimizer"    (open_clip's key)
+        TrainStep    "step", "scaler" (open_clip's key), "nonfinite_steps"
     per rank (every rank's is saved, each rank loads its own), under the name given:
         "data"     StreamState     the batch source's cursors and data-error counts
         "rng"      RandomState     the global random generators (dropout, patch dropout): the manager's own
@@ -53,28 +53,18 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-class ModelWeights:
-    """The unwrapped model's weights, under open_clip's key."""
+class UnderKey:
+    """An object's state dict under one key of the checkpoint: the unwrapped model's under
+    "state_dict", the optimizer's under "optimizer" (open_clip's keys)."""
 
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-
-    def state_dict(self) -> dict:
-        return {"state_dict": self.module.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["state_dict"])
-
-
-class OptimizerState:
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
+    def __init__(self, key: str, stateful: torch.nn.Module | torch.optim.Optimizer):
+        self.key, self.stateful = key, stateful
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict()}
+        return {self.key: self.stateful.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.stateful.load_state_dict(state[self.key])
 
 
 class RandomState:
@@ -138,7 +128,8 @@ class CheckpointManager:
         the world size that saved them: each rank's data stream depends on the number of ranks."""
         self.shared, self.samples_per_epoch = shared, samples_per_epoch
         self.per_rank = {**per_rank, "rng": self.rng}
-        per_rank_saved = checkpoint is not None and len(checkpoint["data"]) == self.world.world_size
+        saved_on = len(checkpoint["rng"]) if checkpoint is not None else 0  # ranks
+        per_rank_saved = saved_on == self.world.world_size
         if not per_rank_saved:
             self.rng.seed(self.cfg.run.seed + self.world.rank)
         if checkpoint is None:
@@ -146,7 +137,7 @@ class CheckpointManager:
         for part in shared:
             part.load_state_dict(checkpoint)
         if not per_rank_saved:
-            self.console.say(f"resuming on {self.world.world_size} processes from a run on {len(checkpoint['data'])}: "
+            self.console.say(f"resuming on {self.world.world_size} processes from a run on {saved_on}: "
                              "the data order restarts")
         for name, part in self.per_rank.items():
             if per_rank_saved and name in checkpoint:  # "metrics": not in checkpoints from before it

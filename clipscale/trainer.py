@@ -26,7 +26,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from clipscale.checkpoint_manager import CheckpointManager, ModelWeights, OptimizerState
+from clipscale.checkpoint_manager import CheckpointManager, UnderKey
 from clipscale.config import Config, ConfigError, check_world
 from clipscale.console import Console, figures
 from clipscale.data import PreparedData, prepare_data
@@ -139,8 +139,9 @@ class Run:
         step = TrainStep(model, loss_fn, optimizer, chunk_size=chunk, precision=cfg.train.precision,
                          grad_clip=cfg.optim.grad_clip, max_nonfinite_steps=cfg.train.max_nonfinite_steps)
         stream_state, window = StreamState(), RecordWindow(cfg.train.batch_size, world.device)
-        start_step = checkpoints.start(checkpoint, shared=[ModelWeights(module), OptimizerState(optimizer), step],
-                                       per_rank={"data": stream_state, "metrics": window}, samples_per_epoch=data.num_train)
+        shared = [UnderKey("state_dict", module), UnderKey("optimizer", optimizer), step]
+        start_step = checkpoints.start(checkpoint, shared=shared, per_rank={"data": stream_state, "metrics": window},
+                                       samples_per_epoch=data.num_train)
         evaluator = Evaluator(cfg, data, towers, world, autocast_factory(AUTOCAST_DTYPES[cfg.train.precision], world.device))
         batches, decode_pool = stream_batches(cfg, data, towers, world, stream_state, chunk, cfg.train.steps - start_step)
         try:
