@@ -1,48 +1,39 @@
-"""The lines a run prints besides its progress bar, one per event.
+"""The run's console: rank 0's progress bar, and one line per event above it.
 
-Each function returns the line; the trainer prints it on rank 0 (through
-`tqdm.write` while a progress bar is open, so the bar is not torn).
+    console = Console(world.is_main)
+    console.say("step 100: checkpoint saved to ...")       # every rank may call it; rank 0 prints
+    bar = console.progress_bar(total=steps, initial=start, name=cfg.run.name)
+
+Lines go through `tqdm.write` so an open progress bar is not torn, and are flushed at once
+(a Slurm log or a pipe shows them now, not when the buffer fills).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import sys
+
+from tqdm import tqdm
 
 PERCENT_METRICS = ("acc", "recall")  # fractions shown as percentages
 
 
-def run_resumed(run_dir: Path, step: int) -> str:
-    if step == 0:
-        return f"resuming {run_dir} from step 0 (it has no checkpoint yet)"
-    return f"resuming {run_dir} from step {step}"
+class Console:
+    def __init__(self, is_main: bool):
+        self.is_main = is_main
+
+    def say(self, line: str) -> None:
+        if self.is_main:
+            tqdm.write(line)
+            sys.stdout.flush()
+
+    def progress_bar(self, total: int, initial: int, name: str) -> tqdm:
+        return tqdm(total=total, initial=initial, disable=not self.is_main, desc=name, dynamic_ncols=True)
 
 
-def run_already_complete(run_dir: Path, step: int) -> str:
-    return (f"{run_dir} has already trained its {step} steps; to train on, raise train.steps with run.extend_steps=true, "
-            "or choose a new run.name")
-
-
-def run_finishing(run_dir: Path, step: int) -> str:
-    return (f"{run_dir} has trained and checkpointed its {step} steps but stopped before its final evaluation "
-            "and weights were written; writing them now")
-
-
-def evaluation_reused(path: Path) -> str:
-    return f"the final evaluation had ended before the stop: its results are kept from {path}"
-
-
-def checkpoint_saved(path: Path, step: int) -> str:
-    return f"step {step}: checkpoint saved to {path}"
-
-
-def stopped_by_signal(signum: int, step: int) -> str:
-    return f"stopped by signal {signum} after step {step}; the same command resumes from the checkpoint"
-
-
-def evaluation_ended(step: int, results: dict) -> str:
-    """`step 100: zeroshot_acc1 96.67%, zeroshot_acc5 99.72%` (accuracies and recalls as
-    percentages, counts as integers, anything else to 4 significant digits)."""
-    return f"step {step}: " + ", ".join(f"{key} {_figure(key, value)}" for key, value in results.items())
+def figures(results: dict) -> str:
+    """`zeroshot_acc1 96.67%, zeroshot_acc5 99.72%`: accuracies and recalls as percentages,
+    counts as integers, anything else to 4 significant digits."""
+    return ", ".join(f"{key} {_figure(key, value)}" for key, value in results.items())
 
 
 def _figure(key: str, value) -> str:

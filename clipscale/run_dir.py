@@ -1,9 +1,12 @@
-"""A run is one run: what to do with `runs/<name>/` is decided before any work.
+"""A run is one run: what to do with `runs/<name>/` is decided before any work, and the
+folder is written only once the run has been assembled (a run name is claimed only by a
+run that starts: a mistake found while building the data or the model leaves it as it was).
 
     plan = plan_run(cfg)          # every rank: raises a UserError, or says what will happen
+    # ... build everything that can fail before training ...
     # (every rank has read the folder before rank 0 changes it: a barrier here)
     if world.is_main:
-        for line in plan.apply(): print(line)
+        for line in plan.apply(): console.say(line)
 
 - No folder, or an empty one: a new run; the folder is created and remembers
   its configuration in `config.yaml`.

@@ -101,11 +101,12 @@ class TrainStep:
             )
 
     def state_dict(self) -> dict:
-        return {"scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        """The steps taken, the GradScaler's state ("scaler", open_clip's key) and the non-finite count."""
+        return {"step": self.steps, "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "nonfinite_steps": self.nonfinite_total}
 
-    def load_state_dict(self, state: dict, steps_done: int) -> None:
+    def load_state_dict(self, state: dict) -> None:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.nonfinite_total = state.get("nonfinite_steps", 0)
-        self.steps = steps_done
+        self.steps = state["step"]

@@ -1,7 +1,8 @@
-"""Losses registered for trainer tests: a real loss with faults scripted per call.
+"""Losses registered for trainer tests: a real loss with faults scripted per call; and kill points.
 
 Imported by tests that train in-process and by `train_with_plugins.py`, which runs the
-real `train.py` with these losses registered (train.py has no plugin option of its own).
+real `train.py` with these losses registered (train.py has no plugin option of its own)
+and, when the environment names one (KILL_AT), a kill point (`install_kill_point`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 import torch
 
 from clipscale.losses import build_loss, register_loss
+
+KILL_AT = "CLIPSCALE_TEST_KILL_AT"  # "<when>:<file name prefix>" or "metrics_line", see install_kill_point
 
 
 class _InfGradient(torch.autograd.Function):
@@ -70,3 +73,51 @@ class ScriptedFaults(torch.nn.Module):
                 return False
             marker.write_text("signalled\n")
         return True
+
+
+def install_kill_point(spec: str) -> None:
+    """SIGKILL this process at the first event `spec` names, as a power cut or the OOM killer would:
+
+    create:NAME         the temporary file of an atomic write to NAME* is about to be created
+    before_rename:NAME  that temporary file is written and synced, not yet renamed to NAME*
+    after_rename:NAME   NAME* has just taken its final name
+    metrics_line        half of the first metrics.jsonl line of a step's record has been written
+    """
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if spec == "metrics_line":
+        from clipscale.metrics import MetricsLogger, strict_json
+
+        log = MetricsLogger.log
+
+        def log_half_then_die(self, step, values):
+            if self.enabled and "loss" in values:
+                line = strict_json({"step": step, **values})
+                with self.path.open("a") as f:
+                    f.write(line[: len(line) // 2])
+                die()
+            log(self, step, values)
+
+        MetricsLogger.log = log_half_then_die
+        return
+    when, name = spec.split(":")
+    replace, open_file = os.replace, os.open
+
+    def killing_replace(source, target, *args, **kwargs):
+        if when == "before_rename" and Path(target).name.startswith(name):
+            die()
+        replace(source, target, *args, **kwargs)
+        if when == "after_rename" and Path(target).name.startswith(name):
+            die()
+
+    def killing_open(path, flags, *args, **kwargs):
+        if when == "create" and Path(path).name.startswith(f".{name}"):  # the temporary file is .<name>.<pid>-...
+            die()
+        return open_file(path, flags, *args, **kwargs)
+
+    os.replace, os.open = killing_replace, killing_open
+
+
+if os.environ.get(KILL_AT):
+    install_kill_point(os.environ[KILL_AT])

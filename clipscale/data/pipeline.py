@@ -136,8 +136,10 @@ class TrainingBatches:
             decode=path.decoder == "loader",
             max_image_pixels=cfg.data.max_image_pixels,
         )
+        # A generator of its own: the loader's seed draw leaves the global RNG (dropout's) as restored.
         loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=cfg.data.workers,
-                                             persistent_workers=cfg.data.workers > 0, worker_init_fn=ignore_stop_signals)
+                                             persistent_workers=cfg.data.workers > 0, worker_init_fn=ignore_stop_signals,
+                                             generator=torch.Generator().manual_seed(cfg.run.seed + world.rank))
         decoder, image_column = None, None
         if path.decoder == "device":
             decoder = DeviceDecoder(split, world.device, jpeg)

@@ -45,7 +45,7 @@ from __future__ import annotations
 import random
 import warnings
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -67,6 +67,13 @@ class StreamState:
     pieces: int = 0  # pieces consumed by the trainer; decides the worker rotation on resume
     skipped_samples: int = 0  # undecodable samples in those pieces' stretch of the stream
     shard_errors: int = 0  # shards that could not be read to their end
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
 
     def update(self, piece: dict) -> None:
         worker, *cursor = piece["cursor"]

@@ -1,0 +1,172 @@
+"""The checkpoint manager: one object saves a run, brings it back and marks its end.
+
+A run is made of stateful parts, each with `state_dict()` and `load_state_dict(state)`:
+
+    shared (rank 0 saves its copy, every rank loads it); their keys are the checkpoint's own
+        UnderKey     "state_dict"   the unwrapped model (open_clip's key)
+        UnderKey     "optimizer"    (open_clip's key)
+        TrainStep    "step", "scaler" (open_clip's key), "nonfinite_steps"
+    per rank (every rank's is saved, each rank loads its own), under the name given:
+        "data"     StreamState     the batch source's cursors and data-error counts
+        "rng"      RandomState     the global random generators (dropout, patch dropout): the manager's own
+        "metrics"  RecordWindow    the data-error counts at the previous metrics record
+
+A checkpoint is their union plus `name`, `epoch` and `config`: open_clip's layout, so
+`open_clip.load_checkpoint` and `open_clip.create_model(name, pretrained=path)` read it. The
+files themselves (atomic writes, `latest`, pruning, the newest that loads) are checkpoint.py's.
+
+    manager = CheckpointManager(run_dir, cfg, world, console)
+    checkpoint = manager.newest()          # before any work; None for a new run
+    manager.has_ended(checkpoint)          # the end marker names this checkpoint's step
+    ... build the model from the base seed, then the other parts ...
+    start = manager.start(checkpoint, shared=[...], per_rank={"data": ..., "metrics": ...}, samples_per_epoch=n)
+    ... open the batch source at the restored cursors; for each step: ...
+    manager.after_step(step, stopping)     # at the interval, on a stop signal, at the end
+    manager.end(model)                     # the open_clip weights, then the end marker
+
+Seeds as open_clip sets them: the model is built from the base seed (the same initial weights
+on every rank); `start` then seeds the random generators with seed + rank, so dropout masks
+differ between ranks, or restores every part, generators included. Nothing that runs between
+`start` and the first step draws from the global generators: the data loader draws its worker
+seeds from a generator of its own, and the loader workers seed each sample themselves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from clipscale.checkpoint import CHECKPOINTS, load_latest, save_atomic, save_checkpoint, write_text_atomic
+from clipscale.config import Config
+from clipscale.console import Console
+from clipscale.distributed import World, all_gather_objects
+from clipscale.models import OPEN_CLIP_WEIGHTS
+
+END_MARKER = "ended"  # in the run folder, the step of the run's end, written after the open_clip weights
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class UnderKey:
+    """An object's state dict under one key of the checkpoint: the unwrapped model's under
+    "state_dict", the optimizer's under "optimizer" (open_clip's keys)."""
+
+    def __init__(self, key: str, stateful: torch.nn.Module | torch.optim.Optimizer):
+        self.key, self.stateful = key, stateful
+
+    def state_dict(self) -> dict:
+        return {self.key: self.stateful.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stateful.load_state_dict(state[self.key])
+
+
+class RandomState:
+    """This rank's global random generators: the CPU's, and the CUDA device's when it trains on one."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def state_dict(self) -> dict:
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device).cpu()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state["cpu"])
+        if self.device.type == "cuda" and "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+
+
+class CheckpointManager:
+    """When to save (every train.checkpoint_every steps, on a stop signal, at the last step), what
+    to keep (train.keep_checkpoints, train.keep_every), which checkpoint to resume from (the
+    newest that loads), and the sign that the run has ended."""
+
+    def __init__(self, run_dir: Path, cfg: Config, world: World, console: Console):
+        self.run_dir, self.cfg, self.world, self.console = run_dir, cfg, world, console
+        self.folder = run_dir / CHECKPOINTS
+        self.rng = RandomState(world.device)
+        self.shared: list[Stateful] = []
+        self.per_rank: dict[str, Stateful] = {"rng": self.rng}
+        self.samples_per_epoch = 0
+
+    def newest(self) -> dict | None:
+        """The newest checkpoint that loads (those that do not are named), or None; says what the run will do."""
+        found = load_latest(self.folder, report=self.console.say)
+        checkpoint = found[1] if found else None
+        step = checkpoint["step"] if checkpoint else 0
+        if step < self.cfg.train.steps:
+            self.console.say(f"resuming {self.run_dir} from step {step}" + ("" if step else " (it has no checkpoint yet)"))
+        elif not self.has_ended(checkpoint):  # the loop trains no step, then ends the run
+            self.console.say(f"{self.run_dir} has trained and checkpointed its {step} steps but stopped before its final "
+                             "evaluation and weights were written; writing them now")
+        return checkpoint
+
+    def has_ended(self, checkpoint: dict | None) -> bool:
+        """Whether the run ended at this checkpoint: its final weights and then the end marker,
+        naming the checkpoint's step, were written (a run killed between the two ends again)."""
+        marker = self.run_dir / END_MARKER
+        return (checkpoint is not None and checkpoint["step"] >= self.cfg.train.steps
+                and (self.run_dir / OPEN_CLIP_WEIGHTS).is_file() and marker.is_file()
+                and marker.read_text().strip() == str(checkpoint["step"]))
+
+    def start(self, checkpoint: dict | None, *, shared: list[Stateful], per_rank: dict[str, Stateful],
+              samples_per_epoch: int) -> int:
+        """Track the parts; seed the random generators with seed + rank, or restore every part from
+        `checkpoint`. Returns the step the run starts from. The per-rank parts are restored only on
+        the world size that saved them: each rank's data stream depends on the number of ranks."""
+        self.shared, self.samples_per_epoch = shared, samples_per_epoch
+        self.per_rank = {**per_rank, "rng": self.rng}
+        saved_on = len(checkpoint["rng"]) if checkpoint is not None else 0  # ranks
+        per_rank_saved = saved_on == self.world.world_size
+        if not per_rank_saved:
+            self.rng.seed(self.cfg.run.seed + self.world.rank)
+        if checkpoint is None:
+            return 0
+        for part in shared:
+            part.load_state_dict(checkpoint)
+        if not per_rank_saved:
+            self.console.say(f"resuming on {self.world.world_size} processes from a run on {saved_on}: "
+                             "the data order restarts")
+        for name, part in self.per_rank.items():
+            if per_rank_saved and name in checkpoint:  # "metrics": not in checkpoints from before it
+                part.load_state_dict(checkpoint[name][self.world.rank])
+        return checkpoint["step"]
+
+    def after_step(self, step: int, stopping: bool) -> None:
+        if stopping or step % self.cfg.train.checkpoint_every == 0 or step == self.cfg.train.steps:
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        """Every rank calls it (each contributes its per-rank parts); rank 0 writes."""
+        per_rank = all_gather_objects({name: part.state_dict() for name, part in self.per_rank.items()})
+        if not self.world.is_main:
+            return
+        checkpoint = {"name": self.cfg.run.name, "epoch": step * self.cfg.train.batch_size // max(1, self.samples_per_epoch),
+                      "config": self.cfg.to_dict()}
+        for part in self.shared:
+            state = part.state_dict()
+            assert not state.keys() & checkpoint.keys(), f"two parts save {state.keys() & checkpoint.keys()}"
+            checkpoint.update(state)
+        checkpoint.update({name: [rank[name] for rank in per_rank] for name in self.per_rank})
+        path = save_checkpoint(self.folder, step, checkpoint, keep=self.cfg.train.keep_checkpoints,
+                               keep_every=self.cfg.train.keep_every)
+        self.console.say(f"step {step}: checkpoint saved to {path}")
+
+    def end(self, module: torch.nn.Module) -> None:
+        """Rank 0: the open_clip weights (open_clip's `local-dir:` loads the run folder), then the
+        end marker. Call it after the final checkpoint and evaluation."""
+        if self.world.is_main:
+            save_atomic(module.state_dict(), self.run_dir / OPEN_CLIP_WEIGHTS)
+            write_text_atomic(self.run_dir / END_MARKER, f"{self.cfg.train.steps}\n")
