@@ -33,8 +33,7 @@ def compile_enabled(setting: bool | str, device: torch.device) -> bool:
 def compile_towers(model: torch.nn.Module, cache_dir: Path, backend: str = "inductor") -> None:
     """Compile `model`'s forward in place (its state_dict keys stay open_clip's), caching under
     `cache_dir`. `backend`: torch.compile's (the tests use "aot_eager", which needs no compiler)."""
-    # Read by Inductor when it first compiles (in the first step, after the run folder is claimed),
-    # which creates the folder: its FX graph, AOTAutograd and Triton caches.
+    # Inductor's FX graph, AOTAutograd and Triton caches (the trainer calls this once the run folder is claimed).
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir.resolve())
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     model.compile(backend=backend, dynamic=False)

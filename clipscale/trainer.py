@@ -135,9 +135,6 @@ class Run:
         visual = module.visual
         image_size = visual.image_size[0] if isinstance(visual.image_size, tuple) else visual.image_size
         flops = train_flops_per_sample(module, image_size, module.context_length, world.device, *trainable_towers(module))
-        compiled = compile_enabled(cfg.model.compile, world.device)
-        if compiled:
-            compile_towers(module, Path(cfg.model.compile_cache or plan.run_dir / "compile_cache"))
         loss_fn = loss_fn if loss_fn is not None else build_loss(cfg.loss.name, **cfg.loss.options)
         optimizer = build_optimizer(module, cfg.optim, fused=world.device.type == "cuda")
         chunk = chunk_size(cfg, towers, loss_fn, world, console)
@@ -157,6 +154,9 @@ class Run:
             claim_run_dir(plan, world, console)
             for line in batches.path.notes:
                 console.say(line)
+            compiled = compile_enabled(cfg.model.compile, world.device)
+            if compiled:  # its cache lives in the run folder, so only once the folder is claimed
+                compile_towers(module, Path(cfg.model.compile_cache or plan.run_dir / "compile_cache"))
             if world.is_main:
                 write_open_clip_folder(plan.run_dir, towers)  # with the final weights, open_clip's `local-dir:` loads the run
             logger = MetricsLogger(plan.run_dir, cfg, enabled=world.is_main, resume_step=start_step)

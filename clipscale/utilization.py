@@ -28,13 +28,14 @@ def peak_bf16_flops(device: torch.device) -> float | None:
 def forward_flops(model: torch.nn.Module, image_size: int, context_length: int, device: torch.device) -> tuple[int, int]:
     """FLOPs of one sample's forward through the image tower and through the text tower: counted
     on two samples (a BatchNorm needs more than one) in eval mode (no dropout: the run's RNG is
-    not touched), halved."""
+    not touched), halved; with autograd on, as in training (without it nn.MultiheadAttention
+    takes a fused path whose FLOPs the counter does not see)."""
     image = torch.zeros(2, 3, image_size, image_size, device=device)
     text = torch.zeros(2, context_length, dtype=torch.long, device=device)
     counts, training = [], model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.enable_grad():
             for encode, sample in ((model.encode_image, image), (model.encode_text, text)):
                 with FlopCounterMode(display=False) as counter:
                     encode(sample)

@@ -64,4 +64,3 @@ def test_compiled_code_is_cached_in_the_folder_given(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     compile_towers(tiny_clip(0.0), tmp_path / "runs" / "x" / "compile_cache", backend="aot_eager")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "runs" / "x" / "compile_cache").resolve())
-    assert not (tmp_path / "runs").exists(), "a start that fails later must leave no run folder"

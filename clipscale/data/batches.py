@@ -67,6 +67,13 @@ class DeviceBudget:
         self.limit = limit_bytes
         self.used = 0
         self.lock = threading.Lock()
+        self.waiting: list[Callable[[], None]] = []  # called once when bytes are given back
+
+    def when_freed(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (once) the next time bytes are given back: a column decoding ahead
+        goes on when the step frees what it kept."""
+        with self.lock:
+            self.waiting.append(callback)
 
     def take(self, tensor: torch.Tensor) -> bool:
         return self.take_bytes(tensor.numel() * tensor.element_size())
@@ -84,6 +91,9 @@ class DeviceBudget:
     def give_back_bytes(self, size: int) -> None:
         with self.lock:
             self.used -= size
+            waiting, self.waiting = self.waiting, []
+        for callback in waiting:
+            callback()
 
 
 class HostColumn:

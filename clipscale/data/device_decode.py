@@ -235,6 +235,8 @@ class DeviceDecodedImages(HostColumn):
         self.encoded: list[tuple[int, EncodedImages]] = []  # (first row, the piece's images), in order
         self.decoding: dict[tuple[int, int], tuple[Future, int]] = {}  # chunks decoded ahead: (result, bytes)
         self.rows_ahead = 0  # rows [0, rows_ahead) have been handed to the decoder (ahead, or by pass 1)
+        self.rows_in = 0  # rows [0, rows_in) have arrived
+        self.released = False
         self.lock = threading.Lock()  # put (the gathering thread) and submit (the step) both move rows_ahead
 
     def __len__(self) -> int:
@@ -244,14 +246,23 @@ class DeviceDecodedImages(HostColumn):
         # A private copy: the piece's tensors sit in shared memory, one file descriptor each,
         # and a batch of a million samples would hold thousands of them.
         self.encoded.append((rows.start, piece["encoded"].clone()))
-        if self.ahead is None:
+        self.rows_in = rows.stop
+        self.decode_ahead()
+
+    def decode_ahead(self) -> None:
+        """Hand the decoder every chunk whose pieces are in, while the budget has room; when it
+        has none, go on once the step gives some back (the previous batch's pass 2 frees its chunks)."""
+        if self.ahead is None or self.released:
             return
         chunk, image_bytes = self.ahead
         with self.lock:
             while self.rows_ahead < self.batch_size:
                 start, stop = self.rows_ahead, min(self.rows_ahead + chunk, self.batch_size)
+                if stop > self.rows_in:
+                    return
                 size = (stop - start) * image_bytes
-                if stop > rows.stop or not self.budget.take_bytes(size):
+                if not self.budget.take_bytes(size):
+                    self.budget.when_freed(self.decode_ahead)
                     return
                 parts = encoded_rows(self.encoded, start, stop)
                 self.decoding[(start, stop)] = (self.decoder.submit(lambda parts=parts: parts), size)
@@ -273,6 +284,7 @@ class DeviceDecodedImages(HostColumn):
         return self.decoder.submit(parts).result
 
     def drop_kept(self) -> None:
+        self.released = True  # the step is done with this batch: nothing more is decoded ahead for it
         super().drop_kept()
         for future, size in self.decoding.values():  # decoded ahead for a step that ended early
             future.cancel()
