@@ -148,8 +148,10 @@ def test_the_trainer_decodes_on_the_gpu_on_the_loaders_curve(digits_root, tmp_pa
     """The whole path on the GPU: DeviceDecoder's thread and CUDA stream feeding both Gradient
     Cache passes; the run follows the loader-decoded run's curve and counts the same skips."""
     jpeg_decoder(decoder, torch.device("cuda"))
+    # Uncompiled: this is about the data path, and compiling would cost each run a minute.
     device = _train(digits_root, tmp_path, jpeg_shards, "device", "run.device=cuda", "data.decoder=device",
-                    f"data.device_decoder={decoder}")
-    loader = _train(digits_root, tmp_path, jpeg_shards, "loader", "run.device=cuda", "data.decoder=loader")
+                    f"data.device_decoder={decoder}", "model.compile=false")
+    loader = _train(digits_root, tmp_path, jpeg_shards, "loader", "run.device=cuda", "data.decoder=loader",
+                    "model.compile=false")
     assert [m["loss"] for m in device] == pytest.approx([m["loss"] for m in loader], rel=2e-3)
     assert [m["skipped_samples_total"] for m in device] == [m["skipped_samples_total"] for m in loader]
