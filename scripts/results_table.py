@@ -44,9 +44,11 @@ def row(result: dict, record: dict, path: Path) -> tuple[tuple, str]:
     gpus = int(case.get("nproc", 1))
     batch = int(case["batch"])
     clipscale = case["runner"] == "clipscale"
-    decoder = case.get("decoder", "loader") if clipscale else "loader (open_clip_train's)"
+    decoder = decoder_of(result) if clipscale else "loader (open_clip_train's)"
     if int(case.get("offload", 0)):
         decoder += ", train.offload"
+    if clipscale and compiled(result):
+        decoder += ", compiled"
     if result["steps_done"] == 1:
         speed, steps = f"one step: {result['first_step_s']:.0f} s", "–"
     else:
@@ -57,9 +59,23 @@ def row(result: dict, record: dict, path: Path) -> tuple[tuple, str]:
     gpu = f"{result['peak_gpu_allocated_gib']:.1f} GiB" if "peak_gpu_allocated_gib" in result else "–"
     trainer = "open_clip_train" if not clipscale else f"clipscale, loss {case['loss']}" if "loss" in case else "clipscale"
     cells = [trainer, case["model"], f"{gpus} × {short(record['device'])} ({record['workers']})", f"{batch:,}",
-             case.get("chunk", "–"), decoder, speed, steps, f"{result['peak_host_gib']:.1f} GiB", gpu,
+             case.get("chunk", "512" if "console" in result else "–"), decoder, speed, steps, f"{result['peak_host_gib']:.1f} GiB", gpu,
              f"[{path.name}]({path})"]
     return (case["model"], batch, gpus, decoder, not clipscale, str(path)), "| " + " | ".join(cells) + " |"
+
+
+def decoder_of(result: dict) -> str:
+    """The case's data.decoder; where the case left it to the config (auto), what the run said it chose."""
+    if "decoder" in result["case"]:
+        return result["case"]["decoder"]
+    said = " ".join(result.get("console", []))
+    return "auto: " + ("GPU, nvImageCodec engines" if "(nvimgcodec)" in said else "GPU, nvJPEG" if "(nvjpeg)" in said
+                       else "loader")
+
+
+def compiled(result: dict) -> bool:
+    """model.compile on: asked for by the case, or said by the run (the default, auto, on a GPU)."""
+    return result["case"].get("compile") == "1" or any("compiling the towers" in line for line in result.get("console", []))
 
 
 def short(device: str) -> str:
