@@ -68,6 +68,8 @@ def decoder_of(result: dict) -> str:
     """The case's data.decoder; where the case left it to the config (auto), what the run said it chose."""
     if "decoder" in result["case"]:
         return result["case"]["decoder"]
+    if "console" not in result:  # recorded before data.decoder had "auto": its default was the loader
+        return "loader"
     said = " ".join(result.get("console", []))
     return "auto: " + ("GPU, nvImageCodec engines" if "(nvimgcodec)" in said else "GPU, nvJPEG" if "(nvjpeg)" in said
                        else "loader")
