@@ -36,9 +36,19 @@ class Mutation:
 
 
 MUTATIONS = [
-    Mutation("stream_drops_a_sample_on_resume", "the stream skips one sample more on resume (index <= position)",
-             "clipscale/data/shards.py", "if index < position:", "if index <= position:",
+    Mutation("stream_drops_a_sample_on_resume", "a resumed stream seeks one raw sample too far",
+             "clipscale/data/epoch.py", "self._seek(buffered, read=draws + len(buffered))",
+             "self._seek(buffered, read=draws + len(buffered) + 1)",
              ("tests/test_stream_epochs.py",)),
+    Mutation("pass_two_without_replay", "Gradient Cache's pass 2 re-encodes without pass 1's RNG states",
+             "clipscale/gradcache.py", "grads.backward(self.reencode(image, text, *states[k]), start, stop",
+             "grads.backward(self.reencode(image, text, None, None), start, stop",
+             ("tests/test_compile.py::test_the_compiled_gradient_cache_step_equals_the_eager_one",
+              "tests/test_gradcache.py")),
+    Mutation("pass_one_keeps_nothing", "pass 1's chunks are never kept on the device: pass 2 decodes them again",
+             "clipscale/data/batches.py", "if bound in keep and (charged or column.budget.take(moved)):",
+             "if False and (charged or column.budget.take(moved)):",
+             ("tests/test_device_decode.py",)),
     Mutation("no_rng_restore", "the trainer does not restore the RNG on resume",
              "clipscale/checkpoint_manager.py", '        torch.set_rng_state(state["cpu"])\n', "",
              ("tests/test_trainer_resume.py::test_a_resumed_run_with_dropout_draws_the_uninterrupted_runs_masks",)),
