@@ -43,3 +43,28 @@ def test_a_transform_the_device_cannot_run_stays_in_the_loader_saying_so():
     assert path.decoder == "loader" and "data.decoder=auto" in path.notes[0]
     with pytest.raises(ConfigError, match="data.decoder=device needs"):
         resolve("data.decoder=device", split=None)
+
+
+def test_a_stream_takes_its_state_when_it_starts_reading_not_when_it_is_built(digits_root):
+    """No call order between restoring a checkpoint and building the data path: a stream built
+    before its state is restored resumes where the state says, as one built after it."""
+    from clipscale.data.digits import write_digits_shards
+    from clipscale.data.shards import ShardStream, StreamState
+
+    shards = [str(digits_root / name) for name in write_digits_shards(digits_root, image_size=32)["train_shards"]]
+    transform = image_transform(32, is_train=True)
+
+    def stream(state):
+        return ShardStream(shards, piece_size=10, rank=0, world_size=1, num_workers=1, seed=0, image_transform=transform,
+                           tokenizer=lambda captions: torch.tensor([len(c) for c in captions]), shuffle_buffer=20,
+                           state=state)
+
+    uninterrupted = iter(stream(None))
+    consumed = StreamState()
+    for _ in range(3):
+        consumed.update(next(uninterrupted))
+    restored_later = StreamState()
+    built_first = stream(restored_later)
+    restored_later.load_state_dict(consumed.state_dict())
+    got, want = next(iter(built_first)), next(uninterrupted)
+    assert got["cursor"] == want["cursor"] and torch.equal(got["images"], want["images"])

@@ -299,7 +299,8 @@ class BatchStream:
                  budget: DeviceBudget | None = None):
         if batch_size % piece_size:
             raise ValueError(f"batch_size {batch_size} is not a multiple of piece_size {piece_size}")
-        self.loader = iter(loader)
+        self.loader_iterable, self.loader = loader, None  # iterated (its workers started) by the first `next()`
+        self.in_thread = in_thread
         self.batch_size, self.piece_size, self.batches = batch_size, piece_size, batches
         self.to_float = to_float
         self.image_column = image_column
@@ -311,13 +312,20 @@ class BatchStream:
         self.ready: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
         self.thread = None
-        if in_thread:
+
+    def start(self) -> None:
+        """Start reading: the loader's workers take the stream as it is now (a resumed run's cursors
+        are in it by then, whenever they were restored), and the gathering thread starts."""
+        self.loader = iter(self.loader_iterable)
+        if self.in_thread:
             self.thread = threading.Thread(target=self._gather, name="clipscale-batches", daemon=True)
             self.thread.start()
 
     def next(self) -> StreamedBatch:
-        """The next step's batch, as soon as its first piece is on its way."""
+        """The next step's batch, as soon as its first piece is on its way (the first call starts reading)."""
         started = time.perf_counter()
+        if self.loader is None:
+            self.start()
         if self.thread is None:
             gathered: list = []
             self._gather_batch(self.free.get_nowait(), gathered.append)

@@ -184,9 +184,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.keep_encoded = keep_encoded or not decode
         self.decode = decode
         self.max_image_pixels = max_image_pixels  # None: PIL's Image.MAX_IMAGE_PIXELS
-        state = state or StreamState()
-        self.cursors = dict(state.cursors)
-        self.first_worker = state.pieces % self.num_workers
+        self.state = state or StreamState()  # read when iterated: it may be restored after this is built
 
     def _plan(self, epoch: int, consumer: int, consumers: int) -> EpochPlan:
         """The shards `consumer` reads in `epoch`, and which of their samples are its own."""
@@ -203,6 +201,7 @@ class ShardStream(torch.utils.data.IterableDataset):
     def shuffled_epoch(self, epoch: int, consumer: int, consumers: int, errors: ShardErrors) -> ShuffledEpoch:
         return ShuffledEpoch(self.source, self._plan(epoch, consumer, consumers), self.shuffle_buffer,
                              f"{self.seed}/{epoch}/{consumer}", errors)
+
     def _piece(self, samples: list[tuple], cursor: tuple, skipped: int, shard_errors: int) -> dict:
         pixels, encoded, captions = zip(*samples)
         piece = {
@@ -220,10 +219,10 @@ class ShardStream(torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         slot = info.id if info is not None else 0
-        worker = (slot + self.first_worker) % self.num_workers
+        worker = (slot + self.state.pieces) % self.num_workers  # the first loader slot serves the next worker
         consumer = self.rank * self.num_workers + worker
         consumers = self.world_size * self.num_workers
-        epoch, *position = self.cursors.get(worker, (0,))
+        epoch, *position = self.state.cursors.get(worker, (0,))
         samples, skipped, errors = [], 0, ShardErrors()
         epochs_without_a_sample = 0
         while True:
