@@ -71,17 +71,13 @@ def encoded_rows(pieces: list[tuple[int, EncodedImages]], start: int, stop: int)
             for first, encoded in pieces if first < stop and first + len(encoded) > start]
 
 
-_decode: Callable | None = None  # in a decode process: the SplitTransform's decode
+def _one_thread() -> None:
+    torch.set_num_threads(1)  # one decode process a core: torch's own threads would fight for it
 
 
-def _start_decoder(decode: Callable) -> None:
-    global _decode
-    torch.set_num_threads(1)
-    _decode = decode
-
-
-def _decode_rows(encoded: EncodedImages, start: int, stop: int) -> torch.Tensor:
-    return torch.stack([_decode(encoded[i]) for i in range(start, stop)])
+def decode_each(decode: Callable, encoded: EncodedImages, start: int, stop: int) -> torch.Tensor:
+    """encoded[start:stop] through `decode` (the SplitTransform's, sent with each task: a few steps)."""
+    return torch.stack([decode(encoded[i]) for i in range(start, stop)])
 
 
 class DecodePool:
@@ -94,12 +90,14 @@ class DecodePool:
     def __init__(self, decode: Callable[[tuple[bytes, tuple]], torch.Tensor], processes: int):
         self.processes = processes
         self.executor = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("forkserver"),
-                                            initializer=_start_decoder, initargs=(decode,))
+                                            initializer=_one_thread)
+        self.decode_one = decode
 
     def decode(self, encoded: EncodedImages, start: int, stop: int) -> list[Future]:
         """Futures of uint8 row blocks that stack to encoded[start:stop], spread over the processes."""
         rows = max(1, -(-(stop - start) // self.processes))
-        return [self.executor.submit(_decode_rows, encoded, lo, min(lo + rows, stop)) for lo in range(start, stop, rows)]
+        return [self.executor.submit(decode_each, self.decode_one, encoded, lo, min(lo + rows, stop))
+                for lo in range(start, stop, rows)]
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
