@@ -80,7 +80,7 @@ BUILTIN_TASKS = {
         EvalTask("wds-retrieval", kind="retrieval", format="wds"),
     )
 }
-DIGITS = "digits"
+DIGITS = "digits"  # a built-in whose fields come from the data root's manifest (digits_task)
 REQUIRED_FIELDS = {"imagenet-r": "class_subset", "imagenet-a": "class_subset", "objectnet": "folder_names"}
 
 
@@ -101,7 +101,7 @@ def resolve_task(task, **overrides) -> EvalTask:
     elif Path(task).is_file():
         base = {"name": Path(task).stem, **yaml.safe_load(Path(task).read_text())}  # YAML also reads JSON
     else:
-        raise ValueError(f"unknown eval task {task!r}: not a file and not one of {', '.join(BUILTIN_TASKS)}")
+        raise ValueError(f"unknown eval task {task!r}: not a file and not one of {', '.join([*BUILTIN_TASKS, DIGITS])}")
     allowed = {f.name for f in dataclasses.fields(EvalTask)}
     unknown = sorted(set(base) - allowed)
     if unknown:
