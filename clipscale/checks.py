@@ -22,7 +22,8 @@ from typing import Any, Optional
 import open_clip
 from open_clip.model import CLIPTextCfg, CLIPVisionCfg
 
-from clipscale.config import Config, ConfigError, LossConfig, ModelConfig, check_model_section, check_value, eval_task, load_config
+from clipscale.config import Config, ConfigError, LossConfig, ModelConfig, check_model_section, check_value, load_config
+from clipscale.eval.tasks import eval_task
 from clipscale.losses import CLIP_INPUTS, available_losses, build_loss, loss_contract
 from clipscale.models import open_clip_model_config
 

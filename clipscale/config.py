@@ -6,9 +6,9 @@ names the key, the expected type and (for choices) the allowed values.
 
     cfg = load_config("configs/digits.yaml", ["train.steps=100", "loss.name=infcl"])
 
-This module knows the schema and imports none of the components (but for
-`eval_task`, see there). Checks that need them (an open_clip architecture exists, the loss's options
-and inputs fit it, the evaluation sets resolve) live in clipscale.checks;
+This module knows the schema and imports none of the components. Checks that need them (an
+open_clip architecture exists, the loss's options and inputs fit it, the evaluation sets resolve,
+clipscale.eval.tasks.eval_task) live in clipscale.checks;
 train.py runs load_config before it imports them, so a mistake here is reported at once.
 """
 
@@ -446,18 +446,6 @@ def check_sections(cfg: Config) -> None:
         raise ConfigError(f"data.keep_on_device_gib: must be >= 0 or null, got {cfg.data.keep_on_device_gib}")
     if cfg.data.decode_workers is not None and cfg.data.decode_workers < 1:
         raise ConfigError(f"data.decode_workers: must be positive, got {cfg.data.decode_workers}")
-
-
-def eval_task(entry):
-    """An eval.sets entry ({task: name, field: value, ...}, a task name or a task file) as an EvalTask."""
-    # The one import of a component left in this module (no circle: eval imports no config).
-    # It belongs in clipscale.eval.tasks, and moves there once trainer.py imports it from there.
-    from clipscale.eval.tasks import resolve_task
-
-    if isinstance(entry, dict):
-        fields = dict(entry)
-        return resolve_task(fields.pop("task", fields), **fields) if "task" in entry else resolve_task(fields)
-    return resolve_task(entry)
 
 
 def check_world(cfg: Config, world_size: int) -> None:

@@ -41,7 +41,9 @@ from typing import Callable, ContextManager, Iterator, Protocol, Sequence
 
 import torch
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel
+
+from clipscale.distributed import unwrap
+from clipscale.precision import autocast_factory
 
 Bounds = Sequence[tuple[int, int]]
 
@@ -107,14 +109,6 @@ def trainable_towers(module: nn.Module) -> tuple[bool, bool]:
         if id(p) not in visual_ids and not name.startswith("logit_")
     )
     return image, text
-
-
-def autocast_factory(autocast, device: torch.device) -> Callable[[], ContextManager]:
-    if autocast is None:
-        return contextlib.nullcontext
-    if isinstance(autocast, torch.dtype):
-        return lambda: torch.autocast(device.type, dtype=autocast)
-    return autocast
 
 
 @dataclass
@@ -188,7 +182,7 @@ class GradCache:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.model = model
-        self.module = model.module if isinstance(model, DistributedDataParallel) else model
+        self.module = unwrap(model)
         self.loss_fn = loss_fn
         self.chunk_size = chunk_size
         self.device = next(self.module.parameters()).device

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from clipscale.gradcache import autocast_factory, encode
+from clipscale.gradcache import encode
+from clipscale.precision import autocast_factory
 
 HEADROOM = 0.85  # of the device's memory: fragmentation, the allocator's rounding, cuBLAS/NCCL workspaces
 PROBE_CHUNKS = (8, 16)

@@ -18,9 +18,9 @@ import torch
 
 from clipscale.gradcache import GradCache
 from clipscale.losses.common import NonFiniteError
+from clipscale.precision import AUTOCAST_DTYPES
 
 MAX_LOGIT_SCALE = math.log(100)  # open_clip clamps the learnable temperature at 100
-AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class NonFiniteStepsError(RuntimeError):

@@ -34,15 +34,16 @@ from clipscale.data.pipeline import TrainingBatches, kept_bytes
 from clipscale.data.shards import StreamState
 from clipscale.distributed import World, all_reduce_max, all_reduce_sum_list, barrier, init_distributed, shutdown_distributed
 from clipscale.eval.during_training import Evaluator
-from clipscale.gradcache import autocast_factory, trainable_towers
+from clipscale.gradcache import trainable_towers
 from clipscale.losses import build_loss
 from clipscale.memory import largest_chunk
 from clipscale.metrics import MetricsLogger, RecordWindow
 from clipscale.models import Towers, build_model, write_open_clip_folder
 from clipscale.optim import build_optimizer, learning_rate
+from clipscale.precision import AUTOCAST_DTYPES
 from clipscale.run_dir import RunPlan, plan_run
 from clipscale.signals import StopRequest
-from clipscale.step import AUTOCAST_DTYPES, StepResult, TrainStep
+from clipscale.step import StepResult, TrainStep
 from clipscale.utilization import peak_bf16_flops, train_flops_per_sample
 
 
@@ -147,7 +148,7 @@ class Run:
         shared = [UnderKey("state_dict", module), UnderKey("optimizer", optimizer), step]
         start_step = checkpoints.start(checkpoint, shared=shared, per_rank={"data": stream_state, "metrics": window},
                                        samples_per_epoch=data.num_train)
-        evaluator = Evaluator(cfg, data, towers, world, autocast_factory(AUTOCAST_DTYPES[cfg.train.precision], world.device))
+        evaluator = Evaluator(cfg, towers, world, AUTOCAST_DTYPES[cfg.train.precision])
         batches = TrainingBatches.build(cfg, data, towers.train_transform, towers.tokenizer, world, stream_state, chunk,
                                         cfg.train.steps - start_step)
         try:

@@ -96,7 +96,7 @@ def main(argv=None) -> dict:
     towers = build_model(model_cfg)
     model = towers.model.to(world.device)
     bf16 = args.precision == "bf16" or (args.precision == "auto" and world.device.type == "cuda")
-    autocast = (lambda: torch.autocast(world.device.type, dtype=torch.bfloat16)) if bf16 else None
+    autocast = torch.bfloat16 if bf16 else None  # entered as clipscale.precision.autocast_factory does
     metrics = run_task(
         task,
         model,

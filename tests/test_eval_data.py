@@ -194,3 +194,39 @@ def test_retrieval_refuses_a_json_that_is_not_a_caption_list(tmp_path):
     with pytest.raises(ValueError, match=r"metadata-only.tar: sample 000000000: no caption member \(txt, text, caption\) "
                                          "and its json is not a list of caption strings"):
         evaluate(resolve_task("wds-retrieval", data=shard), caption_model())
+
+
+def test_digits_held_out_set_is_a_wds_task_read_from_the_manifest(digits_root):
+    """The digits held-out set goes the one evaluation path: a wds task over the shards the manifest
+    lists, with the class names and templates written beside them."""
+    from clipscale.data.digits import CLASSNAMES, ZEROSHOT_TEMPLATES
+    from clipscale.eval.datasets import shard_classification
+    from clipscale.eval.tasks import class_names, prompt_templates
+
+    manifest = json.loads((digits_root / "manifest.json").read_text())
+    task = resolve_task("digits", data=str(digits_root))
+    assert task.format == "wds" and task.kind == "classification"
+    assert task.data.split("::") == [str(digits_root / shard) for shard in manifest["val_shards"]]
+    assert class_names(task, None, None) == CLASSNAMES and prompt_templates(task) == ZEROSHOT_TEMPLATES
+    labels = [label for _, label in shard_classification(task.data, ToTensor())]
+    assert len(labels) == manifest["num_val"] and set(labels) == set(range(len(CLASSNAMES)))
+
+
+def test_digits_task_without_its_manifest_names_the_file(tmp_path):
+    with pytest.raises(ValueError, match="manifest.json"):
+        resolve_task("digits", data=str(tmp_path))
+    with pytest.raises(ValueError, match="needs data"):
+        resolve_task("digits")
+
+
+@pytest.mark.parametrize("overrides, held_out", [([], True), (["eval.zeroshot=false"], False),
+                                                 (["data.kind=webdataset", "data.train_shards=x.tar"], False)])
+def test_evaluator_adds_the_digits_set_under_the_name_zeroshot(digits_root, overrides, held_out):
+    from clipscale.config import load_config
+    from clipscale.eval.during_training import Evaluator
+    from tiny_runs import DIGITS_YAML
+
+    cfg = load_config(DIGITS_YAML, [f"data.root={digits_root}", *overrides])
+    tasks = Evaluator(cfg, towers=None, world=None, autocast=None).tasks
+    expected = resolve_task("digits", data=str(digits_root), name="zeroshot")
+    assert tasks == ([expected] if held_out else [])

@@ -35,7 +35,8 @@ def test_evaluation_under_two_seeds_gives_the_same_metrics_and_leaves_train_mode
     world = World()
     towers = build_model(cfg.model)
     model = with_dropout(towers.model)
-    evaluator = Evaluator(cfg, prepare_data(cfg.data, world), towers, world, autocast=None)
+    prepare_data(cfg.data, world)
+    evaluator = Evaluator(cfg, towers, world, autocast=None)
 
     images = torch.randn(8, 3, 32, 32)
 

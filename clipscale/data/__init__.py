@@ -1,21 +1,17 @@
-"""Training and evaluation data: the embedded digits, or the user's webdataset shards or CSV table."""
+"""Training data: the embedded digits, or the user's webdataset shards or CSV table. (The digits' held-out
+set is an evaluation task, clipscale.eval.tasks.digits_task.)"""
 
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
-
-import torch
 import torch.distributed as dist
 import webdataset as wds
 
 from clipscale.config import ConfigError, DataConfig
 from clipscale.data.csv_table import CsvTable, read_rows
 from clipscale.data.digits import write_digits_shards
-from clipscale.data.members import decode_label, first_member, open_image
-from clipscale.data.shards import IMAGE_KEYS
 from clipscale.data.sources import ShardSource, keys, shard_weights
 from clipscale.distributed import World
 
@@ -24,26 +20,6 @@ from clipscale.distributed import World
 class PreparedData:
     train_shards: list[str] | ShardSource  # what ShardStream reads
     num_train: int
-    val_shards: list[str] = field(default_factory=list)
-    classnames: Optional[list[str]] = None
-    templates: Optional[list[str]] = None
-
-    def val_loader(self, transform, world: World, batch_size: int):
-        """(images, labels) batches of this rank's share (every world_size-th sample) of the validation shards.
-        Only the image and `cls` members are decoded (clipscale.data.members); the set is ours, so a
-        sample that does not decode is an error, not a skip."""
-        samples = wds.WebDataset(self.val_shards, shardshuffle=False, nodesplitter=None, empty_check=False)
-        mine = (s for i, s in enumerate(samples) if i % world.world_size == world.rank)
-        batch_images, batch_labels = [], []
-        for sample in mine:
-            with open_image(sample[first_member(sample, IMAGE_KEYS)]) as image:
-                batch_images.append(transform(image.convert("RGB")))
-            batch_labels.append(decode_label(sample["cls"]))
-            if len(batch_images) == batch_size:
-                yield torch.stack(batch_images), torch.tensor(batch_labels)
-                batch_images, batch_labels = [], []
-        if batch_images:
-            yield torch.stack(batch_images), torch.tensor(batch_labels)
 
 
 DIGITS_IMAGE_SIZE = 32  # data.image_size's value for digits when unset
@@ -93,7 +69,4 @@ def prepare_data(cfg: DataConfig, world: World) -> PreparedData:
     return PreparedData(
         train_shards=[str(root / name) for name in manifest["train_shards"]],
         num_train=manifest["num_train"],
-        val_shards=[str(root / name) for name in manifest["val_shards"]],
-        classnames=manifest["classnames"],
-        templates=manifest["templates"],
     )

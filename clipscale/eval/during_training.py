@@ -7,31 +7,28 @@ Results are flat `<set>_<metric>` keys: `zeroshot_acc1` for the held-out digits,
 
 from __future__ import annotations
 
-from clipscale.config import Config, eval_task
+from clipscale.config import Config
 from clipscale.distributed import World
 from clipscale.distributed import unwrap
-from clipscale.eval.tasks import run_task
+from clipscale.eval.tasks import digits_task, eval_task, run_task
 from clipscale.eval.validation import Validation
-from clipscale.eval.zeroshot import evaluate_zeroshot, zeroshot_classifier
+from clipscale.precision import Autocast
+
+HELD_OUT_DIGITS = "zeroshot"  # the digits held-out set's name, so its metrics are zeroshot_acc1, ...
 
 
 class Evaluator:
-    def __init__(self, cfg: Config, data, towers, world: World, autocast):
-        self.cfg, self.data, self.towers, self.world, self.autocast = cfg, data, towers, world, autocast
-        self.tasks = [eval_task(entry) for entry in cfg.eval.sets]
+    """Built after prepare_data: the digits held-out set is read from the manifest it writes."""
+
+    def __init__(self, cfg: Config, towers, world: World, autocast: Autocast):
+        self.cfg, self.towers, self.world, self.autocast = cfg, towers, world, autocast
+        held_out = [digits_task(cfg.data.root, HELD_OUT_DIGITS)] if cfg.eval.zeroshot and cfg.data.kind == "digits" else []
+        self.tasks = held_out + [eval_task(entry) for entry in cfg.eval.sets]
         self.validation = Validation(cfg, towers, world, autocast) if cfg.eval.val_data else None
 
     def __call__(self, model) -> dict:
         unwrapped = unwrap(model)
         results = {}
-        if self.cfg.eval.zeroshot and self.data.classnames:
-            classifier = zeroshot_classifier(
-                unwrapped, self.towers.tokenizer, self.data.classnames, self.data.templates, self.world.device,
-                batch_size=self.cfg.eval.batch_size, autocast=self.autocast,
-            )
-            loader = self.data.val_loader(self.towers.val_transform, self.world, self.cfg.eval.batch_size)
-            metrics = evaluate_zeroshot(unwrapped, classifier, loader, self.world.device, autocast=self.autocast, progress=False)
-            results.update({f"zeroshot_{k}": v for k, v in metrics.items()})
         for task in self.tasks:
             metrics = run_task(
                 task, unwrapped, self.towers.tokenizer, self.towers.val_transform, self.world.device,

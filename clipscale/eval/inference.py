@@ -8,7 +8,7 @@ try to synchronise buffers and is not what `encode_image` needs).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from clipscale.distributed import is_distributed, unwrap
-
-Autocast = Optional[Callable[[], ContextManager]]
+from clipscale.precision import Autocast, autocast_factory
 
 
 @contextlib.contextmanager
@@ -46,19 +45,15 @@ def normalised_float(features: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def encode_images(model, images: torch.Tensor, device, autocast: Autocast) -> torch.Tensor:
-    with autocast_context(autocast):
+    with autocast_factory(autocast, device)():
         features = model.encode_image(images.to(device, non_blocking=True), normalize=True)
     return normalised_float(features, "image")
 
 
 def encode_texts(model, tokenizer, texts: list[str], device, autocast: Autocast) -> torch.Tensor:
-    with autocast_context(autocast):
+    with autocast_factory(autocast, device)():
         features = model.encode_text(tokenizer(texts).to(device, non_blocking=True), normalize=True)
     return normalised_float(features, "text")
-
-
-def autocast_context(autocast: Autocast) -> ContextManager:
-    return autocast() if autocast is not None else contextlib.nullcontext()
 
 
 def progress_bar(iterable: Iterable, enabled: bool, desc: str, total: Optional[int] = None):

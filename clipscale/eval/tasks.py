@@ -16,6 +16,10 @@ WordNet-ID folders), "folders" (the folder names, or the values of
 "{c}" strings. `class_subset` (file of indices into the class names) narrows
 them to the classes the data has, in its label order: ImageNet-R and -A use
 200 of the 1,000.
+
+"digits" is the held-out split that clipscale.data.digits writes: its `data` is the data root,
+whose manifest lists the shards; the class names and templates are the files written beside it.
+`eval.zeroshot: true` with `data.kind: digits` evaluates it under the name "zeroshot".
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ BUILTIN_TASKS = {
         EvalTask("wds-retrieval", kind="retrieval", format="wds"),
     )
 }
+DIGITS = "digits"  # a built-in whose fields come from the data root's manifest (digits_task)
 REQUIRED_FIELDS = {"imagenet-r": "class_subset", "imagenet-a": "class_subset", "objectnet": "folder_names"}
 
 
@@ -89,12 +94,14 @@ def resolve_task(task, **overrides) -> EvalTask:
         base = dataclasses.asdict(task)
     elif isinstance(task, dict):
         base = dict(task)
+    elif task == DIGITS:
+        base = dataclasses.asdict(digits_task(overrides.pop("data", None)))
     elif task in BUILTIN_TASKS:
         base = dataclasses.asdict(BUILTIN_TASKS[task])
     elif Path(task).is_file():
         base = {"name": Path(task).stem, **yaml.safe_load(Path(task).read_text())}  # YAML also reads JSON
     else:
-        raise ValueError(f"unknown eval task {task!r}: not a file and not one of {', '.join(BUILTIN_TASKS)}")
+        raise ValueError(f"unknown eval task {task!r}: not a file and not one of {', '.join([*BUILTIN_TASKS, DIGITS])}")
     allowed = {f.name for f in dataclasses.fields(EvalTask)}
     unknown = sorted(set(base) - allowed)
     if unknown:
@@ -106,6 +113,27 @@ def resolve_task(task, **overrides) -> EvalTask:
     if resolved.data is None:
         raise ValueError(f"eval task {resolved.name!r} needs data (a folder, shard pattern or caption JSON)")
     return resolved
+
+
+def eval_task(entry) -> EvalTask:
+    """An eval.sets entry ({task: name, field: value, ...}, a task name or a task file) as an EvalTask."""
+    if isinstance(entry, dict):
+        fields = dict(entry)
+        return resolve_task(fields.pop("task", fields), **fields) if "task" in entry else resolve_task(fields)
+    return resolve_task(entry)
+
+
+def digits_task(root: Optional[str], name: str = DIGITS) -> EvalTask:
+    """The digits held-out split under `root`, read from the manifest clipscale.data.digits writes last."""
+    if root is None:
+        raise ValueError(f"eval task {DIGITS!r} needs data (the digits data root, which holds manifest.json)")
+    folder = Path(root)
+    manifest_path = folder / "manifest.json"
+    if not manifest_path.is_file():
+        raise ValueError(f"eval task {DIGITS!r}: no {manifest_path} (the digits data root, written by a digits run)")
+    manifest = _read_json(str(manifest_path))
+    return EvalTask(name, format="wds", data="::".join(str(folder / shard) for shard in manifest["val_shards"]),
+                    classnames=str(folder / "classnames.txt"), templates=str(folder / "templates.txt"))
 
 
 def run_task(

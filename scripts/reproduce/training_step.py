@@ -69,7 +69,7 @@ def load_workload(model_name: str, world: World, lock_image: bool = False) -> Wo
                                       weight_decay=0.2, fused=world.device.type == "cuda")
     if world.distributed:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[world.device] if world.device.type == "cuda" else None)
-    module = model.module if world.distributed else model
+    module = unwrap(model)
     image_size = module.visual.image_size
     return Workload(model, optimizer, image_size[0] if isinstance(image_size, tuple) else image_size,
                     module.context_length, module.vocab_size, module.visual.output_dim)
