@@ -2,10 +2,10 @@
 
 torch.compile turns each tower's forward (and, through AOTAutograd, its backward) into fused
 Triton kernels: on an H100 a ViT-B/16 Gradient Cache step runs about 1.5x faster. Gradient
-Cache calls the model in three ways, each its own graph, compiled once: pass 1 encodes each
-tower alone without a graph, the last chunk and pass 2 encode both with one. Shapes are
-static (`dynamic=False`): the full chunk and a short last chunk are two graphs, compiled in the
-first step and reused by every later one, instead of one slower dynamic graph.
+Cache calls each tower alone, so a tower has two graphs, compiled once: without autograd (pass
+1) and with it (pass 1's last chunk, pass 2). Shapes are static (`dynamic=False`): the full
+chunk and a short last chunk are two graphs each, compiled in the first step and reused by every
+later one, instead of one slower dynamic graph.
 
 The compiled code is cached under the run folder (or `model.compile_cache`): a resumed or
 requeued run, or a second run pointed at the same cache, reuses it and its first step costs
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-# Graphs per tower call site: {pass 1 image, pass 1 text, both with grad} x {full chunk, last chunk}
-# x {train, eval} and evaluation's last batch. Past the limit dynamo runs the model eagerly.
+# Graphs of the model's forward: {image, text} x {no grad, grad} x {full chunk, last chunk}, and
+# evaluation's batch sizes in eval mode. Past the limit dynamo runs the model eagerly.
 RECOMPILE_LIMIT = 64
 COMPILE_TIMERS = ("_compile.compile_inner",)  # torch._dynamo's timers of a graph's compilation
 

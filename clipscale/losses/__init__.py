@@ -6,7 +6,7 @@
 Every loss takes this rank's local, L2-normalised features and the already
 exponentiated logit scale, returns the *global* symmetric loss (identical on
 every rank) and produces DDP-style gradients: rank r's feature gradient equals
-world_size * dL_global/dfeatures_r (README, "Losses").
+world_size * dL_global/dfeatures_r (docs/losses.md).
 
 Loss modules register themselves with `@register_loss("name", inputs=...)`.
 Each registration is a contract known before any work (`loss_contract`): the
