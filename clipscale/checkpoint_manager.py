@@ -2,10 +2,10 @@
 
 A run is made of stateful parts, each with `state_dict()` and `load_state_dict(state)`:
 
-    shared (rank 0 saves its copy, every rank loads it); their keys are the checkpoint's own
-        UnderKey     "state_dict"   the unwrapped model (open_clip's key)
-        UnderKey     "optimizer"    (open_clip's key)
-        TrainStep    "step", "scaler" (open_clip's key), "nonfinite_steps"
+    shared (rank 0 saves the whole, every rank loads it); their keys are the checkpoint's own
+        ModelState      "state_dict"   the unwrapped model (open_clip's key)
+        OptimizerState  "optimizer"    (open_clip's key)
+        TrainStep       "step", "scaler" (open_clip's key), "nonfinite_steps"
     per rank (every rank's is saved, each rank loads its own), under the name given:
         "data"     StreamState     the batch source's cursors and data-error counts
         "rng"      RandomState     the global random generators (dropout, patch dropout): the manager's own
@@ -14,6 +14,10 @@ A run is made of stateful parts, each with `state_dict()` and `load_state_dict(s
 A checkpoint is their union plus `name`, `epoch` and `config`: open_clip's layout, so
 `open_clip.load_checkpoint` and `open_clip.create_model(name, pretrained=path)` read it. The
 files themselves (atomic writes, `latest`, pruning, the newest that loads) are checkpoint.py's.
+The model and optimizer states go through torch.distributed.checkpoint's full state dicts: one
+layout whether the model is replicated (DDP) or sharded (FSDP, `clipscale.parallel`), so a run
+resumes on another world size, and from DDP to FSDP and back; every rank takes part in gathering
+the shards, rank 0 writes.
 
     manager = CheckpointManager(run_dir, cfg, world, console)
     checkpoint = manager.newest()          # before any work; None for a new run
@@ -37,6 +41,8 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from clipscale.checkpoint import CHECKPOINTS, load_latest, save_atomic, save_checkpoint, write_text_atomic
 from clipscale.config import Config
@@ -53,18 +59,53 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-class UnderKey:
-    """An object's state dict under one key of the checkpoint: the unwrapped model's under
-    "state_dict", the optimizer's under "optimizer" (open_clip's keys)."""
+# Whole tensors on rank 0's host (an empty dict on the other ranks), gathered from the shards under FSDP.
+GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)
+WHOLE = StateDictOptions(full_state_dict=True)  # loading: every rank holds the whole state and keeps its shards
 
-    def __init__(self, key: str, stateful: torch.nn.Module | torch.optim.Optimizer):
-        self.key, self.stateful = key, stateful
+
+def model_weights(module: torch.nn.Module) -> dict:
+    """The model's state dict with open_clip's keys and whole tensors, on rank 0 (every rank calls it)."""
+    return get_model_state_dict(module, options=GATHERED)
+
+
+class ModelState:
+    """The unwrapped model's weights under "state_dict" (open_clip's key)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
 
     def state_dict(self) -> dict:
-        return {self.key: self.stateful.state_dict()}
+        return {"state_dict": model_weights(self.module)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.stateful.load_state_dict(state[self.key])
+        set_model_state_dict(self.module, state["state_dict"], options=WHOLE)
+
+
+class OptimizerState:
+    """The optimizer's state under "optimizer" (open_clip's key), in torch's own layout: parameters
+    numbered in the order of the optimizer's groups (DCP names them; the numbers are what
+    `torch.optim.Optimizer.load_state_dict` and open_clip_train read)."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict:
+        named = get_optimizer_state_dict(self.module, self.optimizer, options=GATHERED)
+        if not named:  # the ranks other than 0
+            return {"optimizer": {}}
+        number = {name: k for k, name in enumerate(name for group in named["param_groups"] for name in group["params"])}
+        groups = [{**group, "params": [number[name] for name in group["params"]]} for group in named["param_groups"]]
+        return {"optimizer": {"state": {number[name]: value for name, value in named["state"].items()},
+                              "param_groups": groups}}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state["optimizer"]
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        ordered = [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+        groups = [{**group, "params": [ordered[k] for k in group["params"]]} for group in saved["param_groups"]]
+        named = {"state": {ordered[k]: value for k, value in saved["state"].items()}, "param_groups": groups}
+        set_optimizer_state_dict(self.module, self.optimizer, named, options=WHOLE)
 
 
 class RandomState:
@@ -149,14 +190,14 @@ class CheckpointManager:
             self.save(step)
 
     def save(self, step: int) -> None:
-        """Every rank calls it (each contributes its per-rank parts); rank 0 writes."""
+        """Every rank calls it (each contributes its per-rank parts and its shards); rank 0 writes."""
         per_rank = all_gather_objects({name: part.state_dict() for name, part in self.per_rank.items()})
+        shared = [part.state_dict() for part in self.shared]
         if not self.world.is_main:
             return
         checkpoint = {"name": self.cfg.run.name, "epoch": step * self.cfg.train.batch_size // max(1, self.samples_per_epoch),
                       "config": self.cfg.to_dict()}
-        for part in self.shared:
-            state = part.state_dict()
+        for state in shared:
             assert not state.keys() & checkpoint.keys(), f"two parts save {state.keys() & checkpoint.keys()}"
             checkpoint.update(state)
         checkpoint.update({name: [rank[name] for rank in per_rank] for name in self.per_rank})
@@ -166,7 +207,8 @@ class CheckpointManager:
 
     def end(self, module: torch.nn.Module) -> None:
         """Rank 0: the open_clip weights (open_clip's `local-dir:` loads the run folder), then the
-        end marker. Call it after the final checkpoint and evaluation."""
+        end marker. Every rank calls it, after the final checkpoint and evaluation."""
+        weights = model_weights(module)
         if self.world.is_main:
-            save_atomic(module.state_dict(), self.run_dir / OPEN_CLIP_WEIGHTS)
+            save_atomic(weights, self.run_dir / OPEN_CLIP_WEIGHTS)
             write_text_atomic(self.run_dir / END_MARKER, f"{self.cfg.train.steps}\n")

@@ -163,6 +163,13 @@ class TrainConfig:
     keep_checkpoints: Optional[int] = 3  # the newest N step checkpoints stay; null keeps all (open_clip_train's way)
     keep_every: Optional[int] = None  # also keep every checkpoint at a multiple of this many steps
     max_nonfinite_steps: int = 10  # consecutive skipped steps before the run stops
+    # ddp: every process holds the whole model; fsdp: parameters, gradients and optimizer state
+    # sharded over the processes (FSDP2, docs/fsdp.md), for towers beyond one GPU's memory.
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    # fsdp: reduce-scatter the gradients after every Gradient Cache chunk ("chunk": 1/world of a
+    # gradient held per process) or once a step ("step": the whole gradient held between chunks).
+    fsdp_reduce: Literal["chunk", "step"] = "chunk"
+    fsdp_offload: bool = False  # fsdp: parameters, gradients and optimizer state on the host (CPUOffloadPolicy)
 
 
 @dataclass
@@ -436,6 +443,7 @@ def check_sections(cfg: Config) -> None:
     if cfg.train.keep_every is not None and (cfg.train.keep_every <= 0 or cfg.train.keep_every % cfg.train.checkpoint_every):
         raise ConfigError(f"train.keep_every: must be a positive multiple of train.checkpoint_every "
                           f"({cfg.train.checkpoint_every}) or null, got {cfg.train.keep_every}")
+    check_parallel(cfg)
     if cfg.run.overwrite and cfg.run.resume:
         raise ConfigError("run.overwrite=true starts the run afresh: set run.resume=false with it")
     if cfg.optim.lr <= 0:
@@ -446,6 +454,22 @@ def check_sections(cfg: Config) -> None:
         raise ConfigError(f"data.keep_on_device_gib: must be >= 0 or null, got {cfg.data.keep_on_device_gib}")
     if cfg.data.decode_workers is not None and cfg.data.decode_workers < 1:
         raise ConfigError(f"data.decode_workers: must be positive, got {cfg.data.decode_workers}")
+
+
+def check_parallel(cfg: Config) -> None:
+    train = cfg.train
+    if train.parallel != "fsdp":
+        for key in ("fsdp_reduce", "fsdp_offload"):
+            if getattr(train, key) != getattr(TrainConfig, key):
+                raise ConfigError(f"train.{key}: only with train.parallel=fsdp")
+        return
+    if train.chunk_size == "auto":
+        raise ConfigError("train.chunk_size: 'auto' probes the whole model on one device; with train.parallel=fsdp give "
+                          "the chunk as a number")
+    if cfg.eval.sets or cfg.eval.val_data or (cfg.eval.zeroshot and cfg.data.kind == "digits"):
+        raise ConfigError("train.parallel=fsdp evaluates with sharded towers, whose ranks must run the same number of "
+                          "batches, which the evaluation's per-rank split does not promise yet: set eval.sets=[], "
+                          "eval.val_data=null and eval.zeroshot=false, and evaluate the run's weights afterwards")
 
 
 def check_world(cfg: Config, world_size: int) -> None:

@@ -29,7 +29,10 @@ GPU memory then depends on the chunk (and what a source keeps), not on the batch
 Under DistributedDataParallel the re-forward goes through the DDP module, under
 `no_sync()` for all chunks but the last, so gradients are all-reduced once per step.
 The logit scale's gradient enters the graph only in that last chunk, so DDP averages
-it with the rest (the loss contract makes that average the global gradient).
+it with the rest (the loss contract makes that average the global gradient). Under FSDP
+(`clipscale.parallel`) every pass goes through the sharded model, which gathers each
+block's parameters as it runs; its `sync` says whether the earlier chunks reduce their
+gradients too, and averages the replicated scalars after the last backward.
 """
 
 from __future__ import annotations
@@ -37,12 +40,13 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Callable, ContextManager, Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 import torch.nn as nn
 
 from clipscale.distributed import unwrap
+from clipscale.parallel import GradientSync, gradient_sync
 from clipscale.precision import autocast_factory
 
 Bounds = Sequence[tuple[int, int]]
@@ -163,6 +167,9 @@ class GradCache:
                 used for the encoders and the loss, as open_clip_train does.
     scaler:     a GradScaler for fp16: the loss is scaled, so the cached feature gradients
                 and the parameter gradients are too; unscale/step/update stay with the caller.
+    sync:       when the backwards reduce their gradients (clipscale.parallel); None: DDP's
+                once per step for a DDP model, nothing for a plain one.
+    device:     where the chunks are encoded; None: where the model's parameters are.
     reuse_last_chunk: pass 1 encodes the last chunk with its graph and backpropagates it
                 right after the loss, so pass 2 re-encodes one chunk fewer (a batch of two
                 chunks costs 1.5 forwards instead of 2). Its activations are then held while
@@ -178,6 +185,8 @@ class GradCache:
         autocast=None,
         scaler: torch.amp.GradScaler | None = None,
         reuse_last_chunk: bool = True,
+        sync: GradientSync | None = None,
+        device: torch.device | None = None,
     ):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -185,12 +194,19 @@ class GradCache:
         self.module = unwrap(model)
         self.loss_fn = loss_fn
         self.chunk_size = chunk_size
-        self.device = next(self.module.parameters()).device
+        self.device = device if device is not None else next(self.module.parameters()).device
         self.autocast = autocast_factory(autocast, self.device)
         self.scaler = scaler
         self.reuse_last_chunk = reuse_last_chunk
+        self.sync = sync if sync is not None else gradient_sync(model)
 
     def __call__(self, images: Batch, texts: Batch) -> torch.Tensor:
+        loss = self.accumulate_gradients(images, texts)
+        self.sync.finish()
+        return loss
+
+    def accumulate_gradients(self, images: Batch, texts: Batch) -> torch.Tensor:
+        """The loss, with every chunk's gradients in the parameters (before `sync.finish`)."""
         if len(images) != len(texts):
             raise ValueError(f"{len(images)} images but {len(texts)} texts")
         if len(images) == 0:
@@ -207,7 +223,7 @@ class GradCache:
                                 self.chunks(texts, bounds, 1, reencoded if train_text else ()), len(bounds))
         loss, grads = self.loss_and_feature_grads(first, train_image, train_text)
         if first.last_chunk is not None:  # its graph is still there: backpropagate it first, then free it
-            with self.no_sync():
+            with self.sync.deferred():
                 grads.backward(first.last_chunk, *bounds[-1])
         states = list(zip(first.image_states, first.text_states))
         del first
@@ -217,7 +233,7 @@ class GradCache:
         final = len(reencoded) - 1
         for k, ((start, stop), image, text) in enumerate(zip(reencoded, image_chunks, text_chunks)):
             # DDP all-reduces in the final backward of the step only.
-            with self.no_sync() if k < final else contextlib.nullcontext():
+            with self.sync.deferred() if k < final else contextlib.nullcontext():
                 grads.backward(self.reencode(image, text, *states[k]), start, stop, with_scalars=k == final)
         return loss.detach()
 
@@ -236,9 +252,6 @@ class GradCache:
                 text_out = encode(self.model, None, text)
         return Encoded(image_out.image if image_out else None, text_out.text if text_out else None,
                        (text_out or image_out).scalars)
-
-    def no_sync(self) -> ContextManager:
-        return self.model.no_sync() if self.model is not self.module else contextlib.nullcontext()
 
     def plain_step(self, images: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
         with self.autocast():
@@ -263,7 +276,7 @@ class GradCache:
         last_chunk = None
         for k, (image, text) in enumerate(zip(image_chunks, text_chunks)):
             if k == count - 1 and self.reuse_last_chunk:
-                with self.no_sync():  # each tower alone, as pass 2 calls them: no graph of both to compile
+                with self.sync.deferred():  # each tower alone, as pass 2 calls them: no graph of both to compile
                     out = last_chunk = self.reencode(image, text, None, None)
                 image_features.append(out.image.detach())
                 text_features.append(out.text.detach())

@@ -18,6 +18,7 @@ import torch
 
 from clipscale.gradcache import GradCache
 from clipscale.losses.common import NonFiniteError
+from clipscale.parallel import GradientSync, clip_grad_norm
 from clipscale.precision import AUTOCAST_DTYPES
 
 MAX_LOGIT_SCALE = math.log(100)  # open_clip clamps the learnable temperature at 100
@@ -37,7 +38,10 @@ class StepResult:
 class TrainStep:
     """forward/backward, unscale, clip, non-finite policy, optimizer, logit-scale clamp.
 
-    model:      the (possibly DDP-wrapped) open_clip model; optimizer: over its parameters.
+    model:      the open_clip model: DDP-wrapped, sharded by FSDP, or plain; optimizer: over its parameters.
+    sync:       its GradientSync (clipscale.parallel); None: found from the model (DDP or none).
+    device:     where the step computes; None: where the model's parameters are (not so with
+                train.fsdp_offload, which keeps them on the host).
     chunk_size: per-process encoder sub-batch; a batch of one chunk takes the plain step.
     precision:  fp32 | bf16 | fp16 (autocast; fp16 with a GradScaler, whose state is in
                 `state_dict`).
@@ -47,14 +51,14 @@ class TrainStep:
 
     def __init__(self, model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer, *, chunk_size: int,
                  precision: str = "fp32", grad_clip: float | None = 1.0, max_nonfinite_steps: int = 10,
-                 reuse_last_chunk: bool = True):
+                 reuse_last_chunk: bool = True, sync: GradientSync | None = None, device: torch.device | None = None):
         self.optimizer = optimizer
         self.grad_clip = grad_clip if grad_clip is not None else math.inf
         self.max_nonfinite_steps = max_nonfinite_steps
-        device = next(model.parameters()).device
+        device = device if device is not None else next(model.parameters()).device
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
         self.gradcache = GradCache(model, loss_fn, chunk_size, autocast=AUTOCAST_DTYPES[precision], scaler=self.scaler,
-                                   reuse_last_chunk=reuse_last_chunk)
+                                   reuse_last_chunk=reuse_last_chunk, sync=sync, device=device)
         self.module = self.gradcache.module
         self.nonfinite_total = 0
         self.nonfinite_in_a_row = 0
@@ -73,7 +77,7 @@ class TrainStep:
             loss, scaled = torch.tensor(math.nan), False
         if scaled:
             self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
+        grad_norm = clip_grad_norm(list(self.module.parameters()), self.grad_clip)
         applied = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
         if applied and scaled:
             self.scaler.step(self.optimizer)

@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from clipscale.checkpoint_manager import CheckpointManager, UnderKey
+from clipscale.checkpoint_manager import CheckpointManager, ModelState, OptimizerState
 from clipscale.compile import compile_enabled, compile_towers, seconds_compiling
 from clipscale.config import Config, check_world
 from clipscale.console import Console, figures
@@ -40,6 +39,7 @@ from clipscale.memory import largest_chunk
 from clipscale.metrics import MetricsLogger, RecordWindow
 from clipscale.models import Towers, build_model, write_open_clip_folder
 from clipscale.optim import build_optimizer, learning_rate
+from clipscale.parallel import parallelize
 from clipscale.precision import AUTOCAST_DTYPES
 from clipscale.run_dir import RunPlan, plan_run
 from clipscale.signals import StopRequest
@@ -109,7 +109,7 @@ class Run:
     world: World
     console: Console
     run_dir: Path
-    model: torch.nn.Module  # DDP-wrapped under several processes
+    model: torch.nn.Module  # DDP-wrapped or sharded by FSDP under several processes (clipscale.parallel)
     step: TrainStep
     stream_state: StreamState
     start_step: int
@@ -132,20 +132,21 @@ class Run:
         torch.manual_seed(cfg.run.seed)  # the model's initial weights: the same on every rank
         data = prepare_data(cfg.data, world)
         towers = build_model(cfg.model)
-        module = towers.model.to(world.device)
+        train = cfg.train
+        parallel = parallelize(towers.model, world, parallel=train.parallel, precision=train.precision,
+                               reduce=train.fsdp_reduce, offload=train.fsdp_offload)
+        module = parallel.module
         visual = module.visual
         image_size = visual.image_size[0] if isinstance(visual.image_size, tuple) else visual.image_size
         flops = train_flops_per_sample(module, image_size, module.context_length, world.device, *trainable_towers(module))
         loss_fn = loss_fn if loss_fn is not None else build_loss(cfg.loss.name, **cfg.loss.options)
-        optimizer = build_optimizer(module, cfg.optim, fused=world.device.type == "cuda")
+        optimizer = build_optimizer(module, cfg.optim, fused=world.device.type == "cuda" and not train.fsdp_offload)
         chunk = chunk_size(cfg, towers, loss_fn, world, console)
-        model = module
-        if world.distributed:
-            model = DistributedDataParallel(module, device_ids=[world.device.index] if world.device.type == "cuda" else None)
-        step = TrainStep(model, loss_fn, optimizer, chunk_size=chunk, precision=cfg.train.precision,
-                         grad_clip=cfg.optim.grad_clip, max_nonfinite_steps=cfg.train.max_nonfinite_steps)
+        step = TrainStep(parallel.model, loss_fn, optimizer, chunk_size=chunk, precision=train.precision,
+                         grad_clip=cfg.optim.grad_clip, max_nonfinite_steps=train.max_nonfinite_steps,
+                         sync=parallel.sync, device=world.device)
         stream_state, window = StreamState(), RecordWindow(cfg.train.batch_size, world.device)
-        shared = [UnderKey("state_dict", module), UnderKey("optimizer", optimizer), step]
+        shared = [ModelState(module), OptimizerState(module, optimizer), step]
         start_step = checkpoints.start(checkpoint, shared=shared, per_rank={"data": stream_state, "metrics": window},
                                        samples_per_epoch=data.num_train)
         evaluator = Evaluator(cfg, towers, world, AUTOCAST_DTYPES[cfg.train.precision])
@@ -157,14 +158,15 @@ class Run:
                 console.say(line)
             compiled = compile_enabled(cfg.model.compile, world.device)
             if compiled:  # its cache lives in the run folder, so only once the folder is claimed
-                compile_towers(module, Path(cfg.model.compile_cache or plan.run_dir / "compile_cache"))
+                for unit in parallel.compiled_units:
+                    compile_towers(unit, Path(cfg.model.compile_cache or plan.run_dir / "compile_cache"))
             if world.is_main:
                 write_open_clip_folder(plan.run_dir, towers)  # with the final weights, open_clip's `local-dir:` loads the run
             logger = MetricsLogger(plan.run_dir, cfg, enabled=world.is_main, resume_step=start_step)
         except BaseException:
             batches.close()
             raise
-        return cls(cfg, world, console, plan.run_dir, model, step, stream_state, start_step, batches,
+        return cls(cfg, world, console, plan.run_dir, parallel.model, step, stream_state, start_step, batches,
                    evaluator, window, logger, checkpoints, flops, compiled)
 
     def fit(self, preemption: StopRequest) -> dict:

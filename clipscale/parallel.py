@@ -1,0 +1,180 @@
+"""How the model is spread over the processes (`train.parallel`): DDP or FSDP2.
+
+    parallel = parallelize(module, world, parallel="fsdp", precision="bf16", reduce="chunk", offload=False)
+    parallel.model            what the training step calls
+    parallel.sync             when Gradient Cache's backwards reduce their gradients (GradientSync)
+    parallel.compiled_units   what `model.compile` compiles: the model, or each block under FSDP
+
+ddp:  every rank holds the whole model, its gradients and AdamW's two moments (16 bytes a
+      parameter in fp32); DistributedDataParallel all-reduces the gradients once per step.
+fsdp: `torch.distributed.fsdp.fully_shard` over each block of both towers, then the root: a
+      rank holds 1/world of every parameter, gradient and moment, and gathers a block's
+      parameters only while that block computes (forward, and again in the backward).
+
+open_clip keeps the temperature as a 0-d parameter (`logit_scale`, and `logit_bias` for
+SigLIP), which fully_shard refuses ("doesn't support scalar parameters"); giving it a shape
+of [1] would change open_clip's checkpoint layout. So the scalars stay replicated, outside
+FSDP (`ignored_params`), and their gradient is averaged over the ranks after the step's last
+backward (`FSDPSync.finish`), as DDP averages it.
+
+Order (torchtitan's `parallelize`: activation checkpointing, then compile per block, then
+fully_shard): checkpointing is inside the towers (open_clip's `set_grad_checkpointing`, set when
+the model is built), and under FSDP each block is compiled on its own, not the root, whose
+forward holds the FSDP hooks of the blocks' parameters. `nn.Module.compile` only marks a block
+to be compiled at its first call, so marking it after fully_shard (the trainer compiles once the
+run folder, which holds the compile cache, is claimed) gives the same module as before: the
+compiled call runs the block's FSDP hooks eagerly (dynamo's `skip_fsdp_hooks`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import ContextManager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from clipscale.distributed import World
+from clipscale.errors import UserError
+from clipscale.precision import AUTOCAST_DTYPES
+
+SCALARS = ("logit_scale", "logit_bias")  # open_clip's 0-d parameters, replicated under FSDP
+FORWARD_METHODS = ("encode_image", "encode_text")  # called by evaluation and the FLOP count
+
+
+class ParallelError(UserError):
+    """train.parallel=fsdp on a model whose towers have no list of blocks to shard."""
+
+
+class GradientSync:
+    """One process, or no wrapper: nothing to reduce."""
+
+    def deferred(self) -> ContextManager:
+        """The context of a backward that is not the step's last (Gradient Cache's earlier chunks)."""
+        return contextlib.nullcontext()
+
+    def finish(self) -> None:
+        """After the step's last backward."""
+
+
+class DDPSync(GradientSync):
+    """DDP all-reduces in the step's last backward only (`no_sync` before it)."""
+
+    def __init__(self, ddp: DistributedDataParallel):
+        self.ddp = ddp
+
+    def deferred(self) -> ContextManager:
+        return self.ddp.no_sync()
+
+
+class FSDPSync(GradientSync):
+    """reduce="chunk": every backward reduce-scatters its gradients into the sharded ones (1/world
+    of a gradient held per rank; one reduce-scatter a chunk). reduce="step": the chunks before the
+    last accumulate unsharded gradients (the full gradient in fp32 on every rank) and the last
+    reduce-scatters them once. Either way the replicated scalars are averaged in `finish`."""
+
+    def __init__(self, module: FSDPModule, reduce: str, scalars: list[nn.Parameter]):
+        self.module, self.reduce, self.scalars = module, reduce, scalars
+
+    @contextlib.contextmanager
+    def deferred(self):
+        if self.reduce == "chunk":
+            yield
+            return
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def finish(self) -> None:
+        for scalar in self.scalars:
+            if scalar.grad is not None:  # a sum, then the mean: gloo has no ReduceOp.AVG
+                dist.all_reduce(scalar.grad)
+                scalar.grad /= dist.get_world_size()
+
+
+def gradient_sync(model: nn.Module) -> GradientSync:
+    """The sync of a model as the caller wrapped it: DDP's, or none (FSDP's comes from `parallelize`)."""
+    return DDPSync(model) if isinstance(model, DistributedDataParallel) else GradientSync()
+
+
+@dataclass
+class Parallel:
+    model: nn.Module  # what the step calls: DDP's wrapper, or the module itself (sharded in place under FSDP)
+    module: nn.Module  # the open_clip model
+    sync: GradientSync
+    compiled_units: list[nn.Module]
+
+
+def parallelize(module: nn.Module, world: World, *, parallel: str = "ddp", precision: str = "fp32",
+                reduce: str = "chunk", offload: bool = False) -> Parallel:
+    """`module` on the world's device(s), as train.parallel says. Under fsdp the module may be on
+    the CPU: each rank then moves only its shards to the device."""
+    if parallel == "fsdp":
+        return shard(module, world, precision, reduce, offload)
+    module = module.to(world.device)
+    if not world.distributed:
+        return Parallel(module, module, GradientSync(), [module])
+    ddp = DistributedDataParallel(module, device_ids=[world.device.index] if world.device.type == "cuda" else None)
+    return Parallel(ddp, module, DDPSync(ddp), [module])
+
+
+def shard(module: nn.Module, world: World, precision: str, reduce: str, offload: bool) -> Parallel:
+    mesh = init_device_mesh(world.device.type, (world.world_size,))
+    compute = AUTOCAST_DTYPES[precision]
+    # bf16 parameters in compute, fp32 gradient reduction; fp16 keeps fp32 parameters (the GradScaler's unscale needs them)
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute is torch.bfloat16 \
+        else MixedPrecisionPolicy()
+    options = dict(mesh=mesh, mp_policy=policy, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+    scalars = [getattr(module, name) for name in SCALARS if isinstance(getattr(module, name, None), nn.Parameter)]
+    for scalar in scalars:  # replicated: fully_shard neither shards nor moves them
+        scalar.data = scalar.data.to(world.device)
+    blocks = [block for _, blocks in tower_blocks(module) for block in blocks]
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(module, ignored_params=set(scalars), **options)
+    for name in FORWARD_METHODS:
+        register_fsdp_forward_method(module, name)
+    return Parallel(module, module, FSDPSync(module, reduce, scalars), blocks)
+
+
+def tower_blocks(module: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """(tower, its list of blocks) for the image and the text tower: open_clip's
+    `transformer.resblocks`, a timm trunk's `blocks` or `stages`, a Hugging Face encoder's
+    `layer`/`layers`; the largest list of modules of one class in the tower."""
+    text = module.text if hasattr(module, "text") else module.transformer  # CustomTextCLIP, or CLIP's own text tower
+    found = []
+    for tower, root in (("image", module.visual), ("text", text)):
+        lists = [m for m in root.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1
+                 and len({type(child) for child in m}) == 1]
+        if not lists:
+            raise ParallelError(f"train.parallel=fsdp: the {tower} tower ({type(root).__name__}) has no list of blocks "
+                                "to shard; use train.parallel=ddp")
+        found.append((tower, max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))))
+    return found
+
+
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The global gradient norm, and the gradients scaled down to `max_norm` where it is above.
+    Sharded gradients (DTensors) contribute their norm over all ranks; replicated ones (DDP's,
+    FSDP's scalars) the norm of the copy every rank holds."""
+    with_grad = [p for p in parameters if p.grad is not None]
+    if not any(isinstance(p, DTensor) for p in with_grad):
+        return torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
+    sharded = [p for p in with_grad if isinstance(p, DTensor)]
+    replicated = [p for p in with_grad if not isinstance(p, DTensor)]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in sharded]).full_tensor()
+    if replicated:
+        norm = torch.linalg.vector_norm(torch.stack([norm, torch.nn.utils.get_total_norm(
+            [p.grad for p in replicated]).to(norm.device)]))
+    for group in (sharded, replicated):
+        if group:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm.to(group[0].grad.device))
+    return norm

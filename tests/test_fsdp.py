@@ -1,0 +1,152 @@
+"""train.parallel=fsdp trains what DDP trains: in real gloo worlds of 2 and 3 processes, several
+training steps (Gradient Cache over uneven chunks, dropout and patch dropout on, gradient
+clipping, AdamW) give the same losses, gradient norms and weights under FSDP2 as under DDP,
+for the `local` loss and the Inf-CL ring, with the gradients reduce-scattered after every chunk
+or once a step. SigLIP's logit_bias (a second replicated scalar) and a LiT-locked image tower
+are covered too.
+
+Each world trains under FSDP, under DDP and with a reference that has neither Gradient Cache nor
+a wrapper (one graph over a rank's chunks, gradients averaged by hand), from the same initial
+weights, the same per-rank batches and the same per-rank random seeds, so dropout draws the
+same masks in all three.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from clipscale.distributed import World
+from clipscale.losses import build_loss
+from clipscale.optim import build_optimizer
+from clipscale.config import OptimConfig
+from clipscale.parallel import ParallelError, parallelize, tower_blocks
+from clipscale.gradcache import encode
+from clipscale.step import MAX_LOGIT_SCALE, StepResult, TrainStep
+from tests.gloo_world import run_in_gloo_world
+from tests.test_gradcache import make_batch, tiny_clip
+
+STEPS, PER_RANK, CHUNK = 3, 6, 4  # chunks of 4 and 2 samples a rank
+LOSS_OPTIONS = {"local": {}, "infcl": {"backend": "reference", "tile_size": 4}, "siglip": {}}
+
+
+def siglip_clip():
+    """tiny_clip with SigLIP's learnable bias (open_clip's init_logit_bias)."""
+    model = tiny_clip()
+    model.logit_bias = torch.nn.Parameter(torch.ones([]) * -10)
+    return model
+
+
+class OneGraphStep:
+    """The reference: each rank encodes its chunks with one graph (each tower called alone per
+    chunk, as Gradient Cache calls them, so dropout draws the same masks), the loss and one
+    backward, then the gradients averaged over ranks by hand, clipped, AdamW and the clamp: no
+    Gradient Cache, no DDP, no FSDP."""
+
+    def __init__(self, model, loss_fn, optimizer):
+        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+
+    def __call__(self, images, texts) -> StepResult:
+        chunks = [(encode(self.model, images[s:s + CHUNK], None), encode(self.model, None, texts[s:s + CHUNK]))
+                  for s in range(0, len(images), CHUNK)]
+        loss = self.loss_fn(torch.cat([i.image for i, _ in chunks]), torch.cat([t.text for _, t in chunks]),
+                            *chunks[-1][1].scalars)
+        loss.backward()
+        for p in self.model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            self.model.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
+        return StepResult(loss.detach(), norm, True)
+
+
+def train(rank: int, world: int, parallel: str, loss_name: str, reduce: str = "chunk", lock_image: bool = False,
+          model_factory=tiny_clip) -> dict:
+    """STEPS training steps on this rank's batches; the losses, grad norms and whole weights.
+    parallel: ddp | fsdp (TrainStep, Gradient Cache), or one_graph (OneGraphStep)."""
+    model = model_factory()
+    if lock_image:
+        model.lock_image_tower()
+    loss_fn = build_loss(loss_name, **LOSS_OPTIONS[loss_name])
+    placed = parallelize(model, World(rank, world), parallel="ddp" if parallel == "one_graph" else parallel, reduce=reduce)
+    optimizer = build_optimizer(placed.module, OptimConfig(lr=1e-3, weight_decay=0.1))
+    if parallel == "one_graph":
+        step = OneGraphStep(placed.module, loss_fn, optimizer)
+    else:
+        step = TrainStep(placed.model, loss_fn, optimizer, chunk_size=CHUNK, grad_clip=1.0, sync=placed.sync)
+    torch.manual_seed(100 + rank)  # dropout: a different mask on every rank, the same in every training
+    losses, norms = [], []
+    for k in range(STEPS):
+        result = step(*make_batch(PER_RANK, seed=world * k + rank))
+        losses.append(float(result.loss))
+        norms.append(float(result.grad_norm))
+    weights = get_model_state_dict(placed.module, options=StateDictOptions(full_state_dict=True))
+    return {"losses": losses, "norms": norms, "weights": weights}
+
+
+def difference(want: dict, got: dict) -> dict:
+    return {
+        "loss": max(abs(a - b) for a, b in zip(want["losses"], got["losses"])),
+        "norm": max(abs(a - b) / a for a, b in zip(want["norms"], got["norms"])),  # relative: norms of tens
+        "weights": max(float((want["weights"][k] - got["weights"][k]).abs().max()) for k in want["weights"]),
+        "keys": sorted(want["weights"]) == sorted(got["weights"]),
+    }
+
+
+def ddp_against_fsdp(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """For each case, how far FSDP's training is from DDP's and from the one-graph reference."""
+    found = []
+    for case in cases:
+        fsdp = train(rank, world, "fsdp", **case)
+        unreduced = {k: v for k, v in case.items() if k != "reduce"}
+        ddp, one_graph = train(rank, world, "ddp", **unreduced), train(rank, world, "one_graph", **unreduced)
+        found.append({
+            "case": case, "ddp": difference(ddp, fsdp), "one_graph": difference(one_graph, fsdp),
+            "moved": max(float((ddp["weights"][k] - v).abs().max()) for k, v in tiny_clip().state_dict().items()),
+            "clipped": max(ddp["norms"]) > 1.0,
+        })
+    return found
+
+
+def check(results: list[list[dict]]) -> None:
+    for rank_results in results:
+        for found in rank_results:
+            assert found["moved"] > 1e-3, found  # the steps changed the weights: there is something to compare
+            for reference in ("ddp", "one_graph"):
+                differs = found[reference]
+                assert differs["keys"], found["case"]
+                assert differs["loss"] < 1e-5 and differs["norm"] < 1e-5 and differs["weights"] < 1e-5, (reference, found)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp_trains_the_weights_of_ddp(world):
+    cases = [{"loss_name": "local"}, {"loss_name": "infcl"}, {"loss_name": "infcl", "reduce": "step"}]
+    results = run_in_gloo_world(ddp_against_fsdp, world, args=(cases,), timeout=300)
+    check(results)
+    assert any(found["clipped"] for found in results[0]), "the gradient clipping path is exercised"
+
+
+@pytest.mark.slow
+def test_fsdp_keeps_siglips_bias_and_a_locked_tower_as_ddp_does():
+    cases = [{"loss_name": "siglip", "model_factory": siglip_clip}, {"loss_name": "local", "lock_image": True}]
+    check(run_in_gloo_world(ddp_against_fsdp, 2, args=(cases,), timeout=300))
+
+
+def test_every_tower_of_open_clip_has_its_blocks_found():
+    model = tiny_clip()
+    found = dict(tower_blocks(model))
+    assert found["image"] is model.visual.transformer.resblocks and found["text"] is model.transformer.resblocks
+
+
+def test_a_tower_without_blocks_is_refused_naming_the_key():
+    model = tiny_clip()
+    model.visual = torch.nn.Linear(3, 3)
+    with pytest.raises(ParallelError, match="train.parallel=fsdp: the image tower .*train.parallel=ddp"):
+        tower_blocks(model)
