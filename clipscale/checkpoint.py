@@ -9,6 +9,8 @@ checkpoint from elsewhere: one that holds pickled objects is refused (`refusing_
 
     runs/<name>/checkpoints/step_00000100.pt
     runs/<name>/checkpoints/step_00000200.pt
+    runs/<name>/checkpoints/step_00000200.dcp/   under train.parallel=fsdp: the model and optimizer
+                                                 shards (torch.distributed.checkpoint), every rank's own
     runs/<name>/checkpoints/latest          the text "step_00000200.pt"
 
 Every file is written to a temporary file in the same folder and renamed over
@@ -17,7 +19,9 @@ is created like any other (mode 0666 less the umask). `latest` is a separate
 small file naming the newest checkpoint: damage to it cannot reach a
 checkpoint, and resuming does not depend on it (the newest step file that
 loads is used; see `load_latest`). A full disk or an unwritable folder is a
-`StorageError` naming the path.
+`StorageError` naming the path. A sharded folder is written the same way, whole: under a
+temporary name, renamed once every rank has written its part; the step file, written after it,
+names it (`sharded`), so a checkpoint exists only when both do.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import pickle
 import re
 import secrets
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -82,11 +87,29 @@ def step_file(step: int) -> str:
     return f"step_{step:08d}.pt"
 
 
+def sharded_folder(step: int) -> str:
+    """The folder of a step's shards, beside its step file."""
+    return f"step_{step:08d}.dcp"
+
+
+def temporary_name(path: Path) -> Path:
+    """A temporary path beside `path` that no other save uses (and `remove_partial_saves` finds)."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}")
+
+
+def replace_folder(tmp: Path, path: Path) -> None:
+    """Rename a finished folder over `path` (a folder of a previous save of that step goes first)."""
+    with storage_errors(path, "write"):
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+
+
 def _write_atomic(path: Path, write: Callable) -> None:
     """Call `write(file)` on a temporary file beside `path`, then rename it to `path`."""
     with storage_errors(path, "write"):
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}")
+        tmp = temporary_name(path)
         # os.open with 0o666 lets the kernel apply the umask, as for any file the user creates
         # (tempfile.mkstemp would make it 0600 whatever the umask).
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -170,14 +193,16 @@ def step_checkpoints(checkpoint_dir: Path) -> list[tuple[int, Path]]:
 def save_checkpoint(checkpoint_dir: Path, step: int, state: dict, keep: Optional[int] = None,
                     keep_every: Optional[int] = None) -> Path:
     """Write step_<n>.pt, point `latest` at it, then delete the checkpoints that `keep`
-    (the newest N; None keeps all) and `keep_every` (multiples of it) do not retain."""
+    (the newest N; None keeps all) and `keep_every` (multiples of it) do not retain, with
+    their sharded folders."""
     path = Path(checkpoint_dir) / step_file(step)
     save_atomic(state, path)
     write_text_atomic(path.parent / LATEST, path.name + "\n")
     if keep is not None:
         for old_step, old in step_checkpoints(checkpoint_dir)[keep:]:
             if old != path and not (keep_every and old_step % keep_every == 0):
-                old.unlink(missing_ok=True)
+                old.unlink(missing_ok=True)  # first: a step file without its folder would not load
+                shutil.rmtree(old.with_name(sharded_folder(old_step)), ignore_errors=True)
     return path
 
 
@@ -186,7 +211,10 @@ def remove_partial_saves(run_dir: Path) -> list[Path]:
     subfolders (checkpoints/, eval/). Only while no process of this run writes."""
     stale = [*Path(run_dir).glob(f".*{TMP_SUFFIX}"), *Path(run_dir).glob(f"*/.*{TMP_SUFFIX}")]
     for path in stale:
-        path.unlink(missing_ok=True)
+        if path.is_dir():  # a sharded checkpoint's folder
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
     return stale
 
 

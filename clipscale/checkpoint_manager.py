@@ -3,9 +3,9 @@
 A run is made of stateful parts, each with `state_dict()` and `load_state_dict(state)`:
 
     shared (rank 0 saves the whole, every rank loads it); their keys are the checkpoint's own
-        ModelState      "state_dict"   the unwrapped model (open_clip's key)
-        OptimizerState  "optimizer"    (open_clip's key)
-        TrainStep       "step", "scaler" (open_clip's key), "nonfinite_steps"
+        Weights      "state_dict", "optimizer" (open_clip's keys), or "sharded": the folder of
+                     their shards (train.parallel=fsdp); every rank saves and loads its part
+        TrainStep    "step", "scaler" (open_clip's key), "nonfinite_steps"
     per rank (every rank's is saved, each rank loads its own), under the name given:
         "data"     StreamState     the batch source's cursors and data-error counts
         "rng"      RandomState     the global random generators (dropout, patch dropout): the manager's own
@@ -14,16 +14,17 @@ A run is made of stateful parts, each with `state_dict()` and `load_state_dict(s
 A checkpoint is their union plus `name`, `epoch` and `config`: open_clip's layout, so
 `open_clip.load_checkpoint` and `open_clip.create_model(name, pretrained=path)` read it. The
 files themselves (atomic writes, `latest`, pruning, the newest that loads) are checkpoint.py's.
-The model and optimizer states go through torch.distributed.checkpoint's full state dicts: one
-layout whether the model is replicated (DDP) or sharded (FSDP, `clipscale.parallel`), so a run
-resumes on another world size, and from DDP to FSDP and back; every rank takes part in gathering
-the shards, rank 0 writes.
+The model and optimizer states go through torch.distributed.checkpoint's state dicts (`Weights`),
+whole in the step file or sharded beside it, and either loads into a replicated (DDP) or a sharded
+(FSDP, `clipscale.parallel`) model: a run resumes on another world size, and from DDP to FSDP and
+back.
 
     manager = CheckpointManager(run_dir, cfg, world, console)
     checkpoint = manager.newest()          # before any work; None for a new run
     manager.has_ended(checkpoint)          # the end marker names this checkpoint's step
     ... build the model from the base seed, then the other parts ...
-    start = manager.start(checkpoint, shared=[...], per_rank={"data": ..., "metrics": ...}, samples_per_epoch=n)
+    start = manager.start(checkpoint, weights=Weights(...), shared=[...], per_rank={"data": ..., "metrics": ...},
+                          samples_per_epoch=n)
     ... open the batch source at the restored cursors; for each step: ...
     manager.after_step(step, stopping)     # at the interval, on a stop signal, at the end
     manager.end(model)                     # the open_clip weights, then the end marker
@@ -41,10 +42,13 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from clipscale.checkpoint import CHECKPOINTS, load_latest, save_atomic, save_checkpoint, write_text_atomic
+from clipscale.checkpoint import (CHECKPOINTS, load_latest, replace_folder, save_atomic, save_checkpoint, sharded_folder,
+                                  temporary_name, write_text_atomic)
+from clipscale.errors import storage_errors
 from clipscale.config import Config
 from clipscale.console import Console
 from clipscale.distributed import World, all_gather_objects
@@ -69,43 +73,62 @@ def model_weights(module: torch.nn.Module) -> dict:
     return get_model_state_dict(module, options=GATHERED)
 
 
-class ModelState:
-    """The unwrapped model's weights under "state_dict" (open_clip's key)."""
+class Weights:
+    """The model's weights and the optimizer's state, saved by every rank.
 
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
+    whole (train.parallel=ddp): in the step file, under "state_dict" and "optimizer" (open_clip's
+        keys), gathered on rank 0; the optimizer in torch's own layout, its parameters numbered in
+        the order of its groups (DCP names them; the numbers are what
+        `torch.optim.Optimizer.load_state_dict` and open_clip_train read).
+    sharded (train.parallel=fsdp): in a folder of torch.distributed.checkpoint beside the step
+        file, each rank writing its own shards (no rank holds the whole model), named in the step
+        file under "sharded".
+    Either loads into a model of either kind, on any number of processes: DCP reshards."""
 
-    def state_dict(self) -> dict:
-        return {"state_dict": model_weights(self.module)}
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World, sharded: bool):
+        self.module, self.optimizer, self.world, self.sharded = module, optimizer, world, sharded
 
-    def load_state_dict(self, state: dict) -> None:
-        set_model_state_dict(self.module, state["state_dict"], options=WHOLE)
+    def save(self, folder: Path, step: int) -> dict:
+        """What the step file holds of them (on rank 0; every rank calls it)."""
+        if not self.sharded:
+            return {"state_dict": model_weights(self.module), "optimizer": self.numbered_optimizer_state()}
+        name = sharded_folder(step)
+        tmp = Path(all_gather_objects(str(temporary_name(folder / name)))[0])  # rank 0's name, on every rank
+        with storage_errors(tmp, "write"):
+            tmp.mkdir(parents=True, exist_ok=True)
+            dcp.save(self.sharded_state(), checkpoint_id=tmp)  # returns on rank 0 once every rank's part is written
+        if self.world.is_main:
+            replace_folder(tmp, folder / name)
+        return {"sharded": name}
 
+    def load(self, checkpoint: dict, folder: Path) -> None:
+        if "sharded" not in checkpoint:
+            set_model_state_dict(self.module, checkpoint["state_dict"], options=WHOLE)
+            set_optimizer_state_dict(self.module, self.optimizer, self.named_optimizer_state(checkpoint["optimizer"]),
+                                     options=WHOLE)
+            return
+        state = self.sharded_state()
+        dcp.load(state, checkpoint_id=folder / checkpoint["sharded"])
+        set_model_state_dict(self.module, state["model"])
+        set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
 
-class OptimizerState:
-    """The optimizer's state under "optimizer" (open_clip's key), in torch's own layout: parameters
-    numbered in the order of the optimizer's groups (DCP names them; the numbers are what
-    `torch.optim.Optimizer.load_state_dict` and open_clip_train read)."""
+    def sharded_state(self) -> dict:
+        return {"model": get_model_state_dict(self.module),
+                "optimizer": get_optimizer_state_dict(self.module, self.optimizer)}
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.module, self.optimizer = module, optimizer
-
-    def state_dict(self) -> dict:
+    def numbered_optimizer_state(self) -> dict:
         named = get_optimizer_state_dict(self.module, self.optimizer, options=GATHERED)
         if not named:  # the ranks other than 0
-            return {"optimizer": {}}
+            return {}
         number = {name: k for k, name in enumerate(name for group in named["param_groups"] for name in group["params"])}
         groups = [{**group, "params": [number[name] for name in group["params"]]} for group in named["param_groups"]]
-        return {"optimizer": {"state": {number[name]: value for name, value in named["state"].items()},
-                              "param_groups": groups}}
+        return {"state": {number[name]: value for name, value in named["state"].items()}, "param_groups": groups}
 
-    def load_state_dict(self, state: dict) -> None:
-        saved = state["optimizer"]
+    def named_optimizer_state(self, numbered: dict) -> dict:
         names = {id(p): name for name, p in self.module.named_parameters()}
         ordered = [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
-        groups = [{**group, "params": [ordered[k] for k in group["params"]]} for group in saved["param_groups"]]
-        named = {"state": {ordered[k]: value for k, value in saved["state"].items()}, "param_groups": groups}
-        set_optimizer_state_dict(self.module, self.optimizer, named, options=WHOLE)
+        groups = [{**group, "params": [ordered[k] for k in group["params"]]} for group in numbered["param_groups"]]
+        return {"state": {ordered[k]: value for k, value in numbered["state"].items()}, "param_groups": groups}
 
 
 class RandomState:
@@ -138,6 +161,7 @@ class CheckpointManager:
         self.run_dir, self.cfg, self.world, self.console = run_dir, cfg, world, console
         self.folder = run_dir / CHECKPOINTS
         self.rng = RandomState(world.device)
+        self.weights: Weights | None = None
         self.shared: list[Stateful] = []
         self.per_rank: dict[str, Stateful] = {"rng": self.rng}
         self.samples_per_epoch = 0
@@ -162,12 +186,12 @@ class CheckpointManager:
                 and (self.run_dir / OPEN_CLIP_WEIGHTS).is_file() and marker.is_file()
                 and marker.read_text().strip() == str(checkpoint["step"]))
 
-    def start(self, checkpoint: dict | None, *, shared: list[Stateful], per_rank: dict[str, Stateful],
+    def start(self, checkpoint: dict | None, *, weights: Weights, shared: list[Stateful], per_rank: dict[str, Stateful],
               samples_per_epoch: int) -> int:
         """Track the parts; seed the random generators with seed + rank, or restore every part from
         `checkpoint`. Returns the step the run starts from. The per-rank parts are restored only on
         the world size that saved them: each rank's data stream depends on the number of ranks."""
-        self.shared, self.samples_per_epoch = shared, samples_per_epoch
+        self.weights, self.shared, self.samples_per_epoch = weights, shared, samples_per_epoch
         self.per_rank = {**per_rank, "rng": self.rng}
         saved_on = len(checkpoint["rng"]) if checkpoint is not None else 0  # ranks
         per_rank_saved = saved_on == self.world.world_size
@@ -175,6 +199,7 @@ class CheckpointManager:
             self.rng.seed(self.cfg.run.seed + self.world.rank)
         if checkpoint is None:
             return 0
+        weights.load(checkpoint, self.folder)
         for part in shared:
             part.load_state_dict(checkpoint)
         if not per_rank_saved:
@@ -192,7 +217,7 @@ class CheckpointManager:
     def save(self, step: int) -> None:
         """Every rank calls it (each contributes its per-rank parts and its shards); rank 0 writes."""
         per_rank = all_gather_objects({name: part.state_dict() for name, part in self.per_rank.items()})
-        shared = [part.state_dict() for part in self.shared]
+        shared = [self.weights.save(self.folder, step), *(part.state_dict() for part in self.shared)]
         if not self.world.is_main:
             return
         checkpoint = {"name": self.cfg.run.name, "epoch": step * self.cfg.train.batch_size // max(1, self.samples_per_epoch),

@@ -145,6 +145,14 @@ def shard(module: nn.Module, world: World, precision: str, reduce: str, offload:
     return Parallel(module, module, FSDPSync(module, reduce, scalars), blocks)
 
 
+def reshard(model: nn.Module) -> None:
+    """After forwards without a backward (the FLOP count, evaluation): FSDP keeps the root's
+    parameters gathered after a forward, for the backward, so until then the module's
+    parameters are whole copies, not the sharded ones the optimizer and checkpoints use."""
+    if isinstance(model, FSDPModule):
+        model.reshard()
+
+
 def tower_blocks(module: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     """(tower, its list of blocks) for the image and the text tower: open_clip's
     `transformer.resblocks`, a timm trunk's `blocks` or `stages`, a Hugging Face encoder's

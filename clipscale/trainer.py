@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from clipscale.checkpoint_manager import CheckpointManager, ModelState, OptimizerState
+from clipscale.checkpoint_manager import CheckpointManager, Weights
 from clipscale.compile import compile_enabled, compile_towers, seconds_compiling
 from clipscale.config import Config, check_world
 from clipscale.console import Console, figures
@@ -39,7 +39,7 @@ from clipscale.memory import largest_chunk
 from clipscale.metrics import MetricsLogger, RecordWindow
 from clipscale.models import Towers, build_model, write_open_clip_folder
 from clipscale.optim import build_optimizer, learning_rate
-from clipscale.parallel import parallelize
+from clipscale.parallel import parallelize, reshard
 from clipscale.precision import AUTOCAST_DTYPES
 from clipscale.run_dir import RunPlan, plan_run
 from clipscale.signals import StopRequest
@@ -139,6 +139,7 @@ class Run:
         visual = module.visual
         image_size = visual.image_size[0] if isinstance(visual.image_size, tuple) else visual.image_size
         flops = train_flops_per_sample(module, image_size, module.context_length, world.device, *trainable_towers(module))
+        reshard(module)
         loss_fn = loss_fn if loss_fn is not None else build_loss(cfg.loss.name, **cfg.loss.options)
         optimizer = build_optimizer(module, cfg.optim, fused=world.device.type == "cuda" and not train.fsdp_offload)
         chunk = chunk_size(cfg, towers, loss_fn, world, console)
@@ -146,9 +147,9 @@ class Run:
                          grad_clip=cfg.optim.grad_clip, max_nonfinite_steps=train.max_nonfinite_steps,
                          sync=parallel.sync, device=world.device)
         stream_state, window = StreamState(), RecordWindow(cfg.train.batch_size, world.device)
-        shared = [ModelState(module), OptimizerState(module, optimizer), step]
-        start_step = checkpoints.start(checkpoint, shared=shared, per_rank={"data": stream_state, "metrics": window},
-                                       samples_per_epoch=data.num_train)
+        weights = Weights(module, optimizer, world, sharded=train.parallel == "fsdp")
+        start_step = checkpoints.start(checkpoint, weights=weights, shared=[step],
+                                       per_rank={"data": stream_state, "metrics": window}, samples_per_epoch=data.num_train)
         evaluator = Evaluator(cfg, towers, world, AUTOCAST_DTYPES[cfg.train.precision])
         batches = TrainingBatches.build(cfg, data, towers.train_transform, towers.tokenizer, world, stream_state, chunk,
                                         cfg.train.steps - start_step)
@@ -252,6 +253,7 @@ class Run:
 
     def evaluate(self, step_number: int) -> dict:
         results = self.evaluator(self.model)
+        reshard(self.model)
         self.enter_train_mode()  # evaluation leaves the whole model in train mode
         if results:
             self.logger.log(step_number, results)
