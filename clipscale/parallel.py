@@ -37,7 +37,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from clipscale.distributed import World
@@ -167,22 +166,3 @@ def tower_blocks(module: nn.Module) -> list[tuple[str, nn.ModuleList]]:
                                 "to shard; use train.parallel=ddp")
         found.append((tower, max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))))
     return found
-
-
-def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """The global gradient norm, and the gradients scaled down to `max_norm` where it is above.
-    Sharded gradients (DTensors) contribute their norm over all ranks; replicated ones (DDP's,
-    FSDP's scalars) the norm of the copy every rank holds."""
-    with_grad = [p for p in parameters if p.grad is not None]
-    if not any(isinstance(p, DTensor) for p in with_grad):
-        return torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
-    sharded = [p for p in with_grad if isinstance(p, DTensor)]
-    replicated = [p for p in with_grad if not isinstance(p, DTensor)]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in sharded]).full_tensor()
-    if replicated:
-        norm = torch.linalg.vector_norm(torch.stack([norm, torch.nn.utils.get_total_norm(
-            [p.grad for p in replicated]).to(norm.device)]))
-    for group in (sharded, replicated):
-        if group:
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm.to(group[0].grad.device))
-    return norm

@@ -44,7 +44,8 @@ CONFIG_FILE = "config.yaml"
 LAUNCHED_BY = "launched_by"  # the job that started the run folder (launcher.launch_id), when it had one
 # Keys that change where or how the run is computed, recorded or evaluated (or the name of its
 # folder), not the weights it trains (train.chunk_size and train.offload: Gradient Cache gives
-# the same gradients; train.parallel: DDP and FSDP give the same), so a resumed run may change them. A prefix covers its whole section.
+# the same gradients; train.parallel: DDP and FSDP give the same), so a resumed run may change
+# them. A prefix covers its whole section.
 IGNORED = (
     "run.name", "run.resume", "run.overwrite", "run.extend_steps", "run.output_dir", "run.device",
     "model.compile", "model.grad_checkpointing", "model.channels_last",

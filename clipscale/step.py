@@ -15,10 +15,11 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from clipscale.gradcache import GradCache
 from clipscale.losses.common import NonFiniteError
-from clipscale.parallel import GradientSync, clip_grad_norm
+from clipscale.parallel import GradientSync
 from clipscale.precision import AUTOCAST_DTYPES
 
 MAX_LOGIT_SCALE = math.log(100)  # open_clip clamps the learnable temperature at 100
@@ -33,6 +34,25 @@ class StepResult:
     loss: torch.Tensor  # on the device; NaN when the loss itself refused non-finite features
     grad_norm: torch.Tensor
     applied: bool  # False: non-finite, the weights were not touched
+
+
+def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The global gradient norm, and the gradients scaled down to `max_norm` where it is above.
+    Sharded gradients (DTensors) contribute their norm over all ranks; replicated ones (DDP's,
+    FSDP's scalars) the norm of the copy every rank holds."""
+    with_grad = [p for p in parameters if p.grad is not None]
+    if not any(isinstance(p, DTensor) for p in with_grad):
+        return torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
+    sharded = [p for p in with_grad if isinstance(p, DTensor)]
+    replicated = [p for p in with_grad if not isinstance(p, DTensor)]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in sharded]).full_tensor()
+    if replicated:
+        norm = torch.linalg.vector_norm(torch.stack([norm, torch.nn.utils.get_total_norm(
+            [p.grad for p in replicated]).to(norm.device)]))
+    for group in (sharded, replicated):
+        if group:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm.to(group[0].grad.device))
+    return norm
 
 
 class TrainStep:
