@@ -131,7 +131,7 @@ def shard(module: nn.Module, world: World, precision: str, reduce: str, offload:
     # bf16 parameters in compute, fp32 gradient reduction; fp16 keeps fp32 parameters (the GradScaler's unscale needs them)
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute is torch.bfloat16 \
         else MixedPrecisionPolicy()
-    options = dict(mesh=mesh, mp_policy=policy, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+    options = dict(mesh=mesh, mp_policy=policy, offload_policy=CPUOffloadPolicy(pin_memory=world.device.type == "cuda") if offload else OffloadPolicy())
     scalars = [getattr(module, name) for name in SCALARS if isinstance(getattr(module, name, None), nn.Parameter)]
     for scalar in scalars:  # replicated: fully_shard neither shards nor moves them
         scalar.data = scalar.data.to(world.device)

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from clipscale.gradcache import GradCache
@@ -36,22 +37,24 @@ class StepResult:
     applied: bool  # False: non-finite, the weights were not touched
 
 
-def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """The global gradient norm, and the gradients scaled down to `max_norm` where it is above.
-    Sharded gradients (DTensors) contribute their norm over all ranks; replicated ones (DDP's,
-    FSDP's scalars) the norm of the copy every rank holds."""
+def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float, device: torch.device) -> torch.Tensor:
+    """The global gradient norm (on `device`), and the gradients scaled down to `max_norm` where it
+    is above. Sharded gradients (FSDP's DTensors) add their squares over all ranks, on `device`:
+    with train.fsdp_offload the shards live on the host, where NCCL does not reach. Replicated
+    gradients (DDP's, FSDP's scalars) count once: every rank holds the same."""
     with_grad = [p for p in parameters if p.grad is not None]
-    if not any(isinstance(p, DTensor) for p in with_grad):
+    sharded = [p for p in with_grad if isinstance(p.grad, DTensor)]
+    if not sharded:
         return torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
-    sharded = [p for p in with_grad if isinstance(p, DTensor)]
-    replicated = [p for p in with_grad if not isinstance(p, DTensor)]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in sharded]).full_tensor()
+    replicated = [p for p in with_grad if not isinstance(p.grad, DTensor)]
+    squares = torch.nn.utils.get_total_norm([p.grad.to_local() for p in sharded]).to(device) ** 2
+    dist.all_reduce(squares, group=sharded[0].grad.device_mesh.get_group())
     if replicated:
-        norm = torch.linalg.vector_norm(torch.stack([norm, torch.nn.utils.get_total_norm(
-            [p.grad for p in replicated]).to(norm.device)]))
+        squares += torch.nn.utils.get_total_norm([p.grad for p in replicated]).to(device) ** 2
+    norm = squares.sqrt()
     for group in (sharded, replicated):
         if group:
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm.to(group[0].grad.device))
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm
 
 
@@ -97,7 +100,7 @@ class TrainStep:
             loss, scaled = torch.tensor(math.nan), False
         if scaled:
             self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm(list(self.module.parameters()), self.grad_clip)
+        grad_norm = clip_grad_norm(list(self.module.parameters()), self.grad_clip, self.gradcache.device)
         applied = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
         if applied and scaled:
             self.scaler.step(self.optimizer)
