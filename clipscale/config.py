@@ -463,6 +463,9 @@ def check_parallel(cfg: Config) -> None:
             if getattr(train, key) != getattr(TrainConfig, key):
                 raise ConfigError(f"train.{key}: only with train.parallel=fsdp")
         return
+    if train.precision == "fp16":
+        raise ConfigError("train.precision=fp16 with train.parallel=fsdp: each process would test only its own "
+                          "gradient shards for overflow; use train.precision=bf16 (or fp32)")
     if train.chunk_size == "auto":
         raise ConfigError("train.chunk_size: 'auto' probes the whole model on one device; with train.parallel=fsdp give "
                           "the chunk as a number")

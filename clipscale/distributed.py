@@ -7,7 +7,8 @@ torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT.
 Under `srun` (one task per GPU) SLURM sets SLURM_PROCID / SLURM_NTASKS /
 SLURM_LOCALID instead; MASTER_ADDR / MASTER_PORT must then come from the
 sbatch script (slurm/common.sh). A plain `python train.py` is a world of one
-and needs no process group.
+and needs no process group (but under train.parallel=fsdp, whose device mesh
+needs one, a group of one process in memory).
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-def init_distributed(device: str = "auto") -> World:
+def init_distributed(device: str = "auto", group_of_one: bool = False) -> World:
+    """The world the launcher started, its process group initialised when it has several processes,
+    or with `group_of_one` also for a single one (FSDP shards over a device mesh even then)."""
     rank, world_size, local_rank = launcher_ranks()
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
@@ -65,6 +68,9 @@ def init_distributed(device: str = "auto") -> World:
         torch_device = torch.device("cuda", torch.cuda.current_device())
     else:
         torch_device = torch.device("cpu")
+    if world_size == 1 and group_of_one and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=torch_device if use_cuda else None)
     if world_size > 1 and not dist.is_initialized():
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size))
         dist.init_process_group(

@@ -51,7 +51,7 @@ def train(cfg: Config, *, loss_fn: torch.nn.Module | None = None) -> dict:
     """Run (or resume) the configured job. Returns the last evaluation's results, or
     {"preempted_by": signal number} when a signal stopped it after a checkpoint.
     `loss_fn`: a loss built by the caller, in place of cfg.loss's."""
-    world = init_distributed(cfg.run.device)
+    world = init_distributed(cfg.run.device, group_of_one=cfg.train.parallel == "fsdp")
     console = Console(world.is_main)
     preemption = StopRequest()
     run = None
