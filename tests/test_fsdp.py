@@ -13,6 +13,7 @@ same masks in all three.
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
@@ -22,15 +23,18 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from clipscale.compile import compile_towers
+from clipscale.config import ConfigError, ModelConfig, OptimConfig, load_config
 from clipscale.distributed import World
 from clipscale.losses import build_loss
+from clipscale.models import build_model
 from clipscale.optim import build_optimizer
-from clipscale.config import OptimConfig
 from clipscale.parallel import ParallelError, parallelize, tower_blocks
 from clipscale.gradcache import encode
 from clipscale.step import MAX_LOGIT_SCALE, StepResult, TrainStep
 from tests.gloo_world import run_in_gloo_world
 from tests.test_gradcache import make_batch, tiny_clip
+from tests.test_models import hf_folder, timm_hf_config  # noqa: F401 - hf_folder: a fixture
+from tests.tiny_runs import DIGITS_YAML
 
 STEPS, PER_RANK, CHUNK = 3, 6, 4  # chunks of 4 and 2 samples a rank
 LOSS_OPTIONS = {"local": {}, "infcl": {"backend": "reference", "tile_size": 4}, "siglip": {}}
@@ -160,8 +164,33 @@ def test_every_tower_of_open_clip_has_its_blocks_found():
     assert found["image"] is model.visual.transformer.resblocks and found["text"] is model.transformer.resblocks
 
 
-def test_a_tower_without_blocks_is_refused_naming_the_key():
-    model = tiny_clip()
-    model.visual = torch.nn.Linear(3, 3)
-    with pytest.raises(ParallelError, match="train.parallel=fsdp: the image tower .*train.parallel=ddp"):
+def test_timm_and_hugging_face_towers_have_their_blocks_found(hf_folder):
+    custom = {**timm_hf_config(hf_folder), "vision_cfg": {"image_size": 32, "timm_model_name": "vit_tiny_patch16_224",
+                                                          "timm_pool": "token", "timm_proj": "linear"}}
+    model = build_model(ModelConfig(custom=custom)).model
+    found = dict(tower_blocks(model))
+    assert found["image"] is model.visual.trunk.blocks and found["text"] is model.text.transformer.encoder.layer
+
+
+def test_a_tower_without_blocks_is_refused_naming_the_key(hf_folder):
+    model = build_model(ModelConfig(custom=timm_hf_config(hf_folder))).model  # timm's test_resnet: stages of one block
+    with pytest.raises(ParallelError, match=r"train.parallel=fsdp: the image tower \(TimmModel\) .*train.parallel=ddp"):
         tower_blocks(model)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["train.parallel=fsdp", "train.precision=fp16"], "train.precision=fp16 with train.parallel=fsdp"),
+    (["train.parallel=fsdp", "train.chunk_size=auto"], "train.chunk_size: 'auto'"),
+    (["train.parallel=fsdp"], "train.parallel=fsdp evaluates"),  # digits' zero-shot evaluation is on by default
+    (["train.fsdp_offload=true"], "train.fsdp_offload: only with train.parallel=fsdp"),
+    (["train.fsdp_reduce=step"], "train.fsdp_reduce: only with train.parallel=fsdp"),
+    (["train.parallel=zero3"], "train.parallel"),
+])
+def test_what_fsdp_cannot_do_is_refused_before_any_work(overrides, key):
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_config(DIGITS_YAML, overrides)
+
+
+def test_fsdp_without_evaluation_is_accepted():
+    cfg = load_config(DIGITS_YAML, ["train.parallel=fsdp", "eval.zeroshot=false", "train.fsdp_offload=true"])
+    assert (cfg.train.parallel, cfg.train.fsdp_reduce, cfg.train.fsdp_offload) == ("fsdp", "chunk", True)
