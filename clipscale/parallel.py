@@ -23,7 +23,7 @@ the model is built), and under FSDP each block is compiled on its own, not the r
 forward holds the FSDP hooks of the blocks' parameters. `nn.Module.compile` only marks a block
 to be compiled at its first call, so marking it after fully_shard (the trainer compiles once the
 run folder, which holds the compile cache, is claimed) gives the same module as before: the
-compiled call runs the block's FSDP hooks eagerly (dynamo's `skip_fsdp_hooks`).
+compiled call runs the block's FSDP hooks eagerly (FSDP2 marks them `torch._dynamo.disable`).
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ def test_fsdp_composes_as_ddp_does():
     the device here): what it saves of a GPU's memory is for the GPU to measure (docs/fsdp.md)."""
     cases = [{"loss_name": "siglip", "model_factory": siglip_clip}, {"loss_name": "local", "lock_image": True},
              {"loss_name": "infcl", "offload": True}, {"loss_name": "local", "grad_checkpointing": True},
-             {"loss_name": "local", "compiled": True}]
+             {"loss_name": "local", "compiled": True, "grad_checkpointing": True}]
     check(run_in_gloo_world(ddp_against_fsdp, 2, args=(cases,), timeout=300))
 
 
