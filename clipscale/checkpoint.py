@@ -223,6 +223,13 @@ def load_checkpoint(path: Path, map_location="cpu") -> dict:
         return torch.load(path, map_location=map_location, weights_only=True)
 
 
+def require_shards(path: Path, checkpoint: dict) -> None:
+    """A step file that names a sharded folder holds only part of its checkpoint: the folder must
+    be there, with the metadata torch.distributed.checkpoint writes last."""
+    if "sharded" in checkpoint and not (Path(path).parent / checkpoint["sharded"] / ".metadata").is_file():
+        raise CheckpointError(f"its shards {Path(path).parent / checkpoint['sharded']} are missing")
+
+
 def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: " + " ".join(str(err).split())[:300]
 
@@ -237,6 +244,7 @@ def load_latest(checkpoint_dir: Path, report: Callable[[str], None] = print) -> 
     for _, path in candidates:
         try:
             checkpoint = load_checkpoint(path)
+            require_shards(path, checkpoint)
         except Exception as err:  # a damaged file raises anything from EOFError to a zip or unpickling error
             report(f"warning: checkpoint {path} does not load ({_one_line(err)}); trying the one before it")
             failed.append((path, err))

@@ -18,10 +18,9 @@ import open_clip
 import pytest
 import torch
 
+from clipscale.checkpoint import load_latest, remove_partial_saves, save_checkpoint, sharded_folder, temporary_name
 from clipscale.models import OPEN_CLIP_WEIGHTS
 from trainer_harness import checked, launch, load, max_difference, newest_checkpoint, shard_run, step_checkpoints, training_records, write_shards
-
-pytestmark = pytest.mark.slow
 
 STEPS, BATCH = 6, 24
 
@@ -56,6 +55,7 @@ def runs(module_tmp):
     return root
 
 
+@pytest.mark.slow
 def test_every_rank_writes_its_shards_and_the_step_file_names_them(runs):
     folder = runs / "fsdp" / "checkpoints"
     checkpoint = load(folder / "step_00000004.pt")
@@ -69,6 +69,7 @@ def test_every_rank_writes_its_shards_and_the_step_file_names_them(runs):
                                                         "step_00000006.dcp", "step_00000006.pt"]
 
 
+@pytest.mark.slow
 def test_resumed_runs_continue_the_uninterrupted_curve(runs):
     single_losses = [m["loss"] for m in training_records(runs / "single")]
     single = newest_checkpoint(runs / "single")["state_dict"]
@@ -78,7 +79,27 @@ def test_resumed_runs_continue_the_uninterrupted_curve(runs):
         assert max_difference(final, single) < 4e-5, name
 
 
+@pytest.mark.slow
 def test_the_final_weights_are_one_open_clip_file(runs):
     model = open_clip.create_model(f"local-dir:{runs / 'fsdp'}")
     weights = torch.load(runs / "fsdp" / OPEN_CLIP_WEIGHTS, map_location="cpu", weights_only=True)
     assert max_difference(model.state_dict(), weights) == 0.0
+
+
+def test_a_step_file_whose_shards_are_missing_is_named_and_the_one_before_it_loads(tmp_path):
+    folder = tmp_path / "checkpoints"
+    for step in (2, 4):
+        (folder / sharded_folder(step)).mkdir(parents=True)
+        (folder / sharded_folder(step) / ".metadata").write_bytes(b"")
+        save_checkpoint(folder, step, {"step": step, "sharded": sharded_folder(step)})
+    (folder / sharded_folder(4) / ".metadata").unlink()  # a folder whose writing was cut short
+    said = []
+    path, checkpoint = load_latest(folder, report=said.append)
+    assert checkpoint["step"] == 2 and "step_00000004.dcp are missing" in said[0], said
+
+
+def test_a_killed_sharded_save_leaves_a_temporary_folder_that_the_next_start_removes(tmp_path):
+    partial = temporary_name(tmp_path / "checkpoints" / sharded_folder(6))
+    (partial / "__0_0.distcp").parent.mkdir(parents=True)
+    (partial / "__0_0.distcp").write_bytes(b"part")
+    assert remove_partial_saves(tmp_path) == [partial] and not partial.exists()
