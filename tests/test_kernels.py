@@ -21,6 +21,7 @@ import torch
 
 from clipscale.losses.infcl import kernels as K
 from clipscale.losses.infcl import reference
+from clipscale.losses.infcl.precision import tf32_allowed, torch_allows_tf32
 
 
 # ---------------------------------------------------------------- float64 math
@@ -384,3 +385,20 @@ def test_grad_out_dtype_and_positive_logits():
     expected = (image.double() * text.double()[partner]).sum(1)
     assert pos.dtype == torch.float32 and (pos.double() - expected).abs().max() <= 1e-6
     assert launches()["rowdot"] == 1
+
+
+def test_the_cublas_settings_hold_inside_the_backward_only():
+    """The backward's GEMMs reduce bf16/fp16 products in float32 and, for IEEE float32 dots, run
+    without TF32: PyTorch's process-wide flags set for the GEMMs and the user's restored after,
+    an exception included."""
+    matmul = torch.backends.cuda.matmul
+    flags = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+    users = {flag: getattr(matmul, flag) for flag in flags}
+    with tf32_allowed(True):
+        with pytest.raises(ZeroDivisionError):
+            with K.cublas_settings(force_ieee=True):
+                assert not any(getattr(matmul, flag) for flag in flags) and not torch_allows_tf32()
+                1 / 0
+        assert torch_allows_tf32() and {flag: getattr(matmul, flag) for flag in flags} == users
+        with K.cublas_settings(force_ieee=False):
+            assert torch_allows_tf32()

@@ -249,7 +249,7 @@ def _as_weight(w, size: int, dev) -> torch.Tensor | None:
 
 
 @contextlib.contextmanager
-def _cublas_settings(force_ieee: bool):
+def cublas_settings(force_ieee: bool):
     """bf16/fp16 products reduced in float32 (no reduced-precision split-K) and, with
     `force_ieee`, float32 GEMMs without TF32 whatever the user allowed; restored afterwards."""
     matmul = torch.backends.cuda.matmul
@@ -376,7 +376,7 @@ def grad_pass(image, text, scale, row_lse, col_lse, row_weight, col_weight, *,
         sg_part = torch.empty((triton.cdiv(h_max, P.MIN_TILE[0]) * triton.cdiv(w_max, P.MIN_TILE[1]),),
                               dtype=torch.float32, device=dev)
     prec = dot_precision(image.dtype, exact, P.INTERPRET)
-    cublas = _cublas_settings(force_ieee=prec == "ieee") if dev.type == "cuda" else contextlib.nullcontext()
+    cublas = cublas_settings(force_ieee=prec == "ieee") if dev.type == "cuda" else contextlib.nullcontext()
     with cublas:
         for r0 in range(0, m, h_max):
             h = min(h_max, m - r0)
