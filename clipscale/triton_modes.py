@@ -22,13 +22,13 @@ import importlib
 import importlib.util
 from types import ModuleType
 
-import triton
+from triton import knobs
 
 
 def interpreting() -> bool:
     """Whether Triton runs the programs launched now in its interpreter (TRITON_INTERPRET=1),
     read at each call."""
-    return bool(triton.knobs.runtime.interpret)
+    return bool(knobs.runtime.interpret)
 
 
 @functools.cache
