@@ -17,9 +17,10 @@ run that starts: a mistake found while building the data or the model leaves it 
   new) and the ways on: a new `run.name`; `run.resume=false run.overwrite=true`,
   which moves the old folder aside to `runs/<name>.old-<time>` (nothing is
   deleted); or, when only `train.steps` differs, `run.extend_steps=true`, whose
-  effect on the learning rate is stated: the cosine schedule is redrawn over
-  the new number of steps (`cosine_lr(step, ..., total_steps)`), so the rate
-  at the resumed step changes from what the old schedule would have given.
+  effect on the learning rate is stated: the configured schedule
+  (`optim.lr_scheduler`) is redrawn over the new number of steps
+  (`learning_rate(step, ..., total_steps)`), so the rate at the resumed step
+  may change from what the old schedule would have given.
 - `run.resume=false` on an existing run without `run.overwrite=true`: an error.
 - A run that `run.overwrite=true` started is not moved aside by its own job when
   the launcher starts that job again (a Slurm requeue, a torchrun restart): it
@@ -38,7 +39,7 @@ import yaml
 from clipscale.checkpoint import CHECKPOINTS, check_writable, remove_partial_saves, step_checkpoints, write_text_atomic
 from clipscale.config import Config, ConfigError
 from clipscale.launcher import launch_id
-from clipscale.optim import cosine_lr
+from clipscale.optim import learning_rate
 
 CONFIG_FILE = "config.yaml"
 LAUNCHED_BY = "launched_by"  # the job that started the run folder (launcher.launch_id), when it had one
@@ -161,10 +162,16 @@ def _show(value) -> str:
 
 
 def _schedule_change(cfg: Config, old_steps: int, step: int) -> str:
-    """What redrawing the cosine schedule over cfg.train.steps does at `step`."""
-    lr = {total: cosine_lr(step, cfg.optim.lr, cfg.optim.warmup_steps, total) for total in (old_steps, cfg.train.steps)}
-    return (f"the cosine learning-rate schedule is redrawn over {cfg.train.steps} steps, so at step {step} the lr "
-            f"goes from {lr[old_steps]:.3g} to {lr[cfg.train.steps]:.3g} and then decays to 0 at step {cfg.train.steps}")
+    """What redrawing optim.lr_scheduler over cfg.train.steps does at `step` and after it."""
+    optim, steps = cfg.optim, cfg.train.steps
+    lr = {total: learning_rate(step, optim, total) for total in (old_steps, steps)}
+    after = {
+        "cosine": f"decays to 0 at step {steps}",
+        "const": f"stays there to step {steps}",
+        "const-cooldown": f"cools down to {optim.lr_cooldown_end:.3g} over the last {optim.lr_cooldown_steps} steps, to step {steps}",
+    }[optim.lr_scheduler]
+    return (f"the {optim.lr_scheduler} learning-rate schedule is redrawn over {steps} steps, so at step {step} the lr "
+            f"goes from {lr[old_steps]:.3g} to {lr[steps]:.3g} and then {after}")
 
 
 def _aside_name(run_dir: Path) -> Path:

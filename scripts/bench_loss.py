@@ -38,7 +38,6 @@ import torch.nn.functional as F
 
 from clipscale.losses.infcl import infcl_loss
 from clipscale.losses.infcl import kernels as K
-from clipscale.losses.infcl import triton_programs as P
 from clipscale.losses.infcl.precision import tf32_allowed
 from clipscale.provenance import provenance
 
@@ -214,7 +213,8 @@ def breakdown(b, d):
     g = med(lambda: K.grad_pass(I, T, s, row, col, w, w))
     flop = 2 * b * b * d
     r = dict(b=b, lse_pass_ms=f, lse_pass_tflops=flop / f / 1e9, grad_pass_ms=g, grad_pass_tflops=3 * flop / g / 1e9,
-             fwd_config=str(P.lse_fwd_kernel.best_config), weights_config=str(P.weights_kernel.best_config))
+             fwd_config=str(K.current_programs().device.lse_fwd_kernel.best_config),
+             weights_config=str(K.current_programs().device.weights_kernel.best_config))
     print("breakdown", r, flush=True)
     return r
 
@@ -279,6 +279,7 @@ def gpu_selfcheck():
     res = {}
     cases = [(37, 53, 24, False, 0, 0), (300, 200, 64, False, 0, 0), (257, 257, 512, True, 0, 0),
              (130, 390, 1024, True, 100, 7), (5, 7, 1000, False, 0, 0), (1000, 1000, 96, False, 0, 0)]
+    P = K.current_programs().device
     old = (K.MAX_H, K.WORKSPACE_ELEMS, P.TUNE)
     K.MAX_H, K.WORKSPACE_ELEMS, P.TUNE = 128, 128 * 256, False  # several super-tiles, no tuning
     try:
@@ -369,7 +370,7 @@ def fp32_precision_check(acc_b: int, acc_d: int, speed_b: int, speed_d: int, rep
     if speed_b:
         rows[1]["speedup_vs_tf32_off"] = rows[0]["ms"] / rows[1]["ms"]
     return dict(what="infcl_loss, float32 features: errors against float64 and speed, TF32 not allowed vs allowed",
-                **provenance(), results=rows, kernel_launches=dict(K.launch_counts))
+                **provenance(), results=rows, kernel_launches=dict(K.current_programs().launches))
 
 
 # ---------------------------------------------------------------------- main
@@ -402,7 +403,7 @@ def main():
     args = p.parse_args()
     if args.fp32_precision_check:
         if args.smoke:
-            if not P.INTERPRET:  # read when the kernels are decorated, at import
+            if not K.current_programs().device.INTERPRET:  # read at each call
                 sys.exit("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
             record = fp32_precision_check(37, 16, 48, 16, 1, torch.device("cpu"))
         else:

@@ -29,7 +29,8 @@ def is_gpu_session(config) -> bool:
 
 def pytest_ignore_collect(collection_path, config):
     """The GPU suite's session imports only its own modules (tests/test_gpu_*.py): the others
-    import the Triton programs for the interpreter (test_kernels, test_crop_resize)."""
+    run the Triton programs in the interpreter (test_kernels, test_crop_resize), which needs
+    Triton's library imported for it."""
     name = collection_path.name
     if getattr(config, "gpu_session", False) and name.startswith("test_") and not name.startswith("test_gpu_"):
         return True

@@ -207,7 +207,7 @@ def test_digits_held_out_set_is_a_wds_task_read_from_the_manifest(digits_root):
     task = resolve_task("digits", data=str(digits_root))
     assert task.format == "wds" and task.kind == "classification"
     assert task.data.split("::") == [str(digits_root / shard) for shard in manifest["val_shards"]]
-    assert class_names(task, None, None) == CLASSNAMES and prompt_templates(task) == ZEROSHOT_TEMPLATES
+    assert class_names(task, None, None) == list(CLASSNAMES) and prompt_templates(task) == list(ZEROSHOT_TEMPLATES)
     labels = [label for _, label in shard_classification(task.data, ToTensor())]
     assert len(labels) == manifest["num_val"] and set(labels) == set(range(len(CLASSNAMES)))
 

@@ -38,7 +38,6 @@ from clipscale.losses.infcl import infcl_loss, ntxent_loss
 from gloo_world import run_in_gloo_world
 from reference_math import (TiledReference, clip_loss_float64, clip_loss_float64_tiled, ntxent_loss_float64,
                             ntxent_loss_float64_tiled)
-from triton_interpreter import import_interpreted
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -101,15 +100,13 @@ def params(gpu: list, cpu: list) -> list:
 def kernels(request, monkeypatch):
     """The kernels module for the test's device: compiled on CUDA, interpreted on a CPU. Its
     launch counts say afterwards that the Triton programs, not a fallback, gave the numbers."""
+    import clipscale.losses.infcl.kernels as module
+
     device = request.node.callspec.params["device"]
     if device == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        _, module = import_interpreted("clipscale.losses.infcl.triton_programs", "clipscale.losses.infcl.kernels")
-    else:
-        import clipscale.losses.infcl.kernels as module
-
-        assert not module.P.INTERPRET, "the kernels were imported for Triton's interpreter: run the GPU suite on its own"
-    module.launch_counts.clear()
+    assert module.current_programs().device.INTERPRET == (device == "cpu"), "TRITON_INTERPRET is set: the GPU suite compiles"
+    module.current_programs().launches.clear()
     return module
 
 
@@ -163,7 +160,7 @@ def test_infcl_loss_and_its_gradients_match_float64(case, device, kernels):
     with tf32_matmuls(mode.tf32):
         loss = infcl_loss(image, text, scale, backend="triton", exact=mode.exact)
         loss.backward()
-    assert kernels.launch_counts["lse_fwd"] >= 1
+    assert kernels.current_programs().launches["lse_fwd"] >= 1
     ref = clip_loss_float64_tiled(image.detach(), text.detach(), case.scale)
     positive_terms = [case.scale / math.sqrt(case.images)] * 2  # || (s/m) T[:m] ||, || (s/m) I ||: unit rows
     assert_matches(case.id, mode, loss, [image.grad, text.grad], scale.grad, ref, positive_terms)
@@ -183,7 +180,7 @@ def test_ntxent_loss_and_its_gradient_match_float64(case, device, kernels):
     views = views.to(mode.dtype).requires_grad_()
     loss = ntxent_loss(views, TEMPERATURE, backend="triton", exact=mode.exact)
     loss.backward()
-    assert kernels.launch_counts["lse_fwd"] >= 1
+    assert kernels.current_programs().launches["lse_fwd"] >= 1
     ref = ntxent_loss_float64_tiled(views.detach(), TEMPERATURE)
     positive_terms = [2 / TEMPERATURE / math.sqrt(case.images)]
     assert_matches(case.id, mode, loss, [views.grad], None, ref, positive_terms)
@@ -207,7 +204,7 @@ def ring_worker(rank: int, world: int, case: Case, device_type: str) -> dict:
     scale = torch.tensor(case.scale, device=device, requires_grad=True)
     loss = infcl_loss(image, text, scale, backend="triton", exact=mode.exact)
     loss.backward()
-    from clipscale.losses.infcl.kernels import launch_counts  # imported by the call above
+    from clipscale.losses.infcl.kernels import current_programs  # imported by the call above
     # The reference pairs image i with text i: the ranks' paired texts first, then their extra ones.
     paired = torch.cat([texts[r * case.texts:r * case.texts + case.images] for r in range(world)])
     extra = torch.cat([texts[r * case.texts + case.images:(r + 1) * case.texts] for r in range(world)])
@@ -217,7 +214,7 @@ def ring_worker(rank: int, world: int, case: Case, device_type: str) -> dict:
                            ref.grads[1][world * case.images + rank * extras:world * case.images + (rank + 1) * extras]])
     terms = case.scale / math.sqrt(world * case.images)
     return {
-        "launches": launch_counts["lse_fwd"],
+        "launches": current_programs().launches["lse_fwd"],
         "loss": loss.item(), "want_loss": ref.loss, "loss_terms": ref.loss_terms,
         # DDP's convention: rank r's gradient is world * dL/dfeatures_r.
         "image": gradient_error(image.grad / world, ref.grads[0][mine[0]], terms / math.sqrt(world)),

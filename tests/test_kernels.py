@@ -1,9 +1,9 @@
 """The Inf-CL Triton tile kernels under TRITON_INTERPRET=1, against float64.
 
-The kernels run in Triton's interpreter on CPU tensors (the env var is set
-before triton is imported, and the kernels module is reloaded if something
-imported it earlier without it); every test checks `launch_counts` so the
-Triton path, not a PyTorch fallback, produced the numbers.
+The kernels run in Triton's interpreter on CPU tensors: each test sets
+TRITON_INTERPRET=1, which the kernels read at each call (no reload, whatever
+imported them first); every test checks the launch counts so the Triton path,
+not a PyTorch fallback, produced the numbers.
 
 Tolerances (all relative to the float64 result on the same, already-rounded
 inputs):
@@ -19,12 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from clipscale.losses.infcl import kernels as K
 from clipscale.losses.infcl import reference
-
-from triton_interpreter import import_interpreted
-
-P, K = import_interpreted("clipscale.losses.infcl.triton_programs", "clipscale.losses.infcl.kernels")
-assert P.INTERPRET and type(K.P.lse_fwd_kernel.fn).__name__ != "JITFunction"
+from clipscale.losses.infcl.precision import tf32_allowed, torch_allows_tf32
 
 
 # ---------------------------------------------------------------- float64 math
@@ -77,10 +74,16 @@ def rel(a, b):
     return ((a.double() - b).norm() / b.norm().clamp(min=1e-300)).item()
 
 
+def launches():
+    """Kernel launches per program name of the programs in use (the interpreter's)."""
+    return K.current_programs().launches
+
+
 @pytest.fixture(autouse=True)
 def _count(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    K.launch_counts.clear()
+    assert K.current_programs().device.INTERPRET
+    launches().clear()
     yield
 
 
@@ -101,7 +104,23 @@ def test_lse_fp32_exact(m, n, d, scale):
     r64, c64 = ref_lse(image, text, scale)
     assert_lse(row, r64)
     assert_lse(col, c64)
-    assert K.launch_counts["lse_fwd"] == 1 and K.launch_counts["merge"] == 1
+    assert launches()["lse_fwd"] == 1 and launches()["merge"] == 1
+
+
+def test_the_interpreter_is_chosen_at_each_call_not_at_import(monkeypatch):
+    """TRITON_INTERPRET is read at each call: the same imported module runs its programs in the
+    interpreter, refuses CPU tensors once the variable is gone (the compiled programs need CUDA),
+    and runs them again when it is back, with the launches of each mode counted apart."""
+    image, text = feats(9, 16, seed=1), feats(7, 16, seed=2)
+    interpreted = K.current_programs()
+    K.lse_pass(image, text, 10.0)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="need CUDA tensors"):
+        K.lse_pass(image, text, 10.0)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    row, col = K.lse_pass(image, text, 10.0)
+    assert_lse(row, ref_lse(image, text, 10.0)[0])
+    assert K.current_programs() is interpreted and interpreted.launches["lse_fwd"] == 2
 
 
 def test_the_first_call_of_the_largest_size_class_tunes_on_its_leading_rows(monkeypatch):
@@ -109,8 +128,8 @@ def test_the_first_call_of_the_largest_size_class_tunes_on_its_leading_rows(monk
     A call larger than TUNE_ROWS in the largest size class first runs the forward on its leading
     TUNE_ROWS rows, once per class; its own result is unchanged. Scaled down: classes split at 32."""
     monkeypatch.setattr(K, "TUNE_ROWS", 40)
-    monkeypatch.setattr(K.P, "bucket", lambda rows: 0 if rows <= 32 else 1)
-    monkeypatch.setattr(K, "_tuned_on_leading_rows", set())
+    monkeypatch.setattr(K.current_programs().device, "bucket", lambda rows: 0 if rows <= 32 else 1)
+    monkeypatch.setattr(K.current_programs(), "tuned_on_leading_rows", set())
     shapes, lse_pass = [], K.lse_pass
 
     def recorded(image, text, *args, **kwargs):
@@ -126,7 +145,7 @@ def test_the_first_call_of_the_largest_size_class_tunes_on_its_leading_rows(monk
         assert_lse(col, c64)
     K.lse_pass(feats(30, 24), feats(20, 24), 20.0, exact=True)  # the small class tunes on itself
     assert shapes == [(70, 50), (40, 40), (70, 50), (30, 20)]
-    assert K.launch_counts["lse_fwd"] == 4
+    assert launches()["lse_fwd"] == 4
 
 
 @pytest.mark.parametrize("grid", [(1, 1), (3, 2), (2, 7), (9, 9)])  # (9, 9): programs with no blocks
@@ -204,7 +223,7 @@ def test_grad_fp32_exact(m, n, d, mask, ro, co):
     ri, rt = ref_grad(image, text, s, rl.float(), cl.float(), rw, cw, ro, co, mask)
     assert gi.dtype == gt.dtype == torch.float32
     assert rel(gi, ri) <= 2e-5 and rel(gt, rt) <= 2e-5, (rel(gi, ri), rel(gt, rt))
-    assert K.launch_counts["weights"] >= 1
+    assert launches()["weights"] >= 1
 
 
 def test_grad_fully_masked_row():
@@ -227,7 +246,7 @@ def test_grad_row_only_accumulates_and_super_tiles(monkeypatch):
                          grad_image=gi0.clone(), grad_text=gt0.clone(), exact=True)
     ri, rt = ref_grad(image, text, s, rl.float(), None, rw, None)
     assert rel(gi - gi0, ri) <= 2e-5 and rel(gt - gt0, rt) <= 2e-5
-    assert K.launch_counts["weights"] == 3 * 3
+    assert launches()["weights"] == 3 * 3
 
 
 def test_end_to_end_symmetric_loss_gradient():
@@ -365,4 +384,21 @@ def test_grad_out_dtype_and_positive_logits():
     pos = K.positive_logits(image, text, partner)
     expected = (image.double() * text.double()[partner]).sum(1)
     assert pos.dtype == torch.float32 and (pos.double() - expected).abs().max() <= 1e-6
-    assert K.launch_counts["rowdot"] == 1
+    assert launches()["rowdot"] == 1
+
+
+def test_the_cublas_settings_hold_inside_the_backward_only():
+    """The backward's GEMMs reduce bf16/fp16 products in float32 and, for IEEE float32 dots, run
+    without TF32: PyTorch's process-wide flags set for the GEMMs and the user's restored after,
+    an exception included."""
+    matmul = torch.backends.cuda.matmul
+    flags = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+    users = {flag: getattr(matmul, flag) for flag in flags}
+    with tf32_allowed(True):
+        with pytest.raises(ZeroDivisionError):
+            with K.cublas_settings(force_ieee=True):
+                assert not any(getattr(matmul, flag) for flag in flags) and not torch_allows_tf32()
+                1 / 0
+        assert torch_allows_tf32() and {flag: getattr(matmul, flag) for flag in flags} == users
+        with K.cublas_settings(force_ieee=False):
+            assert torch_allows_tf32()

@@ -129,6 +129,21 @@ def test_more_steps_need_an_explicit_extension_whose_effect_on_the_lr_is_stated(
         plan_run(_config(tmp_path, "train.steps=400", "run.extend_steps=true", "loss.name=infcl"))
 
 
+@pytest.mark.parametrize("schedule, said", [
+    (["optim.lr_scheduler=const"],
+     "the const learning-rate schedule is redrawn over 400 steps, so at step 200 the lr goes from 0.002 to 0.002 "
+     "and then stays there to step 400"),
+    (["optim.lr_scheduler=const-cooldown", "optim.lr_cooldown_steps=50", "optim.lr_cooldown_end=0.0001"],
+     "the const-cooldown learning-rate schedule is redrawn over 400 steps, so at step 200 the lr goes from 0.0001 "
+     "to 0.002 and then cools down to 0.0001 over the last 50 steps, to step 400"),
+])
+def test_an_extension_states_the_configured_schedule(tmp_path, schedule, said):
+    """The extension's notice names optim.lr_scheduler's schedule and its rates, not the cosine's."""
+    run_dir = _started(tmp_path, *schedule, steps_done=200)
+    plan = plan_run(_config(tmp_path, *schedule, "train.steps=400", "run.extend_steps=true"))
+    assert plan.notices == [f"extending {run_dir} from 200 to 400 steps: {said}"]
+
+
 def test_a_folder_that_is_not_a_run_and_a_config_from_before_new_keys(tmp_path):
     (tmp_path / "tiny").mkdir()
     (tmp_path / "tiny" / "notes.txt").write_text("mine")

@@ -134,3 +134,12 @@ def test_every_training_step_is_the_one_train_py_runs():
         copied = called_names(path) & STEP_PARTS
         assert not copied, f"{path.relative_to(REPO)} calls {sorted(copied)}: a training step outside clipscale/step.py"
         assert "optimizer.step(" not in source, f"{path.relative_to(REPO)} steps an optimizer outside clipscale/step.py"
+
+
+def test_the_training_loop_reads_in_one_sitting():
+    """Run.fit is next batch, lr, step, then one call each for metrics, evaluation and checkpoint:
+    at most 30 lines (issue 29), the rest lives in the components it calls."""
+    tree = ast.parse((PACKAGE / "trainer.py").read_text())
+    [fit] = [node for run in tree.body if isinstance(run, ast.ClassDef) and run.name == "Run"
+             for node in run.body if isinstance(node, ast.FunctionDef) and node.name == "fit"]
+    assert fit.end_lineno - fit.lineno + 1 <= 30

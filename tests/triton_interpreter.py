@@ -1,14 +1,14 @@
-"""Triton programs in the interpreter (TRITON_INTERPRET=1, CPU tensors) for the tests that need
-them, without leaving the variable set for the other test modules.
+"""TRITON_INTERPRET=1 for a moment, without leaving it set for the other test modules.
 
-Triton reads the variable when a program is decorated (its module's import) and again when it
-is launched: the test modules import through `import_interpreted` and set it again per test.
+Triton decorates its own library (`tl.sum`, `tl.max`, ...) when `triton.language` is first
+imported, in the mode the variable names then (tests/conftest.py imports it under this). Our
+programs read the variable at each launch (`clipscale.triton_modes`): the test modules that run
+them in the interpreter set it per test.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 
 
@@ -24,14 +24,3 @@ def interpreter_env():
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = before
-
-
-def import_interpreted(*names: str) -> list:
-    """The named modules with their programs decorated for the interpreter: imported under
-    TRITON_INTERPRET=1, or reloaded in the order given when an earlier import in this process
-    decorated them without it (the first module's INTERPRET flag tells)."""
-    with interpreter_env():
-        modules = [importlib.import_module(name) for name in names]
-        if not modules[0].INTERPRET:
-            modules = [importlib.reload(module) for module in modules]
-    return modules

@@ -17,7 +17,7 @@ center = scale * (j + 0.5), taps i in [trunc(center - support + 0.5), trunc(cent
 sum 1. The filters: bilinear 1 - |x| on |x| < 1; bicubic Keys' cubic with a = -0.5 on |x| < 2
 (PIL's, which torchvision matches when antialias is on). Wy likewise over the rows.
 
-Tiling: `rows_kernel` applies Wx (the horizontal pass) to every row of the crop and writes
+Tiling (the programs are in `crop_resize_programs.py`): `rows_kernel` applies Wx (the horizontal pass) to every row of the crop and writes
 float32 rows [n, c, crop row, out_w]; `columns_kernel` applies Wy to those, rounds and writes
 uint8 [n, c, out_h, out_w]. Each program owns a [BLOCK_R, BLOCK_X] tile of one image's channel
 and loops over the taps: at most 2 * support + 1 of them, a handful for the crops a random
@@ -30,15 +30,14 @@ which Gradient Cache's two passes over the same bytes need.
 from __future__ import annotations
 
 import itertools
-import os
+from types import MappingProxyType
 
 import torch
 import triton
-import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-FILTER_RADIUS = {"bilinear": 1, "bicubic": 2}  # half the support at scale 1, in input pixels
-BLOCK_R, BLOCK_X = (8, 64) if not INTERPRET else (4, 16)
+from clipscale.triton_modes import interpreting, programs
+
+FILTER_RADIUS = MappingProxyType({"bilinear": 1, "bicubic": 2})  # half the support at scale 1, in input pixels
 
 # The per-image table, int64 [n, 7]: offset in the flat buffer, height, width, then the crop box
 # (top, left, crop height, crop width). The programs read it by these column numbers.
@@ -76,59 +75,6 @@ def filter_taps(in_sizes: torch.Tensor, out_size: int, interpolation: str, large
     return first.to(torch.int32), weights.to(torch.float32)
 
 
-# Chunk by chunk the largest crop and the filter's reach change: not compiled anew for each value.
-@triton.jit(do_not_specialize=["max_rows", "taps"])
-def rows_kernel(src, table, starts, weights, rows, max_rows, out_w, taps,
-                BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr):
-    """rows[n, c, r, j] = sum_k weights[n, j, k] * img[n, c, top + r, left + starts[n, j] + k]."""
-    nc = tl.program_id(0)
-    n = nc // 3
-    c = nc % 3
-    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    j = tl.program_id(2) * BLOCK_X + tl.arange(0, BLOCK_X)
-    entry = table + n * 7
-    height, width = tl.load(entry + 1), tl.load(entry + 2)
-    crop_h, crop_w = tl.load(entry + 5), tl.load(entry + 6)
-    row_start = tl.load(entry + 0) + (c * height + tl.load(entry + 3) + r) * width + tl.load(entry + 4)  # int64
-    in_rows = r < crop_h
-    in_cols = j < out_w
-    first = tl.load(starts + n * out_w + j, mask=in_cols, other=0)
-    acc = tl.zeros((BLOCK_R, BLOCK_X), dtype=tl.float32)
-    for k in range(taps):
-        weight = tl.load(weights + (n * out_w + j) * taps + k, mask=in_cols, other=0.0)
-        column = first + k
-        mask = in_rows[:, None] & (in_cols & (column < crop_w))[None, :]
-        pixel = tl.load(src + row_start[:, None] + column[None, :], mask=mask, other=0)
-        acc += pixel.to(tl.float32) * weight[None, :]
-    tl.store(rows + (nc * max_rows + r[:, None]) * out_w + j[None, :], acc, mask=in_rows[:, None] & in_cols[None, :])
-
-
-@triton.jit(do_not_specialize=["max_rows", "taps"])
-def columns_kernel(rows, table, starts, weights, out, max_rows, out_h, out_w, taps,
-                   BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr):
-    """out[n, c, i, j] = round(clamp(sum_k weights[n, i, k] * rows[n, c, starts[n, i] + k, j], 0, 255))."""
-    nc = tl.program_id(0)
-    n = nc // 3
-    i = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    j = tl.program_id(2) * BLOCK_X + tl.arange(0, BLOCK_X)
-    crop_h = tl.load(table + n * 7 + 5)
-    in_rows = i < out_h
-    in_cols = j < out_w
-    first = tl.load(starts + n * out_h + i, mask=in_rows, other=0)
-    acc = tl.zeros((BLOCK_R, BLOCK_X), dtype=tl.float32)
-    for k in range(taps):
-        weight = tl.load(weights + (n * out_h + i) * taps + k, mask=in_rows, other=0.0)
-        row = first + k
-        mask = (in_rows & (row < crop_h))[:, None] & in_cols[None, :]
-        value = tl.load(rows + (nc * max_rows + row[:, None]) * out_w + j[None, :], mask=mask, other=0.0)
-        acc += value * weight[:, None]
-    # Ties to even, as torch.round: an integer-factor enlargement makes exact halves.
-    nearest = tl.floor(acc + 0.5)
-    tie_to_odd = ((nearest - acc) == 0.5) & ((nearest - 2 * tl.floor(nearest * 0.5)) != 0)
-    pixel = tl.minimum(tl.maximum(tl.where(tie_to_odd, nearest - 1, nearest), 0.0), 255.0)
-    tl.store(out + (nc * out_h + i[:, None]) * out_w + j[None, :], pixel.to(tl.uint8), mask=in_rows[:, None] & in_cols[None, :])
-
-
 def resized_crops(images: list[torch.Tensor], boxes: list[tuple[int, int, int, int]], size: tuple[int, int],
                   interpolation: str) -> torch.Tensor:
     """uint8 [n, 3, size[0], size[1]]: image k (uint8 [3, H, W], all on one device) cropped to
@@ -150,10 +96,12 @@ def resized_crops(images: list[torch.Tensor], boxes: list[tuple[int, int, int, i
     column_starts, column_weights = filter_taps(table[:, CROP_W], out_w, interpolation, max(box[3] for box in boxes))
     rows = torch.empty(len(images), 3, max_rows, out_w, dtype=torch.float32, device=device)
     out = torch.empty(len(images), 3, out_h, out_w, dtype=torch.uint8, device=device)
-    grid = (len(images) * 3, triton.cdiv(max_rows, BLOCK_R), triton.cdiv(out_w, BLOCK_X))
-    rows_kernel[grid](src, table, column_starts, column_weights, rows, max_rows, out_w, column_weights.shape[-1],
-                      BLOCK_R=BLOCK_R, BLOCK_X=BLOCK_X)
-    grid = (len(images) * 3, triton.cdiv(out_h, BLOCK_R), triton.cdiv(out_w, BLOCK_X))
-    columns_kernel[grid](rows, table, row_starts, row_weights, out, max_rows, out_h, out_w, row_weights.shape[-1],
-                         BLOCK_R=BLOCK_R, BLOCK_X=BLOCK_X)
+    P = programs("clipscale.data.crop_resize_programs", interpreting())  # compiled, or Triton's interpreter
+    block_r, block_x = P.BLOCK_R, P.BLOCK_X
+    grid = (len(images) * 3, triton.cdiv(max_rows, block_r), triton.cdiv(out_w, block_x))
+    P.rows_kernel[grid](src, table, column_starts, column_weights, rows, max_rows, out_w, column_weights.shape[-1],
+                        BLOCK_R=block_r, BLOCK_X=block_x)
+    grid = (len(images) * 3, triton.cdiv(out_h, block_r), triton.cdiv(out_w, block_x))
+    P.columns_kernel[grid](rows, table, row_starts, row_weights, out, max_rows, out_h, out_w, row_weights.shape[-1],
+                           BLOCK_R=block_r, BLOCK_X=block_x)
     return out

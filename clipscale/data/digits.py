@@ -23,10 +23,10 @@ from PIL import Image
 
 from clipscale.config import ConfigError
 
-CLASSNAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+CLASSNAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 # Training captions: the class appears as a word or a numeral in varied phrasing.
-CAPTION_TEMPLATES = [
+CAPTION_TEMPLATES = (
     "a handwritten {word}",
     "the digit {numeral} written by hand",
     "a scan of a handwritten {word}",
@@ -37,15 +37,15 @@ CAPTION_TEMPLATES = [
     "the numeral {word}",
     "a pixelated {numeral}",
     "handwriting of the digit {word}",
-]
+)
 
 # Zero-shot prompts: phrasing never used in training captions.
-ZEROSHOT_TEMPLATES = [
+ZEROSHOT_TEMPLATES = (
     "a photo of the number {c}.",
     "an image showing a {c}.",
     "a picture of {c}.",
     "{c}.",
-]
+)
 
 TRAIN_FRACTION = 0.8
 SPLIT_SEED = 1234

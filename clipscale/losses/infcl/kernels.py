@@ -36,26 +36,28 @@ allow_tf32 = True`, `torch.set_float32_matmul_precision("high")`, ...).
 `exact=True` forces IEEE float32 either way.
 
 Under TRITON_INTERPRET=1 the same programs run on CPU tensors (one small tile
-config; the GEMMs run in float32 torch). `launch_counts` counts kernel
-launches so tests can check that the Triton path really ran.
+config; the GEMMs run in float32 torch). The mode is read at each call, and each
+mode's programs come with the host state that belongs to them (`current_programs()`):
+the size classes already tuned and the launch counts, which tell tests and
+benchmarks that the Triton path really ran.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
+from types import ModuleType
 
 import torch
 import triton
 
-from clipscale.losses.infcl import triton_programs as P
 from clipscale.losses.infcl.precision import tf32_allowed, torch_allows_tf32
+from clipscale.triton_modes import interpreting
+from clipscale.triton_modes import programs as decorated_programs
 
-__all__ = ["lse_pass", "grad_pass", "positive_logits", "launch_counts", "dot_precision"]
-
-# Kernel launches per kernel name (tests assert the Triton path ran).
-launch_counts: collections.Counter = collections.Counter()
+__all__ = ["lse_pass", "grad_pass", "positive_logits", "current_programs", "dot_precision"]
 
 # Backward workspace: super-tile of at most MAX_H rows and WORKSPACE_ELEMS
 # elements in all (module-level so tests can shrink them).
@@ -67,10 +69,33 @@ WORKSPACE_ELEMS = 1 << 27
 # of a size class with more rows than this tunes on its leading TUNE_ROWS rows instead, the
 # smallest problem of the largest class (`triton_programs.bucket`). None: tune on the call.
 TUNE_ROWS = 131_072 + 1_024
-_tuned_on_leading_rows: set = set()
 
 
-def _check(image: torch.Tensor, text: torch.Tensor):
+@dataclasses.dataclass
+class Programs:
+    """The Triton programs of one mode (compiled, or run in Triton's interpreter) and the host
+    state that belongs to them. One per mode for the process (`current_programs()`), as
+    long-lived as the compiled programs and the autotuner's choices that `device` holds."""
+
+    device: ModuleType  # triton_programs, decorated for this mode
+    # (d, size class, dtype, device, dot precision) whose first call tuned on its leading rows
+    tuned_on_leading_rows: set = dataclasses.field(default_factory=set)
+    # launches per program name in this mode (tests, benchmarks: the Triton path ran)
+    launches: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+def current_programs() -> Programs:
+    """The programs for the mode Triton is in now (TRITON_INTERPRET, read at each call)."""
+    return _programs_of_mode(interpreting())
+
+
+@functools.cache
+def _programs_of_mode(interpret: bool) -> Programs:
+    """One `Programs` per mode, cached for the process (see `Programs`)."""
+    return Programs(decorated_programs("clipscale.losses.infcl.triton_programs", interpret))
+
+
+def _check(image: torch.Tensor, text: torch.Tensor, interpret: bool):
     if image.dim() != 2 or text.dim() != 2:
         raise ValueError(f"image and text must be 2-D, got {tuple(image.shape)} and {tuple(text.shape)}")
     if image.shape[1] != text.shape[1]:
@@ -81,7 +106,7 @@ def _check(image: torch.Tensor, text: torch.Tensor):
         raise ValueError(f"unsupported dtype {image.dtype} (float32, bfloat16, float16)")
     if image.device != text.device:
         raise ValueError("image and text are on different devices")
-    if image.device.type != "cuda" and not P.INTERPRET:
+    if image.device.type != "cuda" and not interpret:
         raise RuntimeError("Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU)")
     if image.stride(1) != 1:
         image = image.contiguous()
@@ -90,18 +115,21 @@ def _check(image: torch.Tensor, text: torch.Tensor):
     return image, text
 
 
-def dot_precision(dtype: torch.dtype, exact: bool) -> str:
+def dot_precision(dtype: torch.dtype, exact: bool, interpret: bool | None = None) -> str:
     """`tl.dot`'s input_precision. Float32 inputs: TF32 only where PyTorch allows it for
     its own matmuls and `exact` is off, IEEE float32 otherwise (and always in the
     interpreter, which has no TF32). bf16/fp16 inputs: "tf32", as the kernels were always
-    compiled for them (Triton's precision choice is about float32 operands)."""
+    compiled for them (Triton's precision choice is about float32 operands).
+    `interpret`: the programs' mode (None: the mode Triton is in now)."""
+    interpret = interpreting() if interpret is None else interpret
     if dtype != torch.float32:
-        return "ieee" if P.INTERPRET else "tf32"
-    return "tf32" if torch_allows_tf32() and not exact and not P.INTERPRET else "ieee"
+        return "ieee" if interpret else "tf32"
+    return "tf32" if torch_allows_tf32() and not exact and not interpret else "ieee"
 
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
+    """The device's SM count; cached for the process (a property of the hardware)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -114,7 +142,8 @@ def _n_programs(device: torch.device) -> int:
 @functools.lru_cache(maxsize=4096)
 def _split(m: int, n: int, programs: int, tile: int = 128) -> tuple[int, int]:
     """(RS, CS) with RS * CS <= programs minimising the busiest program's
-    nominal tile count, ties broken by the partials' size (RS * n + CS * m)."""
+    nominal tile count, ties broken by the partials' size (RS * n + CS * m).
+    A function of its arguments; cached for the process (host time at small b)."""
     rb, cb = max(1, -(-m // tile)), max(1, -(-n // tile))
     best = None
     for rs in range(1, min(programs, rb) + 1):
@@ -145,7 +174,9 @@ def lse_pass(image, text, scale, *, row_offset=0, col_offset=0, mask_diagonal=Fa
     partials, RS*CS ~ #SMs (or 2 #SMs; see the module docstring). `_grid=(RS, CS)`
     overrides the split (tests).
     """
-    image, text = _check(image, text)
+    mode = current_programs()
+    P = mode.device
+    image, text = _check(image, text, P.INTERPRET)
     m, d = image.shape
     n = text.shape[0]
     dev = image.device
@@ -156,9 +187,9 @@ def lse_pass(image, text, scale, *, row_offset=0, col_offset=0, mask_diagonal=Fa
     sc = _scale_tensor(scale, dev)
     size_class = P.bucket(max(m, n))
     if P.TUNE and TUNE_ROWS is not None and max(m, n) > TUNE_ROWS and P.bucket(TUNE_ROWS) == size_class:
-        key = (d, size_class, image.dtype, dev, dot_precision(image.dtype, exact))
-        if key not in _tuned_on_leading_rows:
-            _tuned_on_leading_rows.add(key)
+        key = (d, size_class, image.dtype, dev, dot_precision(image.dtype, exact, P.INTERPRET))
+        if key not in mode.tuned_on_leading_rows:
+            mode.tuned_on_leading_rows.add(key)
             lse_pass(image[:TUNE_ROWS], text[:TUNE_ROWS], sc, row_offset=row_offset, col_offset=col_offset,
                      mask_diagonal=mask_diagonal, need_col=need_col, exact=exact)
     if _grid is not None:
@@ -175,22 +206,24 @@ def lse_pass(image, text, scale, *, row_offset=0, col_offset=0, mask_diagonal=Fa
     P.lse_fwd_kernel[grid](
         image, text, part_row, part_col, sc, m, n, d, image.stride(0), text.stride(0),
         int(row_offset), int(col_offset), rs1, cs1, rs2, cs2, size_class,
-        MASK_DIAG=bool(mask_diagonal), NEED_COL=bool(need_col), PREC=dot_precision(image.dtype, exact))
-    launch_counts["lse_fwd"] += 1
+        MASK_DIAG=bool(mask_diagonal), NEED_COL=bool(need_col), PREC=dot_precision(image.dtype, exact, P.INTERPRET))
+    mode.launches["lse_fwd"] += 1
     rs, cs = (rs2, cs2) if P.lse_fwd_kernel.best_config.kwargs["OCC"] == 2 else (rs1, cs1)
     row_lse = torch.empty((m,), dtype=torch.float32, device=dev)
     col_lse = torch.empty((n if need_col else 0,), dtype=torch.float32, device=dev)
     BLOCK = 256 if P.INTERPRET else 1024
     grid = (triton.cdiv(m, BLOCK) + (triton.cdiv(n, BLOCK) if need_col else 0),)
     P.merge_kernel[grid](part_row, row_lse, cs, m, part_col, col_lse, rs, n if need_col else 0, BLOCK=BLOCK)
-    launch_counts["merge"] += 1
+    mode.launches["merge"] += 1
     return row_lse, (col_lse if need_col else None)
 
 
 def positive_logits(image, text, partner):
     """<image_i, text_partner[i]> for every row, float32 [m] (float32 accumulation;
     multiply by the scale for the logits). One small kernel, no float32 copies."""
-    image, text = _check(image, text)
+    mode = current_programs()
+    P = mode.device
+    image, text = _check(image, text, P.INTERPRET)
     m, d = image.shape
     out = torch.empty((m,), dtype=torch.float32, device=image.device)
     if m == 0:
@@ -199,7 +232,7 @@ def positive_logits(image, text, partner):
     BR, BD = (16, 32) if P.INTERPRET else (16, 128)
     P.rowdot_kernel[(triton.cdiv(m, BR),)](image, text, partner, out, m, d, image.stride(0), text.stride(0),
                                           BR=BR, BD=BD)
-    launch_counts["rowdot"] += 1
+    mode.launches["rowdot"] += 1
     return out
 
 
@@ -216,7 +249,7 @@ def _as_weight(w, size: int, dev) -> torch.Tensor | None:
 
 
 @contextlib.contextmanager
-def _cublas_settings(force_ieee: bool):
+def cublas_settings(force_ieee: bool):
     """bf16/fp16 products reduced in float32 (no reduced-precision split-K) and, with
     `force_ieee`, float32 GEMMs without TF32 whatever the user allowed; restored afterwards."""
     matmul = torch.backends.cuda.matmul
@@ -242,13 +275,9 @@ def _acc_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, factor: torch.T
             return
         prod = a @ b
     else:
-        global _ADDMM_OUT_OK
-        if _ADDMM_OUT_OK and factor is None:
-            try:  # cuBLAS: C(fp32) += A(bf16) @ B(bf16), in place
-                torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-                return
-            except (RuntimeError, TypeError):
-                _ADDMM_OUT_OK = False
+        if factor is None and _addmm_adds_into_float32(out.device, a.dtype):
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)  # cuBLAS: C(fp32) += A @ B, in place
+            return
         prod = torch.mm(a, b, out_dtype=torch.float32)
     if factor is None:
         out.add_(prod)
@@ -256,7 +285,18 @@ def _acc_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, factor: torch.T
         out.addcmul_(prod, factor)
 
 
-_ADDMM_OUT_OK = True
+@functools.cache
+def _addmm_adds_into_float32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch adds a `dtype` product into a float32 `out` in place (`addmm` with
+    `out_dtype`); tried once on 1 x 1 tensors and cached per device and dtype for the process
+    (a property of the torch build)."""
+    out = torch.zeros((1, 1), dtype=torch.float32, device=device)
+    one = torch.ones((1, 1), dtype=dtype, device=device)
+    try:
+        torch.addmm(out, one, one, out_dtype=torch.float32, out=out)
+    except (RuntimeError, TypeError):
+        return False
+    return True
 
 
 def _super_tile(m: int, n: int) -> tuple[int, int]:
@@ -283,7 +323,9 @@ def grad_pass(image, text, scale, row_lse, col_lse, row_weight, col_weight, *,
     accumulating GEMMs per super-tile (see the module docstring). The scale is
     read on the device: nothing here synchronises with the host.
     """
-    image, text = _check(image, text)
+    mode = current_programs()
+    P = mode.device
+    image, text = _check(image, text, P.INTERPRET)
     m, d = image.shape
     n = text.shape[0]
     dev = image.device
@@ -333,8 +375,8 @@ def grad_pass(image, text, scale, row_lse, col_lse, row_weight, col_weight, *,
     if scale_grad is not None:
         sg_part = torch.empty((triton.cdiv(h_max, P.MIN_TILE[0]) * triton.cdiv(w_max, P.MIN_TILE[1]),),
                               dtype=torch.float32, device=dev)
-    prec = dot_precision(image.dtype, exact)
-    cublas = _cublas_settings(force_ieee=prec == "ieee") if dev.type == "cuda" else contextlib.nullcontext()
+    prec = dot_precision(image.dtype, exact, P.INTERPRET)
+    cublas = cublas_settings(force_ieee=prec == "ieee") if dev.type == "cuda" else contextlib.nullcontext()
     with cublas:
         for r0 in range(0, m, h_max):
             h = min(h_max, m - r0)
@@ -357,7 +399,7 @@ def grad_pass(image, text, scale, row_lse, col_lse, row_weight, col_weight, *,
                     int(row_offset) + r0, int(col_offset) + c0, c0, P.bucket(h * w // 8192),
                     MASK_DIAG=bool(mask_diagonal), HAS_ROW=has_row, HAS_COL=has_col, HAS_POS=has_pos,
                     NEED_SG=sg_part is not None, HALF=half, PREC=prec)
-                launch_counts["weights"] += 1
+                mode.launches["weights"] += 1
                 if sg_part is not None:
                     meta = P.weights_kernel.best_config.kwargs
                     programs = triton.cdiv(h, meta["BM"]) * triton.cdiv(w, meta["BN"])

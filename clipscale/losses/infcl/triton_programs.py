@@ -2,7 +2,8 @@
 
 `kernels.py` launches them (grid, workspace, precision); this file holds the
 programs themselves, their autotune configurations beside them, as in the
-Triton tutorials.
+Triton tutorials. kernels.py takes it from `clipscale.triton_modes.programs`,
+decorated for each call's mode (compiled, or Triton's interpreter).
 
 Reference math (logits x_ij = s * <I_i, T_j>, i < m rows, j < n columns,
 entries with mask_diagonal and row_offset + i == col_offset + j are -inf):
@@ -42,10 +43,13 @@ on the FMA units) or "tf32"; bf16/fp16 inputs always accumulate in float32.
 from __future__ import annotations
 
 import os
+from types import MappingProxyType
 
 import torch
 import triton
 import triton.language as tl
+
+from clipscale.triton_modes import interpreting
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): natural-log scores to base 2
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): base-2 LSEs back to natural log
@@ -53,7 +57,9 @@ NEG_INF = tl.constexpr(float("-inf"))
 # The column fast path's smallest column sum (2^-50): above it every term that matters is normal.
 MIN_FAST_COLUMN_SUM = tl.constexpr(2.0**-50)
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# The mode @triton.jit decorates these programs in, read as it reads it: kernels.py asks
+# `clipscale.triton_modes` for this module as decorated for each call's mode.
+INTERPRET = interpreting()
 
 # Triton's interpreter mis-multiplies bf16 dots (it sees the raw bits): there the
 # tiles are widened to float32 first, which is the same math (bf16 x bf16 products
@@ -165,11 +171,11 @@ def _valid(rows, cols, m, n, row_off, col_off, MASK_DIAG: tl.constexpr):
     return ok
 
 
-_HEURISTICS = {
+_HEURISTICS = MappingProxyType({
     "EVEN_D": lambda a: a["d"] % a["BK"] == 0,
     "EVEN_M": lambda a: a["m"] % a["BM"] == 0,
     "EVEN_N": lambda a: a["n"] % a["BN"] == 0,
-}
+})
 
 
 # ----------------------------------------------------------------------------
