@@ -127,11 +127,12 @@ def parallelize(module: nn.Module, world: World, *, parallel: str = "ddp", preci
 
 def shard(module: nn.Module, world: World, precision: str, reduce: str, offload: bool) -> Parallel:
     mesh = init_device_mesh(world.device.type, (world.world_size,))
-    compute = AUTOCAST_DTYPES[precision]
-    # bf16 parameters in compute, fp32 gradient reduction; fp16 keeps fp32 parameters (the GradScaler's unscale needs them)
-    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute is torch.bfloat16 \
-        else MixedPrecisionPolicy()
-    options = dict(mesh=mesh, mp_policy=policy, offload_policy=CPUOffloadPolicy(pin_memory=world.device.type == "cuda") if offload else OffloadPolicy())
+    # bf16: bf16 parameters in compute, fp32 gradient reduction; fp32: nothing cast (fp16: refused by the config)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if AUTOCAST_DTYPES[precision] is torch.bfloat16 else MixedPrecisionPolicy()
+    # pinned host memory for the copies to the GPU (pinning needs CUDA: the CPU tests run the unpinned path)
+    host = CPUOffloadPolicy(pin_memory=world.device.type == "cuda")
+    options = dict(mesh=mesh, mp_policy=policy, offload_policy=host if offload else OffloadPolicy())
     scalars = [getattr(module, name) for name in SCALARS if isinstance(getattr(module, name, None), nn.Parameter)]
     for scalar in scalars:  # replicated: fully_shard neither shards nor moves them
         scalar.data = scalar.data.to(world.device)
