@@ -146,9 +146,10 @@ def shard(module: nn.Module, world: World, precision: str, reduce: str, offload:
 
 
 def reshard(model: nn.Module) -> None:
-    """After forwards without a backward (the FLOP count, evaluation): FSDP keeps the root's
-    parameters gathered after a forward, for the backward, so until then the module's
-    parameters are whole copies, not the sharded ones the optimizer and checkpoints use."""
+    """After forwards without a backward (the FLOP count at start; evaluation, once it runs under
+    FSDP): FSDP keeps the root's parameters gathered after a forward, for the backward, so until
+    then the module's parameters are whole copies, not the sharded ones the optimizer and the
+    checkpoints use."""
     if isinstance(model, FSDPModule):
         model.reshard()
 

@@ -253,7 +253,6 @@ class Run:
 
     def evaluate(self, step_number: int) -> dict:
         results = self.evaluator(self.model)
-        reshard(self.model)
         self.enter_train_mode()  # evaluation leaves the whole model in train mode
         if results:
             self.logger.log(step_number, results)
