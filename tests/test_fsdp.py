@@ -158,6 +158,31 @@ def test_fsdp_composes_as_ddp_does():
     check(run_in_gloo_world(ddp_against_fsdp, 2, args=(cases,), timeout=300))
 
 
+def count_reduce_scatters(rank: int, world: int) -> dict:
+    """Reduce-scatters in one step of 3 chunks a rank, for each train.fsdp_reduce (FSDP2 issues
+    them through torch.distributed.reduce_scatter_single, counted here)."""
+    counts = {}
+    for reduce in ("chunk", "step"):
+        placed = parallelize(tiny_clip(), World(rank, world), parallel="fsdp", reduce=reduce)
+        optimizer = build_optimizer(placed.module, OptimConfig(lr=1e-3))
+        step = TrainStep(placed.model, build_loss("local"), optimizer, chunk_size=2, sync=placed.sync)
+        calls, reduce_scatter = [], dist.reduce_scatter_single
+        dist.reduce_scatter_single = lambda *args, **kwargs: calls.append(1) or reduce_scatter(*args, **kwargs)
+        try:
+            step(*make_batch(6, seed=rank))
+        finally:
+            dist.reduce_scatter_single = reduce_scatter
+        counts[reduce] = len(calls)
+    return counts
+
+
+@pytest.mark.slow
+def test_gradients_are_reduce_scattered_after_every_chunk_or_once_a_step():
+    groups = 2 + 2 + 1  # the blocks of both towers and the root
+    for counts in run_in_gloo_world(count_reduce_scatters, 2, timeout=120):
+        assert counts == {"chunk": 3 * groups, "step": groups}
+
+
 def test_every_tower_of_open_clip_has_its_blocks_found():
     model = tiny_clip()
     found = dict(tower_blocks(model))
