@@ -443,7 +443,7 @@ def check_sections(cfg: Config) -> None:
     if cfg.train.keep_every is not None and (cfg.train.keep_every <= 0 or cfg.train.keep_every % cfg.train.checkpoint_every):
         raise ConfigError(f"train.keep_every: must be a positive multiple of train.checkpoint_every "
                           f"({cfg.train.checkpoint_every}) or null, got {cfg.train.keep_every}")
-    check_parallel(cfg)
+    check_parallel(cfg.train)
     if cfg.run.overwrite and cfg.run.resume:
         raise ConfigError("run.overwrite=true starts the run afresh: set run.resume=false with it")
     if cfg.optim.lr <= 0:
@@ -456,8 +456,7 @@ def check_sections(cfg: Config) -> None:
         raise ConfigError(f"data.decode_workers: must be positive, got {cfg.data.decode_workers}")
 
 
-def check_parallel(cfg: Config) -> None:
-    train = cfg.train
+def check_parallel(train: TrainConfig) -> None:
     if train.parallel != "fsdp":
         for key in ("fsdp_reduce", "fsdp_offload"):
             if getattr(train, key) != getattr(TrainConfig, key):
@@ -469,10 +468,6 @@ def check_parallel(cfg: Config) -> None:
     if train.chunk_size == "auto":
         raise ConfigError("train.chunk_size: 'auto' probes the whole model on one device; with train.parallel=fsdp give "
                           "the chunk as a number")
-    if cfg.eval.sets or cfg.eval.val_data or (cfg.eval.zeroshot and cfg.data.kind == "digits"):
-        raise ConfigError("train.parallel=fsdp evaluates with sharded towers, whose ranks must run the same number of "
-                          "batches, which the evaluation's per-rank split does not promise yet: set eval.sets=[], "
-                          "eval.val_data=null and eval.zeroshot=false, and evaluate the run's weights afterwards")
 
 
 def check_world(cfg: Config, world_size: int) -> None:

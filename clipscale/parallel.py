@@ -4,6 +4,7 @@
     parallel.model            what the training step calls
     parallel.sync             when Gradient Cache's backwards reduce their gradients (GradientSync)
     parallel.compiled_units   what `model.compile` compiles: the model, or each block under FSDP
+    with gathered(model): ... forwards without a backward (the FLOP count, evaluation)
 
 ddp:  every rank holds the whole model, its gradients and AdamW's two moments (16 bytes a
       parameter in fp32); DistributedDataParallel all-reduces the gradients once per step.
@@ -145,13 +146,28 @@ def shard(module: nn.Module, world: World, precision: str, reduce: str, offload:
     return Parallel(module, module, FSDPSync(module, reduce, scalars), blocks)
 
 
-def reshard(model: nn.Module) -> None:
-    """After forwards without a backward (the FLOP count at start; evaluation, once it runs under
-    FSDP): FSDP keeps the root's parameters gathered after a forward, for the backward, so until
-    then the module's parameters are whole copies, not the sharded ones the optimizer and the
-    checkpoints use."""
-    if isinstance(model, FSDPModule):
-        model.reshard()
+@contextlib.contextmanager
+def gathered(model: nn.Module):
+    """Forwards without a backward (the FLOP count at start, evaluation) with every parameter
+    gathered first and kept gathered throughout: no collective runs inside a forward, so each
+    process may run its own number of them (an evaluation's per-rank share of a set), at the cost
+    of the whole model's compute-dtype parameters on every GPU meanwhile. Afterwards every module
+    is resharded: FSDP keeps the root gathered after a forward, for a backward, and until then the
+    model's parameters would be whole copies, not the shards the optimizer and checkpoints use."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]  # the root first
+    model.set_reshard_after_forward(False)  # the root's own setting already; the blocks' for now
+    for module in modules:
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in modules:
+            if module is not model:
+                module.set_reshard_after_forward(True, recurse=False)
+            module.reshard()
 
 
 def tower_blocks(module: nn.Module) -> list[tuple[str, nn.ModuleList]]:

@@ -39,7 +39,7 @@ from clipscale.memory import largest_chunk
 from clipscale.metrics import MetricsLogger, RecordWindow
 from clipscale.models import Towers, build_model, write_open_clip_folder
 from clipscale.optim import build_optimizer, learning_rate
-from clipscale.parallel import parallelize, reshard
+from clipscale.parallel import gathered, parallelize
 from clipscale.precision import AUTOCAST_DTYPES
 from clipscale.run_dir import RunPlan, plan_run
 from clipscale.signals import StopRequest
@@ -138,8 +138,8 @@ class Run:
         module = parallel.module
         visual = module.visual
         image_size = visual.image_size[0] if isinstance(visual.image_size, tuple) else visual.image_size
-        flops = train_flops_per_sample(module, image_size, module.context_length, world.device, *trainable_towers(module))
-        reshard(module)
+        with gathered(module):
+            flops = train_flops_per_sample(module, image_size, module.context_length, world.device, *trainable_towers(module))
         loss_fn = loss_fn if loss_fn is not None else build_loss(cfg.loss.name, **cfg.loss.options)
         optimizer = build_optimizer(module, cfg.optim, fused=world.device.type == "cuda" and not train.fsdp_offload)
         chunk = chunk_size(cfg, towers, loss_fn, world, console)
@@ -252,7 +252,8 @@ class Run:
             self.evaluate(step_number)
 
     def evaluate(self, step_number: int) -> dict:
-        results = self.evaluator(self.model)
+        with gathered(self.model):
+            results = self.evaluator(self.model)
         self.enter_train_mode()  # evaluation leaves the whole model in train mode
         if results:
             self.logger.log(step_number, results)

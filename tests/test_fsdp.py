@@ -21,20 +21,22 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from clipscale.compile import compile_towers
 from clipscale.config import ConfigError, ModelConfig, OptimConfig, load_config
 from clipscale.distributed import World
 from clipscale.losses import build_loss
+from clipscale.metrics import read_metrics
 from clipscale.models import build_model
 from clipscale.optim import build_optimizer
-from clipscale.parallel import ParallelError, parallelize, tower_blocks
+from clipscale.parallel import ParallelError, gathered, parallelize, tower_blocks
 from clipscale.gradcache import encode
 from clipscale.step import MAX_LOGIT_SCALE, StepResult, TrainStep
 from tests.gloo_world import run_in_gloo_world
 from tests.test_gradcache import make_batch, tiny_clip
 from tests.test_models import hf_folder, timm_hf_config  # noqa: F401 - hf_folder: a fixture
-from tests.tiny_runs import DIGITS_YAML
+from tests.tiny_runs import DIGITS_YAML, run_train, tiny_run
 
 STEPS, PER_RANK, CHUNK = 3, 6, 4  # chunks of 4 and 2 samples a rank
 LOSS_OPTIONS = {"local": {}, "infcl": {"backend": "reference", "tile_size": 4}, "siglip": {}}
@@ -183,6 +185,51 @@ def test_gradients_are_reduce_scattered_after_every_chunk_or_once_a_step():
         assert counts == {"chunk": 3 * groups, "step": groups}
 
 
+def evaluate_unevenly(rank: int, world: int) -> dict:
+    """Rank r encodes r + 1 batches under `gathered` (as an evaluation's per-rank shares may differ),
+    then trains a step: the features are the unsharded model's, and the parameters sharded again."""
+    reference = tiny_clip().eval()
+    placed = parallelize(tiny_clip(), World(rank, world), parallel="fsdp")
+    placed.module.eval()
+    errors = []
+    with gathered(placed.module), torch.no_grad():
+        for k in range(rank + 1):
+            images, texts = make_batch(4, seed=k)
+            errors.append(float((placed.module.encode_image(images) - reference.encode_image(images)).abs().max()))
+            errors.append(float((placed.module.encode_text(texts) - reference.encode_text(texts)).abs().max()))
+    placed.module.train()
+    sharded_after = all(isinstance(p, DTensor) for n, p in placed.module.named_parameters() if not n.startswith("logit_"))
+    optimizer = build_optimizer(placed.module, OptimConfig(lr=1e-3))
+    TrainStep(placed.model, build_loss("local"), optimizer, chunk_size=2, sync=placed.sync)(*make_batch(4, seed=rank))
+    return {"error": max(errors), "sharded_after": sharded_after}
+
+
+@pytest.mark.slow
+def test_an_evaluation_may_run_a_different_number_of_batches_on_each_rank():
+    """Without `gathered` every forward all-gathers each block, and rank 0, done after one batch,
+    would leave rank 1's second forward waiting for it: the world times out."""
+    for found in run_in_gloo_world(evaluate_unevenly, 2, timeout=60):
+        assert found["error"] < 1e-5 and found["sharded_after"], found
+
+
+@pytest.mark.slow
+def test_train_py_under_fsdp_trains_and_evaluates_as_under_ddp(digits_root, tmp_path):
+    """Two processes, the digits with their zero-shot evaluation during and after training, under DDP
+    and FSDP. The held-out digits are two shards, of 180 and 179 samples, one a rank: in batches of
+    179, rank 0 runs two and rank 1 one."""
+    records = {}
+    for parallel in ("ddp", "fsdp"):
+        overrides = tiny_run(digits_root, tmp_path, f"run.name={parallel}", f"train.parallel={parallel}", "train.steps=4",
+                             "train.chunk_size=16", "eval.every_n_steps=2", "eval.batch_size=179", "data.workers=1")
+        result = run_train(overrides, nproc=2, timeout=180)
+        assert result.returncode == 0, result.stderr[-3000:]
+        records[parallel] = read_metrics(tmp_path / parallel / "metrics.jsonl")
+    losses = {parallel: [m["loss"] for m in found if "loss" in m] for parallel, found in records.items()}
+    accuracies = {parallel: [m["zeroshot_acc1"] for m in found if "zeroshot_acc1" in m] for parallel, found in records.items()}
+    assert len(losses["fsdp"]) == 4 and losses["fsdp"] == pytest.approx(losses["ddp"], rel=1e-5)
+    assert len(accuracies["fsdp"]) == 2 and accuracies["fsdp"] == accuracies["ddp"]
+
+
 def test_every_tower_of_open_clip_has_its_blocks_found():
     model = tiny_clip()
     found = dict(tower_blocks(model))
@@ -206,7 +253,6 @@ def test_a_tower_without_blocks_is_refused_naming_the_key(hf_folder):
 @pytest.mark.parametrize("overrides, key", [
     (["train.parallel=fsdp", "train.precision=fp16"], "train.precision=fp16 with train.parallel=fsdp"),
     (["train.parallel=fsdp", "train.chunk_size=auto"], "train.chunk_size: 'auto'"),
-    (["train.parallel=fsdp"], "train.parallel=fsdp evaluates"),  # digits' zero-shot evaluation is on by default
     (["train.fsdp_offload=true"], "train.fsdp_offload: only with train.parallel=fsdp"),
     (["train.fsdp_reduce=step"], "train.fsdp_reduce: only with train.parallel=fsdp"),
     (["train.parallel=zero3"], "train.parallel"),
@@ -216,6 +262,6 @@ def test_what_fsdp_cannot_do_is_refused_before_any_work(overrides, key):
         load_config(DIGITS_YAML, overrides)
 
 
-def test_fsdp_without_evaluation_is_accepted():
-    cfg = load_config(DIGITS_YAML, ["train.parallel=fsdp", "eval.zeroshot=false", "train.fsdp_offload=true"])
+def test_fsdp_and_its_knobs_are_accepted():
+    cfg = load_config(DIGITS_YAML, ["train.parallel=fsdp", "train.fsdp_offload=true"])
     assert (cfg.train.parallel, cfg.train.fsdp_reduce, cfg.train.fsdp_offload) == ("fsdp", "chunk", True)
