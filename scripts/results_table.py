@@ -45,6 +45,8 @@ def row(result: dict, record: dict, path: Path) -> tuple[tuple, str]:
     batch = int(case["batch"])
     clipscale = case["runner"] == "clipscale"
     decoder = decoder_of(result) if clipscale else "loader (open_clip_train's)"
+    if not clipscale and case.get("compile") == "1":
+        decoder += ", --torchcompile"
     if int(case.get("offload", 0)):
         decoder += ", train.offload"
     if clipscale and compiled(result):
@@ -59,9 +61,16 @@ def row(result: dict, record: dict, path: Path) -> tuple[tuple, str]:
     gpu = f"{result['peak_gpu_allocated_gib']:.1f} GiB" if "peak_gpu_allocated_gib" in result else "–"
     trainer = "open_clip_train" if not clipscale else f"clipscale, loss {case['loss']}" if "loss" in case else "clipscale"
     cells = [trainer, case["model"], f"{gpus} × {short(record['device'])} ({record['workers']})", f"{batch:,}",
-             case.get("chunk", "512" if "console" in result else "–"), decoder, speed, steps, f"{result['peak_host_gib']:.1f} GiB", gpu,
+             chunk_of(case, result, batch // gpus), decoder, speed, steps, f"{result['peak_host_gib']:.1f} GiB", gpu,
              f"[{path.name}]({path})"]
     return (case["model"], batch, gpus, decoder, not clipscale, str(path)), "| " + " | ".join(cells) + " |"
+
+
+def chunk_of(case: dict, result: dict, per_gpu_batch: int) -> str:
+    """The case's train.chunk_size, the shipped config's 512 where the case left it (runs that
+    printed console lines); "–" for a plain step (no chunk, or a chunk of the whole batch)."""
+    chunk = case.get("chunk", "512" if "console" in result else "–")
+    return "–" if chunk.isdigit() and int(chunk) >= per_gpu_batch else chunk
 
 
 def decoder_of(result: dict) -> str:
@@ -86,16 +95,19 @@ def short(device: str) -> str:
 
 
 def ratio(result: dict, record: dict) -> str:
-    """clipscale against open_clip_train's case of the same model and batch in the same command."""
+    """clipscale against open_clip_train's cases of the same model and batch in the same command
+    (plain, and with --torchcompile where the command ran it)."""
     case = result["case"]
     if case["runner"] != "clipscale":
         return ""
+    against = []
     for other in record["cases"]:
         peer = other["case"]
         if (peer["runner"] == "openclip" and (peer["model"], peer["batch"]) == (case["model"], case["batch"])
                 and other.get("samples_per_s") and "superseded" not in other):
-            return f" ({result['samples_per_s'] / other['samples_per_s']:.2f}× open_clip_train, same command)"
-    return ""
+            name = "open_clip_train --torchcompile" if peer.get("compile") == "1" else "open_clip_train"
+            against.append(f"{result['samples_per_s'] / other['samples_per_s']:.2f}× {name}")
+    return f" ({', '.join(against)}, same command)" if against else ""
 
 
 def table(repo: Path = REPO) -> str:
