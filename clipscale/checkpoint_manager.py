@@ -1,17 +1,19 @@
 """The checkpoint manager: one object saves a run, brings it back and marks its end.
 
-A run is made of stateful parts, each with `state_dict()` and `load_state_dict(state)`:
+A run is made of the parts a checkpoint holds:
 
-    shared (rank 0 saves the whole, every rank loads it); their keys are the checkpoint's own
-        Weights      "state_dict", "optimizer" (open_clip's keys), or "sharded": the folder of
-                     their shards (train.parallel=fsdp); every rank saves and loads its part
+    the weights (`Weights`: every rank saves and loads its part)
+        "state_dict", "optimizer" (open_clip's keys): the model and the optimizer, whole; or
+        "sharded": the folder of their shards beside the step file (train.parallel=fsdp)
+    shared, with `state_dict()` and `load_state_dict(state)` (rank 0 saves its copy, every rank
+    loads it); their keys are the checkpoint's own
         TrainStep    "step", "scaler" (open_clip's key), "nonfinite_steps"
     per rank (every rank's is saved, each rank loads its own), under the name given:
         "data"     StreamState     the batch source's cursors and data-error counts
         "rng"      RandomState     the global random generators (dropout, patch dropout): the manager's own
         "metrics"  RecordWindow    the data-error counts at the previous metrics record
 
-A checkpoint is their union plus `name`, `epoch` and `config`: open_clip's layout, so
+A checkpoint is their union plus `name`, `epoch` and `config`: open_clip's layout, so (whole)
 `open_clip.load_checkpoint` and `open_clip.create_model(name, pretrained=path)` read it. The
 files themselves (atomic writes, `latest`, pruning, the newest that loads) are checkpoint.py's.
 The model and optimizer states go through torch.distributed.checkpoint's state dicts (`Weights`),
