@@ -16,7 +16,8 @@ auto or none; default the config's), steps, offload (0/1), loss (clipscale, defa
 decoder and device_decoder (clipscale; default the config's: auto), compile (clipscale: 0/1,
 default the config's: auto; openclip: 1 adds --torchcompile), cache (clipscale: a
 model.compile_cache folder, so a second case reuses what the first compiled), resampled
-(clipscale: 1 draws shards with replacement, so a batch may be larger than the shards), nproc (torchrun
+(clipscale: 1 draws shards with replacement, so a batch may be larger than the shards), parallel
+(clipscale: ddp or fsdp), fsdp_offload and grad_checkpointing (clipscale: 0/1), nproc (torchrun
 processes, default 1), pythonpath (prepended for this case only: open_clip_train needs
 webdataset 0.2.x). Cases past --budget seconds are recorded as not run.
 """
@@ -84,7 +85,8 @@ def clipscale_command(case: dict, shards: str, workers: int, out_dir: Path) -> l
     if int(case.get("nproc", 1)) > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(case["nproc"])]
     optional = {"chunk": "train.chunk_size", "decoder": "data.decoder", "device_decoder": "data.device_decoder",
-                "compile": "model.compile", "cache": "model.compile_cache", "resampled": "data.resampled"}
+                "compile": "model.compile", "cache": "model.compile_cache", "resampled": "data.resampled",
+                "parallel": "train.parallel", "fsdp_offload": "train.fsdp_offload", "grad_checkpointing": "model.grad_checkpointing"}
     chosen = [f"{key}={ {'none': 'null', '0': 'false', '1': 'true'}.get(case[name], case[name]) }"
               for name, key in optional.items() if name in case]
     return [*launcher, str(REPO / "train.py"), "--config", str(REPO / "configs" / "vit_b16_infcl.yaml"),
