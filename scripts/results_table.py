@@ -60,6 +60,8 @@ def row(result: dict, record: dict, path: Path) -> tuple[tuple, str]:
         speed += f" (stopped after step {result['steps_done']}, exit {result['exit_code']})"
     gpu = f"{result['peak_gpu_allocated_gib']:.1f} GiB" if "peak_gpu_allocated_gib" in result else "–"
     trainer = "open_clip_train" if not clipscale else f"clipscale, loss {case['loss']}" if "loss" in case else "clipscale"
+    if case.get("parallel") == "fsdp":
+        trainer += ", FSDP" + (" with offload" if case.get("fsdp_offload") == "1" else "")
     cells = [trainer, case["model"], f"{gpus} × {short(record['device'])} ({record['workers']})", f"{batch:,}",
              chunk_of(case, result, batch // gpus), decoder, speed, steps, f"{result['peak_host_gib']:.1f} GiB", gpu,
              f"[{path.name}]({path})"]
@@ -80,8 +82,9 @@ def decoder_of(result: dict) -> str:
     if "console" not in result:  # recorded before data.decoder had "auto": its default was the loader
         return "loader"
     said = " ".join(result.get("console", []))
-    return "auto: " + ("GPU, nvImageCodec engines" if "(nvimgcodec)" in said else "GPU, nvJPEG" if "(nvjpeg)" in said
-                       else "loader")
+    if "(nvimgcodec)" in said or "(nvjpeg)" in said:
+        return "auto: " + ("GPU, nvImageCodec engines" if "(nvimgcodec)" in said else "GPU, nvJPEG")
+    return "auto: loader" if "decoded by the loader" in said else "auto (the run's console did not say which)"
 
 
 def compiled(result: dict) -> bool:
