@@ -185,6 +185,19 @@ MUTATIONS = [
              "clipscale/data/crop_resize.py", "from clipscale.triton_modes import interpreting, programs",
              "from clipscale.triton_modes import interpreting, programs\nfrom clipscale.losses.infcl.kernels import _split  # noqa: F401",
              ("tests/test_module_boundaries.py::test_no_module_imports_a_private_name_of_another",)),
+    Mutation("fsdp_scalars_not_averaged", "FSDP: the replicated logit scale's gradient is not averaged over ranks",
+             "clipscale/parallel.py", "                dist.all_reduce(scalar.grad)\n                scalar.grad /= dist.get_world_size()",
+             "                pass",
+             ("tests/test_fsdp.py::test_fsdp_trains_the_weights_of_ddp",)),
+    Mutation("fsdp_step_reduce_never_syncs", "FSDP with fsdp_reduce=step: the last chunk does not reduce-scatter either",
+             "clipscale/parallel.py", "        finally:\n            self.module.set_requires_gradient_sync(True)",
+             "        finally:\n            pass",
+             ("tests/test_fsdp.py::test_fsdp_trains_the_weights_of_ddp",
+              "tests/test_fsdp.py::test_gradients_are_reduce_scattered_after_every_chunk_or_once_a_step")),
+    Mutation("fsdp_evaluation_not_gathered", "FSDP: evaluation runs without gathering every block first (ranks' batch counts differ)",
+             "clipscale/parallel.py", "    if not isinstance(model, FSDPModule):\n        yield\n        return\n    modules",
+             "    if True:\n        yield\n        return\n    modules",
+             ("tests/test_fsdp.py::test_an_evaluation_may_run_a_different_number_of_batches_on_each_rank",)),
 ]
 
 
