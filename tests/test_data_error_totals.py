@@ -1,6 +1,8 @@
 """`skipped_samples_total` and `shard_errors_total` count the whole run: on two processes reading
 broken shards, metrics.jsonl's totals are the sums over ranks of the per-rank counts that the
-checkpoint keeps (and the ranks' counts differ, so rank 0's own would not do)."""
+checkpoint keeps (every rank's count above zero, so rank 0's own would fall short of the sum).
+How far each rank has read when the last checkpoint is written depends on its loader's timing, so
+the per-rank counts may or may not differ between runs; the sums must hold either way."""
 
 from __future__ import annotations
 
@@ -39,6 +41,6 @@ def test_two_processes_log_the_sum_over_ranks_of_skipped_samples_and_shard_error
     assert len(ranks) == 2
     for key in ("skipped_samples", "shard_errors"):
         per_rank = [rank[key] for rank in ranks]
-        assert all(per_rank) and per_rank[0] != per_rank[1], (key, per_rank)  # both ranks hit damage, unequally
+        assert all(per_rank), (key, per_rank)  # both ranks hit damage
         assert records[-1][f"{key}_total"] == sum(per_rank), (key, per_rank)
         assert sum(r[key] for r in records) == sum(per_rank)
