@@ -103,3 +103,18 @@ def test_a_killed_sharded_save_leaves_a_temporary_folder_that_the_next_start_rem
     (partial / "__0_0.distcp").parent.mkdir(parents=True)
     (partial / "__0_0.distcp").write_bytes(b"part")
     assert remove_partial_saves(tmp_path) == [partial] and not partial.exists()
+
+
+@pytest.mark.slow
+def test_a_step_whose_shards_do_not_load_stops_with_one_line_naming_them(runs):
+    """A shard file damaged after its save (not missing: that falls back, above) stops the resume
+    with one error line naming the folder and the way on, not a traceback."""
+    shutil.copytree(runs / "fsdp", runs / "damaged")
+    shard = runs / "damaged" / "checkpoints" / "step_00000006.dcp" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    shards = str(runs / "shards" / "part-{0000..0000}.tar")
+    as_stopped = dict(signal_calls=[4], signal_rank=1, signal_marker=runs / "fsdp.signalled")  # the fixture's run, whose signal is spent
+    resumed = launch([*_overrides(shards, runs, "damaged", "fsdp", **as_stopped), f"train.steps={STEPS + 2}", "run.extend_steps=true"])
+    last = resumed.stderr.strip().splitlines()[-1]
+    assert resumed.returncode != 0 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
+    assert last.startswith("error:") and "step_00000006.dcp do not load" in last and "step_00000006.pt aside" in last, last
