@@ -230,7 +230,7 @@ def require_shards(path: Path, checkpoint: dict) -> None:
         raise CheckpointError(f"its shards {Path(path).parent / checkpoint['sharded']} are missing")
 
 
-def _one_line(err: BaseException) -> str:
+def error_in_one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: " + " ".join(str(err).split())[:300]
 
 
@@ -246,7 +246,7 @@ def load_latest(checkpoint_dir: Path, report: Callable[[str], None] = print) -> 
             checkpoint = load_checkpoint(path)
             require_shards(path, checkpoint)
         except Exception as err:  # a damaged file raises anything from EOFError to a zip or unpickling error
-            report(f"warning: checkpoint {path} does not load ({_one_line(err)}); trying the one before it")
+            report(f"warning: checkpoint {path} does not load ({error_in_one_line(err)}); trying the one before it")
             failed.append((path, err))
             continue
         if failed:
@@ -255,7 +255,7 @@ def load_latest(checkpoint_dir: Path, report: Callable[[str], None] = print) -> 
     if failed:
         newest, err = failed[0]
         raise CheckpointError(
-            f"none of the {len(failed)} checkpoints in {checkpoint_dir} loads (the newest, {newest.name}: {_one_line(err)}); "
+            f"none of the {len(failed)} checkpoints in {checkpoint_dir} loads (the newest, {newest.name}: {error_in_one_line(err)}); "
             "start afresh with run.resume=false run.overwrite=true (the run is moved aside) or choose a new run.name"
         )
     return None

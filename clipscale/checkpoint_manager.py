@@ -48,8 +48,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from clipscale.checkpoint import (CHECKPOINTS, CheckpointError, load_latest, replace_folder, save_atomic, save_checkpoint, sharded_folder,
-                                  step_file, temporary_name, write_text_atomic)
+from clipscale.checkpoint import (CHECKPOINTS, CheckpointError, error_in_one_line, load_latest, replace_folder, save_atomic,
+                                  save_checkpoint, sharded_folder, step_file, temporary_name, write_text_atomic)
 from clipscale.errors import storage_errors
 from clipscale.config import Config
 from clipscale.console import Console
@@ -118,8 +118,7 @@ class Weights:
             # the model is built (load_latest judges step files before that); the line names the way on.
             named_by = folder / step_file(checkpoint["step"])
             rank, (cause, _) = next(iter(err.failures.items()))  # str(err) is every rank's traceback
-            said = " ".join(f"{type(cause).__name__}: {cause}".split())[:200]
-            raise CheckpointError(f"the shards in {shards} do not load (rank {rank}: {said}); "
+            raise CheckpointError(f"the shards in {shards} do not load (rank {rank}: {error_in_one_line(cause)}); "
                                   f"move {named_by} aside to resume from the checkpoint before it") from None
         set_model_state_dict(self.module, state["model"])
         set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])

@@ -17,9 +17,9 @@ center = scale * (j + 0.5), taps i in [trunc(center - support + 0.5), trunc(cent
 sum 1. The filters: bilinear 1 - |x| on |x| < 1; bicubic Keys' cubic with a = -0.5 on |x| < 2
 (PIL's, which torchvision matches when antialias is on). Wy likewise over the rows.
 
-Tiling (the programs are in `crop_resize_programs.py`): `rows_kernel` applies Wx (the horizontal pass) to every row of the crop and writes
-float32 rows [n, c, crop row, out_w]; `columns_kernel` applies Wy to those, rounds and writes
-uint8 [n, c, out_h, out_w]. Each program owns a [BLOCK_R, BLOCK_X] tile of one image's channel
+Tiling (the programs are in `crop_resize_programs.py`): `rows_kernel` applies Wx (the horizontal
+pass) to every row of the crop and writes float32 rows [n, c, crop row, out_w]; `columns_kernel`
+applies Wy to those, rounds and writes uint8 [n, c, out_h, out_w]. Each program owns a [BLOCK_R, BLOCK_X] tile of one image's channel
 and loops over the taps: at most 2 * support + 1 of them, a handful for the crops a random
 resized crop draws. The images of a chunk differ in size, so they are passed as one flat
 uint8 buffer with a per-image table (offset, height, width, crop box); the taps as a start
