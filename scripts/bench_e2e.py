@@ -18,7 +18,8 @@ default the config's: auto; openclip: 1 adds --torchcompile), cache (clipscale: 
 model.compile_cache folder, so a second case reuses what the first compiled), resampled
 (clipscale: 1 draws shards with replacement, so a batch may be larger than the shards), parallel
 (clipscale: ddp or fsdp), fsdp_offload and grad_checkpointing (clipscale: 0/1), nproc (torchrun
-processes, default 1), pythonpath (prepended for this case only: open_clip_train needs
+processes, default 1; openclip too), accum (openclip: --accum-freq; batch stays the global batch),
+local_loss (openclip: 1 adds --local-loss --gather-with-grad), pythonpath (prepended for this case only: open_clip_train needs
 webdataset 0.2.x). Cases past --budget seconds are recorded as not run.
 """
 
@@ -81,15 +82,12 @@ class Sampler(threading.Thread):
 
 
 def clipscale_command(case: dict, shards: str, workers: int, out_dir: Path) -> list[str]:
-    launcher = [sys.executable]
-    if int(case.get("nproc", 1)) > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(case["nproc"])]
     optional = {"chunk": "train.chunk_size", "decoder": "data.decoder", "device_decoder": "data.device_decoder",
                 "compile": "model.compile", "cache": "model.compile_cache", "resampled": "data.resampled",
                 "parallel": "train.parallel", "fsdp_offload": "train.fsdp_offload", "grad_checkpointing": "model.grad_checkpointing"}
     chosen = [f"{key}={ {'none': 'null', '0': 'false', '1': 'true'}.get(case[name], case[name]) }"
               for name, key in optional.items() if name in case]
-    return [*launcher, str(REPO / "train.py"), "--config", str(REPO / "configs" / "vit_b16_infcl.yaml"),
+    return [*launcher(case), str(REPO / "train.py"), "--config", str(REPO / "configs" / "vit_b16_infcl.yaml"),
             f"model.name={case['model']}", "data.kind=webdataset", f"data.train_shards={shards}", f"data.workers={workers}",
             f"train.batch_size={case['batch']}", *chosen,
             f"train.steps={case['steps']}", f"train.offload={'true' if int(case.get('offload', 0)) else 'false'}",
@@ -97,13 +95,24 @@ def clipscale_command(case: dict, shards: str, workers: int, out_dir: Path) -> l
             "optim.warmup_steps=1", "eval.zeroshot=false", "run.name=bench", f"run.output_dir={out_dir}"]
 
 
+def launcher(case: dict) -> list[str]:
+    """python, or torchrun with case nproc processes (both take `-m module`)."""
+    nproc = int(case.get("nproc", 1))
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 \
+        else [sys.executable]
+
+
 def openclip_command(case: dict, shards: str, workers: int, out_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "open_clip_train.main", "--train-data", shards, "--dataset-type", "webdataset",
-            "--train-num-samples", str(int(case["batch"]) * int(case["steps"])), "--batch-size", str(case["batch"]),
+    """open_clip_train's --batch-size is per GPU and per accumulation step: the global batch over both."""
+    accum, nproc = int(case.get("accum", 1)), int(case.get("nproc", 1))
+    return [*launcher(case), "-m", "open_clip_train.main", "--train-data", shards, "--dataset-type", "webdataset",
+            "--train-num-samples", str(int(case["batch"]) * int(case["steps"])),
+            "--batch-size", str(int(case["batch"]) // (nproc * accum)), "--accum-freq", str(accum),
             "--epochs", "1", "--model", case["model"], "--precision", "amp_bf16", "--workers", str(workers),
             "--warmup", "1", "--lr", "1e-3", "--wd", "0.2", "--log-every-n-steps", "1", "--save-frequency", "0",
             "--logs", str(out_dir), "--name", "bench", "--report-to", "", "--seed", "0",
-            *(["--torchcompile"] if int(case.get("compile", 0)) else [])]
+            *(["--torchcompile"] if int(case.get("compile", 0)) else []),
+            *(["--local-loss", "--gather-with-grad"] if int(case.get("local_loss", 0)) else [])]
 
 
 OPENCLIP_STEP = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/.*?Batch \(t\): [\d.]+, ([\d.]+)/s")

@@ -7,7 +7,9 @@ For each global batch b (d = 512, bf16), every rank times forward+backward of
   local:  the same tile work with no communication: this rank's b/n images against
           all b texts, in a group of this rank alone (the texts are gathered first,
           outside the timing),
-and, for reference, open_clip's local loss (`local`) and `vanilla` where they fit.
+and, for reference, open_clip's local loss (`local`, gathered features with their gradients),
+DisCo (`disco`) and `vanilla` where they fit. Every case records its loss: on the same features
+all of them compute the same global loss.
 The ring hides its communication when ring / local is close to 1. JSON: per-rank
 median ms and peak extra memory, device, versions, command.
 """
@@ -28,8 +30,8 @@ from clipscale.losses.infcl import infcl_loss
 from clipscale.provenance import provenance
 
 
-def timed(fn, repeats: int, device) -> tuple[float, float]:
-    """(median ms, peak GiB above what was allocated before) of fn() incl. backward."""
+def timed(fn, repeats: int, device) -> tuple[float, float, float]:
+    """(median ms, peak GiB above what was allocated before, the loss) of fn() incl. backward."""
     for _ in range(2):
         fn()
     dist.barrier()
@@ -41,7 +43,7 @@ def timed(fn, repeats: int, device) -> tuple[float, float]:
         for _ in range(repeats):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            loss = fn()
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
@@ -51,10 +53,10 @@ def timed(fn, repeats: int, device) -> tuple[float, float]:
 
         for _ in range(repeats):
             t = time.perf_counter()
-            fn()
+            loss = fn()
             times.append(1000 * (time.perf_counter() - t))
         peak = float("nan")
-    return statistics.median(times), peak
+    return statistics.median(times), peak, float(loss)
 
 
 def main() -> None:
@@ -62,7 +64,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[65536, 131072, 262144])
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--peers", nargs="*", default=["local", "vanilla"], help="other losses to time where they fit")
+    parser.add_argument("--peers", nargs="*", default=["local", "disco", "vanilla"], help="other losses to time where they fit")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -86,21 +88,25 @@ def main() -> None:
         dist.all_gather(gathered, text.detach())
         all_text = torch.cat(gathered).requires_grad_()
 
+        def backward(loss):
+            loss.backward()
+            return loss.detach()
+
         def ring():
-            infcl_loss(image, text, scale).backward()
+            return backward(infcl_loss(image, text, scale))
 
         def local():
-            infcl_loss(image, all_text, scale, group=alone).backward()
+            return backward(infcl_loss(image, all_text, scale, group=alone))
 
         row = {"global_batch": b, "per_rank": per_rank}
         cases = {"ring": ring, "local_compute": local}
         for name in args.peers:
             loss_fn = build_loss(name)
-            cases[name] = lambda loss_fn=loss_fn: loss_fn(image, text, scale).backward()
+            cases[name] = lambda loss_fn=loss_fn: backward(loss_fn(image, text, scale))
         for name, fn in cases.items():
             try:
-                ms, gib = timed(fn, args.repeats, device)
-                row[name] = {"ms": ms, "extra_gib": gib}
+                ms, gib, loss = timed(fn, args.repeats, device)
+                row[name] = {"ms": ms, "extra_gib": gib, "loss": loss}
             except torch.OutOfMemoryError:
                 row[name] = "oom"
                 torch.cuda.empty_cache()
