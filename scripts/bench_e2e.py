@@ -26,9 +26,11 @@ webdataset 0.2.x). Cases past --budget seconds are recorded as not run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -43,20 +45,40 @@ REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
 
 
-def tree_pss_bytes(root: int) -> int:
-    """Proportional set size of a process and all its descendants (shared pages split fairly)."""
-    total, stack = 0, [root]
+def process_tree(root: int) -> list[int]:
+    """A process and all its descendants, through /proc's children lists (torchrun starts its
+    workers in sessions of their own, so a process group would not hold them)."""
+    found, stack = [], [root]
     while stack:
         pid = stack.pop()
+        found.append(pid)
         try:
-            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1]) * 1024
             for task in Path(f"/proc/{pid}/task").iterdir():
                 stack += [int(c) for c in (task / "children").read_text().split()]
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
+    return found
+
+
+def tree_pss_bytes(root: int) -> int:
+    """Proportional set size of a process and all its descendants (shared pages split fairly)."""
+    total = 0
+    for pid in process_tree(root):
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
     return total
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL a process and every process below it: killing torchrun alone leaves its workers
+    running with the output pipe open, and reading the log would then wait forever."""
+    for pid in process_tree(root):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def gpu_used_bytes() -> int | None:
@@ -143,7 +165,7 @@ def run_case(case: dict, args, timeout: float) -> dict:
     try:
         log, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        process.kill()
+        kill_tree(process.pid)
         log, _ = process.communicate()
         log += f"\n[bench_e2e: killed after {timeout:.0f} s]"
     sampler.done.set()
