@@ -51,10 +51,9 @@ from typing import Callable, Optional, Sequence
 import torch
 import webdataset as wds
 
-from clipscale.data.device_decode import decodes_at_reduced_scale, is_whole_jpeg
-from clipscale.data.members import DATA_ERRORS, decode_text, first_member, open_image
+from clipscale.data.encoded import EncodedImages, decodes_at_reduced_scale, is_whole_jpeg
 from clipscale.data.epoch import EpochPlan, ShuffledEpoch
-from clipscale.data.offload import EncodedImages
+from clipscale.data.members import DATA_ERRORS, decode_text, first_member, open_image
 from clipscale.data.sources import IMAGE_KEYS, TEXT_KEYS, ShardSource
 from clipscale.data.transforms import SplitTransform
 
@@ -65,6 +64,7 @@ class StreamState:
 
     cursors: dict = field(default_factory=dict)
     pieces: int = 0  # pieces consumed by the trainer; decides the worker rotation on resume
+    batches: int = 0  # batches the trainer used: the run's steps on this rank, so its stream gathers no more
     skipped_samples: int = 0  # undecodable samples in those pieces' stretch of the stream
     shard_errors: int = 0  # shards that could not be read to their end
 
