@@ -1,31 +1,13 @@
-"""Gradient Cache: a contrastive step whose encoder memory depends on the chunk, not the batch.
+"""Gradient Cache (Gao et al. 2021): a contrastive step whose encoder memory depends on the chunk, not the batch.
 
-Gao et al. 2021. The loss couples every pair of samples, but each encoder treats every
-sample on its own. So one step is:
-
-  1. encode the batch chunk by chunk without a graph, remembering the RNG state before
-     each chunk (dropout, drop-path, patch dropout);
-  2. compute the loss on the detached features and backpropagate it to the features
-     (and to the logit scale) only;
-  3. re-encode each chunk with a graph under the remembered RNG state, so every random
-     mask is drawn again exactly, and backpropagate the cached feature gradient
-     through it: dL/dtheta = sum over chunks of (dL/dfeatures_chunk) . dfeatures_chunk/dtheta.
-
-The parameter gradients are those of one forward/backward over the whole batch; the
-price is one extra encoder forward. Pass 1 keeps the graph of its last chunk and
-backpropagates it as soon as the loss has its gradient, so pass 2 re-encodes all chunks
-but that one (`reuse_last_chunk`). A batch of a single chunk takes the plain step.
+`GradCache` encodes the batch chunk by chunk without a graph, takes the loss's gradient at the
+features, and re-encodes each chunk under its saved RNG state to backpropagate it: the parameter
+gradients of one forward and backward over the whole batch (docs/architecture.md, steps 4 to 6).
+Its inputs are tensors or chunk sources (`clipscale.data.chunks.ChunkSource`); its model says
+when the backwards reduce their gradients (`clipscale.parallel.ParallelModel`).
 
     step = GradCache(model, loss_fn, chunk_size=512, autocast=torch.bfloat16)
     loss = step(images, texts)   # gradients accumulated into model parameters
-
-Inputs are tensors (sliced; on another device, moved a chunk at a time) or chunk sources
-(`clipscale.data.chunks.ChunkSource`), which Gradient Cache asks for each pass's chunks, naming
-in pass 1 those pass 2 will ask for again. Under DDP the passes with a graph go through DDP's
-wrapper, every backward but the step's last in `no_sync()`; the logit scale's gradient enters
-the graph only in that last chunk, so DDP averages it with the rest (the loss contract makes that
-average the global gradient). Under FSDP (`clipscale.parallel`) the model's `sync` says whether
-the earlier chunks reduce their gradients too, and averages the replicated scalars at the end.
 """
 
 from __future__ import annotations

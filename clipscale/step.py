@@ -1,12 +1,9 @@
-"""One training step, the object that `train.py` and every benchmark run.
+"""One training step, the object that `train.py` and every benchmark run: Gradient Cache's passes,
+then the update as open_clip_train makes it (docs/architecture.md, step 7), and its own state
+for the checkpoint (the GradScaler, the non-finite count).
 
     step = TrainStep(model, loss_fn, optimizer, chunk_size=512, precision="bf16", grad_clip=1.0)
-    result = step(images, texts, lr)
-
-forward and backward (Gradient Cache over chunks, or one plain pass when the batch is one
-chunk), then as open_clip_train does: unscale (fp16), clip the global gradient norm, skip
-the update if the loss or the gradient is not finite, AdamW, clamp the logit scale at 100.
-Images and texts are device tensors or host columns (`clipscale.data.batches`).
+    result = step(images, texts, lr)   # device tensors or chunk sources (clipscale.data.chunks)
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""The training loop. Read top to bottom, it is the algorithm:
-
-    decide what the run does with runs/<name> (run_dir.py): new, resume, or stop on another
-        configuration; when it resumes, the newest checkpoint that loads   (checkpoint_manager.py)
-    assemble the run: world, data, towers, loss, optimizer, the training step; restore its
-        parts from the checkpoint (or seed them); the streamed batches; only then, with
-        everything that can fail before training checked, claim runs/<name>
-    for each step: the next batch (its pieces still arriving) -> lr schedule
-                   -> the training step (forward, loss, backward, clip, optimizer)
-                   -> metrics record -> evaluation -> checkpoint (or stop on a signal)
-    final evaluation, then the weights and the end marker
-
-The loop does not know how the loss is computed (`build_loss`), how the batch is split
-into encoder chunks (`TrainStep`, Gradient Cache), nor how the batch reaches the device
-(`TrainingBatches`: the loader, the decoders, the host batch).
+"""The training loop: `train` decides what the run does with runs/<name> (run_dir.py), `Run.assemble`
+builds its parts once, and `Run.fit`, read top to bottom, is the loop: the next batch, the step,
+then metrics, evaluation and the checkpoint. The loop does not know how the loss is computed
+(`build_loss`), how a batch is chunked (`TrainStep`), nor how it reaches the device (`TrainingBatches`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Host memory of the training data path grows with the batch as two batches of uint8, no more.
 
-The trainer's own data path (`TrainingBatches`: loader workers decoding pieces,
-`BatchStream` gathering them one batch ahead) runs in a child process at two batch sizes,
-measured from outside as scripts/bench_e2e.py measures it on the GPU (PSS, loader workers
-included). Per added sample:
+The trainer's own data path (`TrainingBatches`: loader workers decoding pieces, gathered one
+batch ahead) runs in a child process at two batch sizes, measured from outside as
+scripts/bench_e2e.py measures it on the GPU (PSS, loader workers included). Per added sample:
 
   * the trainer process, which holds this batch and the next, grows by at most 2.5 times one
     sample's uint8 pixels (two batches, their tokens, slack);
@@ -11,9 +10,6 @@ included). Per added sample:
     pixels (their allocator's high-water mark drifts by tens of MB from run to run, whatever
     the batch: measured together with the trainer it once made the tree look like 2.67x);
   * no moment of the run holds half a batch more than the steady state (a transient copy).
-
-The data path this replaced (each worker assembling whole float32 batches, two in flight
-per worker) grew by about 20 times.
 """
 
 from __future__ import annotations
