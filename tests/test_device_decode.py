@@ -170,6 +170,22 @@ def test_what_pass_one_keeps_stays_within_the_budget(jpeg_shards):
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+def test_a_batch_released_before_its_step_frees_what_was_decoded_ahead(jpeg_shards):
+    """The step's budget holds no bytes of a batch that no step will use (a run that stopped)."""
+    piece = next(iter(_stream(jpeg_shards, decode=False, piece_size=12)))
+    budget, decoder, arrivals = KeepBudget(2 * 4 * 3 * 32 * 32), DeviceDecoder(SPLIT, torch.device("cpu"), chunk_size=4), Arrivals()
+    images = decoder.column(12, arrivals, SPLIT.to_float, budget)
+    images.put(slice(0, 12), piece)
+    arrivals.add(12)
+    deadline = time.monotonic() + 30
+    while len(images.ahead) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(images.ahead) == [(0, 4), (4, 8)] and budget.used == budget.limit  # the third waits for room
+    images.release()
+    decoder.close()
+    assert budget.used == 0 and not images.ahead
+
+
 def _train(digits_root, tmp_path, jpeg_shards, name, *extra, monkeypatch=None, record=None):
     import clipscale.trainer as trainer
 

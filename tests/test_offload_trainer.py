@@ -101,6 +101,44 @@ def test_a_streamed_batch_is_todays_whole_batch_bit_for_bit(digits_root, workers
         assert tuple(state.cursors[cursor[0]]) == tuple(cursor[1:])
 
 
+class _CountedPieces:
+    """Numbered pieces of 2 token rows, counting how many the stream took."""
+
+    def __init__(self):
+        self.taken = 0
+
+    def __iter__(self):
+        while True:
+            self.taken += 1
+            yield {"images": torch.zeros(2, 3, 4, 4, dtype=torch.uint8), "texts": torch.full((2, 1), self.taken),
+                   "cursor": (0, 0, self.taken), "skipped_samples": 1, "shard_errors": 0}
+
+
+def test_a_batch_moves_the_stream_on_when_its_step_is_done_and_not_when_the_step_fails():
+    pieces, state = _CountedPieces(), StreamState()
+    stream = BatchStream(pieces, batch_size=4, piece_size=2, state=state, steps=5, in_thread=False)
+    with pytest.raises(ValueError):
+        with stream.next():
+            raise ValueError("the step failed")
+    assert state == StreamState(), "a batch whose step failed was not used"
+    with stream.next() as batch:
+        assert torch.cat(list(batch.texts.chunks([(0, 4)], torch.device("cpu")))).flatten().tolist() == [3, 3, 4, 4]
+    assert state == StreamState(cursors={0: (0, 4)}, pieces=2, batches=1, skipped_samples=2)
+    stream.close()
+
+
+def test_the_stream_gathers_no_batch_beyond_the_runs_last_step():
+    """A run resumed after 3 of its 5 steps gathers 2 batches, the second while the first is used."""
+    pieces = _CountedPieces()
+    stream = BatchStream(pieces, batch_size=4, piece_size=2, state=StreamState(batches=3), steps=5)
+    for _ in range(2):
+        with stream.next():
+            pass
+    stream.thread.join(timeout=10)
+    assert not stream.thread.is_alive() and pieces.taken == 2 * 2
+    stream.close()
+
+
 @pytest.mark.filterwarnings("ignore:Unused augmentation cfg items")  # open_clip's, about items it does use
 def test_transforms_that_cannot_be_split_are_refused():
     jitter = image_transform(32, is_train=True, aug_cfg={"color_jitter_prob": 0.5, "color_jitter": (0.4, 0.4, 0.4, 0.1)})
