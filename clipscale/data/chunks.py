@@ -266,9 +266,9 @@ class ChunkSource:
         return self.rows.prepare(*bound, pass_number), 0
 
     def prepare_ahead(self, chunk_size: int, row_bytes: int, arrivals: Arrivals) -> None:
-        """Prepare pass 1's chunks of `chunk_size` rows (`row_bytes` each on the device), in order, in
-        a thread of their own: each as soon as its rows have arrived and the budget has room, so that
-        during the previous step, until pass 1 asks for it itself or the step is done."""
+        """Prepare pass 1's chunks of `chunk_size` rows (`row_bytes` each on the device) in order, in a
+        thread of their own: each as soon as its rows have arrived and the budget has room (so mostly
+        during the previous step), until pass 1 asks for it itself or the batch is released."""
         threading.Thread(target=self._prepare_ahead, args=(chunk_size, row_bytes, arrivals),
                          name="clipscale-ahead", daemon=True).start()
 
