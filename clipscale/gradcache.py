@@ -1,38 +1,13 @@
-"""Gradient Cache: a contrastive step whose encoder memory depends on the chunk, not the batch.
+"""Gradient Cache (Gao et al. 2021): a contrastive step whose encoder memory depends on the chunk, not the batch.
 
-Gao et al. 2021. The loss couples every pair of samples, but each encoder treats every
-sample on its own. So one step is:
-
-  1. encode the batch chunk by chunk without a graph, remembering the RNG state before
-     each chunk (dropout, drop-path, patch dropout);
-  2. compute the loss on the detached features and backpropagate it to the features
-     (and to the logit scale) only;
-  3. re-encode each chunk with a graph under the remembered RNG state, so every random
-     mask is drawn again exactly, and backpropagate the cached feature gradient
-     through it: dL/dtheta = sum over chunks of (dL/dfeatures_chunk) . dfeatures_chunk/dtheta.
-
-The parameter gradients are those of one forward/backward over the whole batch; the
-price is one extra encoder forward. Pass 1 keeps the graph of its last chunk and
-backpropagates it as soon as the loss has its gradient, so pass 2 re-encodes all chunks
-but that one (`reuse_last_chunk`). A batch of a single chunk takes the plain step.
+`GradCache` encodes the batch chunk by chunk without a graph, takes the loss's gradient at the
+features, and re-encodes each chunk under its saved RNG state to backpropagate it: the parameter
+gradients of one forward and backward over the whole batch (docs/architecture.md, steps 4 to 6).
+Its inputs are tensors or chunk sources (`clipscale.data.chunks.ChunkSource`); its model says
+when the backwards reduce their gradients (`clipscale.parallel.ParallelModel`).
 
     step = GradCache(model, loss_fn, chunk_size=512, autocast=torch.bfloat16)
     loss = step(images, texts)   # gradients accumulated into model parameters
-
-Inputs are tensors (sliced; on another device, moved a chunk at a time) or chunk sources:
-anything with `chunks(bounds, device, pass_number, keep)` yielding each [start, stop) chunk
-on the device (`clipscale.data.batches.HostColumn`: a pinned batch, one still arriving
-from the loader, an offloaded one, one decoded on the GPU). Pass 1 names the chunks pass 2
-will ask for again (`keep`), so a source can keep them instead of preparing them twice.
-GPU memory then depends on the chunk (and what a source keeps), not on the batch.
-
-Under DistributedDataParallel the re-forward goes through the DDP module, under
-`no_sync()` for all chunks but the last, so gradients are all-reduced once per step.
-The logit scale's gradient enters the graph only in that last chunk, so DDP averages
-it with the rest (the loss contract makes that average the global gradient). Under FSDP
-(`clipscale.parallel`) every pass goes through the sharded model, which gathers each
-block's parameters as it runs; its `sync` says whether the earlier chunks reduce their
-gradients too, and averages the replicated scalars after the last backward.
 """
 
 from __future__ import annotations
@@ -40,27 +15,18 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
 
-from clipscale.distributed import unwrap
-from clipscale.parallel import GradientSync, gradient_sync
+from clipscale.parallel import ParallelModel
 from clipscale.precision import autocast_factory
 
+if TYPE_CHECKING:  # only named: Gradient Cache does not know where its chunks come from
+    from clipscale.data.chunks import ChunkSource
+
 Bounds = Sequence[tuple[int, int]]
-
-
-class ChunkSource(Protocol):
-    """A batch handed to the device a chunk at a time (clipscale.data.batches.HostColumn)."""
-
-    def __len__(self) -> int: ...
-
-    def chunks(self, bounds: Bounds, device: torch.device, pass_number: int, keep: Bounds) -> Iterator[torch.Tensor]: ...
-
-
-Batch = torch.Tensor | ChunkSource
 
 
 class RandomState:
@@ -160,16 +126,14 @@ class GradCache:
     """A training step over a large batch, encoded `chunk_size` samples at a time.
 
     model:      an open_clip CLIP-like module (`visual` tower, forward(image, text) giving
-                normalised features and the exponentiated logit scale), possibly in DDP.
+                normalised features and the exponentiated logit scale), plain, in DDP, or as
+                `clipscale.parallel.parallelize` placed it (a ParallelModel: its sync and device).
     loss_fn:    loss_fn(image_features, text_features, logit_scale[, logit_bias]) following
                 the loss contract (global loss, DDP-style gradients).
     autocast:   None, a dtype (torch.bfloat16, torch.float16) or a context-manager factory;
                 used for the encoders and the loss, as open_clip_train does.
     scaler:     a GradScaler for fp16: the loss is scaled, so the cached feature gradients
                 and the parameter gradients are too; unscale/step/update stay with the caller.
-    sync:       when the backwards reduce their gradients (clipscale.parallel); None: DDP's
-                once per step for a DDP model, nothing for a plain one.
-    device:     where the chunks are encoded; None: where the model's parameters are.
     reuse_last_chunk: pass 1 encodes the last chunk with its graph and backpropagates it
                 right after the loss, so pass 2 re-encodes one chunk fewer (a batch of two
                 chunks costs 1.5 forwards instead of 2). Its activations are then held while
@@ -185,27 +149,24 @@ class GradCache:
         autocast=None,
         scaler: torch.amp.GradScaler | None = None,
         reuse_last_chunk: bool = True,
-        sync: GradientSync | None = None,
-        device: torch.device | None = None,
     ):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-        self.model = model
-        self.module = unwrap(model)
+        self.model = ParallelModel.of(model)
         self.loss_fn = loss_fn
         self.chunk_size = chunk_size
-        self.device = device if device is not None else next(self.module.parameters()).device
+        self.device = self.model.device
         self.autocast = autocast_factory(autocast, self.device)
         self.scaler = scaler
         self.reuse_last_chunk = reuse_last_chunk
-        self.sync = sync if sync is not None else gradient_sync(model)
+        self.sync = self.model.sync
 
-    def __call__(self, images: Batch, texts: Batch) -> torch.Tensor:
+    def __call__(self, images: torch.Tensor | ChunkSource, texts: torch.Tensor | ChunkSource) -> torch.Tensor:
         loss = self.accumulate_gradients(images, texts)
         self.sync.finish()
         return loss
 
-    def accumulate_gradients(self, images: Batch, texts: Batch) -> torch.Tensor:
+    def accumulate_gradients(self, images: torch.Tensor | ChunkSource, texts: torch.Tensor | ChunkSource) -> torch.Tensor:
         """The loss, with every chunk's gradients in the parameters (before `sync.finish`)."""
         if len(images) != len(texts):
             raise ValueError(f"{len(images)} images but {len(texts)} texts")
@@ -214,7 +175,7 @@ class GradCache:
         bounds = [(s, min(s + self.chunk_size, len(images))) for s in range(0, len(images), self.chunk_size)]
         if len(bounds) == 1:  # the batch is one chunk: a plain step, no second forward needed
             return self.plain_step(next(self.chunks(images, bounds, 1)), next(self.chunks(texts, bounds, 1)))
-        train_image, train_text = trainable_towers(self.module)
+        train_image, train_text = trainable_towers(self.model.module)
         # With reuse_last_chunk, pass 1 encodes the last chunk with its graph and pass 2
         # re-encodes only the chunks before it: the chunks of a trained tower that pass 2 asks for again.
         reencoded = bounds[:-1] if self.reuse_last_chunk else bounds
@@ -260,7 +221,7 @@ class GradCache:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         return loss.detach()
 
-    def chunks(self, batch: Batch, bounds: Bounds, pass_number: int, keep: Bounds = ()) -> Iterator[torch.Tensor]:
+    def chunks(self, batch: torch.Tensor | ChunkSource, bounds: Bounds, pass_number: int, keep: Bounds = ()) -> Iterator[torch.Tensor]:
         """The batch's chunks on the device, for pass 1 or 2. A tensor is sliced (and moved when it
         lives elsewhere); a chunk source prepares them, keeping pass 1's `keep` chunks if it can."""
         if isinstance(batch, torch.Tensor):
@@ -284,10 +245,10 @@ class GradCache:
             with torch.no_grad():
                 image_states.append(RandomState(self.device))
                 with self.autocast():
-                    image_features.append(encode(self.module, image, None).image)
+                    image_features.append(encode(self.model.module, image, None).image)
                 text_states.append(RandomState(self.device))
                 with self.autocast():
-                    out = encode(self.module, None, text)
+                    out = encode(self.model.module, None, text)
                 text_features.append(out.text)
         return FirstPass(torch.cat(image_features), torch.cat(text_features), tuple(s.detach() for s in out.scalars),
                          image_states, text_states, last_chunk)

@@ -94,6 +94,19 @@ def build_model(cfg: ModelConfig) -> Towers:
     return Towers(model, train_transform, val_transform, open_clip.get_tokenizer(architecture), open_clip_config)
 
 
+def image_size(model: nn.Module) -> int:
+    """The side of the square images the model's image tower takes."""
+    size = model.visual.image_size
+    return size[0] if isinstance(size, tuple) else size
+
+
+def train_mode(model: nn.Module, cfg: ModelConfig) -> None:
+    """Train mode, but LiT's wholly locked image tower in eval mode: a fixed feature extractor, no dropout."""
+    model.train()
+    if cfg.lock_image and cfg.lock_image_unlocked_groups == 0:
+        model.visual.eval()
+
+
 @contextmanager
 def _without_random_init_warning(weights_follow: bool):
     """open_clip warns "No pretrained weights loaded ... initialized randomly" (on the root

@@ -1,10 +1,11 @@
 """How the model is spread over the processes (`train.parallel`): DDP or FSDP2.
 
-    parallel = parallelize(module, world, parallel="fsdp", precision="bf16", reduce="chunk", offload=False)
-    parallel.model            what the training step calls
-    parallel.sync             when Gradient Cache's backwards reduce their gradients (GradientSync)
-    parallel.compiled_units   what `model.compile` compiles: the model, or each block under FSDP
-    with gathered(model): ... forwards without a backward (the FLOP count, evaluation)
+    model = parallelize(module, world, parallel="fsdp", precision="bf16", reduce="chunk", offload=False)
+    model.module                the open_clip model (sharded in place under FSDP)
+    model(images, texts)        a forward whose backward reduces the gradients (through DDP's wrapper)
+    model.sync                  when Gradient Cache's backwards reduce them (GradientSync)
+    model.compiled_units        what `model.compile` compiles: the model, or each block under FSDP
+    with gathered(model.module): ... forwards without a backward (the FLOP count, evaluation)
 
 ddp:  every rank holds the whole model, its gradients and AdamW's two moments (16 bytes a
       parameter in fp32); DistributedDataParallel all-reduces the gradients once per step.
@@ -30,7 +31,6 @@ compiled call runs the block's FSDP hooks eagerly (FSDP2 marks them `torch._dyna
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import ContextManager
 
 import torch
@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
 from torch.nn.parallel import DistributedDataParallel
 
-from clipscale.distributed import World
+from clipscale.distributed import World, unwrap
 from clipscale.errors import UserError
 from clipscale.precision import AUTOCAST_DTYPES
 
@@ -100,33 +100,49 @@ class FSDPSync(GradientSync):
                 scalar.grad /= dist.get_world_size()
 
 
-def gradient_sync(model: nn.Module) -> GradientSync:
-    """The sync of a model as the caller wrapped it: DDP's, or none (FSDP's comes from `parallelize`)."""
-    return DDPSync(model) if isinstance(model, DistributedDataParallel) else GradientSync()
+class ParallelModel:
+    """The open_clip model as the processes share it: the one handle that the training step, the
+    evaluation and the checkpoint take.
 
+    module:         the open_clip model: its towers, scalars and state dict (sharded in place under FSDP).
+    sync:           when the backwards reduce the gradients (GradientSync).
+    device:         where it computes (under train.fsdp_offload its parameters live on the host).
+    compiled_units: what `model.compile` compiles.
+    Calling it runs the forward whose backward reduces the gradients: through DDP's wrapper under
+    DDP, the module itself otherwise."""
 
-@dataclass
-class Parallel:
-    model: nn.Module  # what the step calls: DDP's wrapper, or the module itself (sharded in place under FSDP)
-    module: nn.Module  # the open_clip model
-    sync: GradientSync
-    compiled_units: list[nn.Module]
+    def __init__(self, module: nn.Module, sync: GradientSync, device: torch.device, compiled_units: list[nn.Module],
+                 forward: nn.Module | None = None):
+        self.module, self.sync, self.device, self.compiled_units = module, sync, device, compiled_units
+        self.forward = forward if forward is not None else module
+
+    @classmethod
+    def of(cls, model: "nn.Module | ParallelModel") -> "ParallelModel":
+        """A model as the caller placed it: plain (one process) or in DistributedDataParallel."""
+        if isinstance(model, ParallelModel):
+            return model
+        module = unwrap(model)
+        sync = DDPSync(model) if isinstance(model, DistributedDataParallel) else GradientSync()
+        return cls(module, sync, next(module.parameters()).device, [module], forward=model)
+
+    def __call__(self, images: torch.Tensor | None, texts: torch.Tensor | None):
+        return self.forward(images, texts)
 
 
 def parallelize(module: nn.Module, world: World, *, parallel: str = "ddp", precision: str = "fp32",
-                reduce: str = "chunk", offload: bool = False) -> Parallel:
+                reduce: str = "chunk", offload: bool = False) -> ParallelModel:
     """`module` on the world's device(s), as train.parallel says. Under fsdp the module may be on
     the CPU: each rank then moves only its shards to the device."""
     if parallel == "fsdp":
         return shard(module, world, precision, reduce, offload)
     module = module.to(world.device)
     if not world.distributed:
-        return Parallel(module, module, GradientSync(), [module])
+        return ParallelModel(module, GradientSync(), world.device, [module])
     ddp = DistributedDataParallel(module, device_ids=[world.device.index] if world.device.type == "cuda" else None)
-    return Parallel(ddp, module, DDPSync(ddp), [module])
+    return ParallelModel(module, DDPSync(ddp), world.device, [module], forward=ddp)
 
 
-def shard(module: nn.Module, world: World, precision: str, reduce: str, offload: bool) -> Parallel:
+def shard(module: nn.Module, world: World, precision: str, reduce: str, offload: bool) -> ParallelModel:
     mesh = init_device_mesh(world.device.type, (world.world_size,))
     # bf16: bf16 parameters in compute, fp32 gradient reduction; fp32: nothing cast (fp16: refused by the config)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
@@ -143,7 +159,7 @@ def shard(module: nn.Module, world: World, precision: str, reduce: str, offload:
     fully_shard(module, ignored_params=set(scalars), **options)
     for name in FORWARD_METHODS:
         register_fsdp_forward_method(module, name)
-    return Parallel(module, module, FSDPSync(module, reduce, scalars), blocks)
+    return ParallelModel(module, FSDPSync(module, reduce, scalars), world.device, blocks)
 
 
 @contextlib.contextmanager

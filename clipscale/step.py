@@ -1,12 +1,9 @@
-"""One training step, the object that `train.py` and every benchmark run.
+"""One training step, the object that `train.py` and every benchmark run: Gradient Cache's passes,
+then the update as open_clip_train makes it (docs/architecture.md, step 7), and its own state
+for the checkpoint (the GradScaler, the non-finite count).
 
     step = TrainStep(model, loss_fn, optimizer, chunk_size=512, precision="bf16", grad_clip=1.0)
-    result = step(images, texts, lr)
-
-forward and backward (Gradient Cache over chunks, or one plain pass when the batch is one
-chunk), then as open_clip_train does: unscale (fp16), clip the global gradient norm, skip
-the update if the loss or the gradient is not finite, AdamW, clamp the logit scale at 100.
-Images and texts are device tensors or host columns (`clipscale.data.batches`).
+    result = step(images, texts, lr)   # device tensors or chunk sources (clipscale.data.chunks)
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from clipscale.gradcache import GradCache
 from clipscale.losses.common import NonFiniteError
-from clipscale.parallel import GradientSync
+from clipscale.parallel import ParallelModel
 from clipscale.precision import AUTOCAST_DTYPES
 
 MAX_LOGIT_SCALE = math.log(100)  # open_clip clamps the learnable temperature at 100
@@ -35,6 +32,7 @@ class StepResult:
     loss: torch.Tensor  # on the device; NaN when the loss itself refused non-finite features
     grad_norm: torch.Tensor
     applied: bool  # False: non-finite, the weights were not touched
+    logit_scale: torch.Tensor  # the exponentiated scale after the update, on the device
 
 
 def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float, device: torch.device) -> torch.Tensor:
@@ -61,10 +59,8 @@ def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float, device
 class TrainStep:
     """forward/backward, unscale, clip, non-finite policy, optimizer, logit-scale clamp.
 
-    model:      the open_clip model: DDP-wrapped, sharded by FSDP, or plain; optimizer: over its parameters.
-    sync:       its GradientSync (clipscale.parallel); None: found from the model (DDP or none).
-    device:     where the step computes; None: where the model's parameters are (not so with
-                train.fsdp_offload, which keeps them on the host).
+    model:      the open_clip model: plain, DDP-wrapped, or as `clipscale.parallel.parallelize`
+                placed it (sharded by FSDP, say); optimizer: over its parameters.
     chunk_size: per-process encoder sub-batch; a batch of one chunk takes the plain step.
     precision:  fp32 | bf16 | fp16 (autocast; fp16 with a GradScaler, whose state is in
                 `state_dict`).
@@ -74,15 +70,14 @@ class TrainStep:
 
     def __init__(self, model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer, *, chunk_size: int,
                  precision: str = "fp32", grad_clip: float | None = 1.0, max_nonfinite_steps: int = 10,
-                 reuse_last_chunk: bool = True, sync: GradientSync | None = None, device: torch.device | None = None):
+                 reuse_last_chunk: bool = True):
+        self.model = ParallelModel.of(model)
         self.optimizer = optimizer
         self.grad_clip = grad_clip if grad_clip is not None else math.inf
         self.max_nonfinite_steps = max_nonfinite_steps
-        device = device if device is not None else next(model.parameters()).device
-        self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-        self.gradcache = GradCache(model, loss_fn, chunk_size, autocast=AUTOCAST_DTYPES[precision], scaler=self.scaler,
-                                   reuse_last_chunk=reuse_last_chunk, sync=sync, device=device)
-        self.module = self.gradcache.module
+        self.scaler = torch.amp.GradScaler(self.model.device.type) if precision == "fp16" else None
+        self.gradcache = GradCache(self.model, loss_fn, chunk_size, autocast=AUTOCAST_DTYPES[precision], scaler=self.scaler,
+                                   reuse_last_chunk=reuse_last_chunk)
         self.nonfinite_total = 0
         self.nonfinite_in_a_row = 0
         self.steps = 0
@@ -100,7 +95,7 @@ class TrainStep:
             loss, scaled = torch.tensor(math.nan), False
         if scaled:
             self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm(list(self.module.parameters()), self.grad_clip, self.gradcache.device)
+        grad_norm = clip_grad_norm(list(self.model.module.parameters()), self.grad_clip, self.model.device)
         applied = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
         if applied and scaled:
             self.scaler.step(self.optimizer)
@@ -109,11 +104,12 @@ class TrainStep:
         if scaled:
             self.scaler.update()  # after an fp16 overflow this lowers the loss scale
         self.optimizer.zero_grad(set_to_none=True)
+        logit_scale = self.model.module.logit_scale
         with torch.no_grad():
-            self.module.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
+            logit_scale.clamp_(0, MAX_LOGIT_SCALE)
         self.steps += 1
         self._count(applied)
-        return StepResult(loss, grad_norm, applied)
+        return StepResult(loss, grad_norm, applied, logit_scale.detach().exp())
 
     def _count(self, applied: bool) -> None:
         if applied:

@@ -1,18 +1,7 @@
-"""The training loop. Read top to bottom, it is the algorithm:
-
-    decide what the run does with runs/<name> (run_dir.py): new, resume, or stop on another
-        configuration; when it resumes, the newest checkpoint that loads   (checkpoint_manager.py)
-    assemble the run: world, data, towers, loss, optimizer, the training step; restore its
-        parts from the checkpoint (or seed them); the streamed batches; only then, with
-        everything that can fail before training checked, claim runs/<name>
-    for each step: the next batch (its pieces still arriving) -> lr schedule
-                   -> the training step (forward, loss, backward, clip, optimizer)
-                   -> metrics record -> evaluation -> checkpoint (or stop on a signal)
-    final evaluation, then the weights and the end marker
-
-The loop does not know how the loss is computed (`build_loss`), how the batch is split
-into encoder chunks (`TrainStep`, Gradient Cache), nor how the batch reaches the device
-(`TrainingBatches`: the loader, the decoders, the host batch).
+"""The training loop: `train` decides what the run does with runs/<name> (run_dir.py), `Run.assemble`
+builds its parts once, and `Run.fit`, read top to bottom, is the loop: the next batch, the step,
+then metrics, evaluation and the checkpoint. The loop does not know how the loss is computed
+(`build_loss`), how a batch is chunked (`TrainStep`), nor how it reaches the device (`TrainingBatches`).
 """
 
 from __future__ import annotations
@@ -28,18 +17,16 @@ from clipscale.checkpoint_manager import CheckpointManager, Weights
 from clipscale.compile import compile_enabled, compile_towers, seconds_compiling
 from clipscale.config import Config, check_world
 from clipscale.console import Console, figures
-from clipscale.data import prepare_data
-from clipscale.data.pipeline import TrainingBatches, kept_bytes
-from clipscale.data.shards import StreamState
-from clipscale.distributed import World, all_reduce_max, all_reduce_sum_list, barrier, init_distributed, shutdown_distributed
+from clipscale.data.pipeline import TrainingBatches
+from clipscale.distributed import World, barrier, init_distributed, shutdown_distributed
 from clipscale.eval.during_training import Evaluator
 from clipscale.gradcache import trainable_towers
 from clipscale.losses import build_loss
-from clipscale.memory import largest_chunk
+from clipscale.memory import chunk_size
 from clipscale.metrics import MetricsLogger, RecordWindow
-from clipscale.models import Towers, build_model, write_open_clip_folder
+from clipscale.models import build_model, image_size, train_mode, write_open_clip_folder
 from clipscale.optim import build_optimizer, learning_rate
-from clipscale.parallel import gathered, parallelize
+from clipscale.parallel import ParallelModel, gathered, parallelize
 from clipscale.precision import AUTOCAST_DTYPES
 from clipscale.run_dir import RunPlan, plan_run
 from clipscale.signals import StopRequest
@@ -83,24 +70,6 @@ def claim_run_dir(plan: RunPlan, world: World, console: Console) -> None:
     barrier()
 
 
-def chunk_size(cfg: Config, towers: Towers, loss_fn, world: World, console: Console) -> int:
-    """train.chunk_size as the step uses it: this rank's whole batch when null, the probe's
-    choice for "auto" (logged), else the configured chunk."""
-    per_rank = cfg.train.batch_size // world.world_size
-    if cfg.train.chunk_size != "auto":
-        return min(cfg.train.chunk_size or per_rank, per_rank)
-    visual = towers.model.visual
-    image_size = visual.image_size[0] if isinstance(visual.image_size, tuple) else visual.image_size
-    chunk, probe = largest_chunk(towers.model, loss_fn, batch_size=per_rank,
-                                 precision_dtype=AUTOCAST_DTYPES[cfg.train.precision], image_size=image_size,
-                                 context_length=towers.model.context_length, vocab_size=towers.model.vocab_size,
-                                 reserved=kept_bytes(cfg, world.device))
-    chunk = int(min(all_reduce_max(-chunk, world.device) * -1, per_rank))  # the smallest over ranks
-    shown = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in probe.items())
-    console.say(f"train.chunk_size=auto: {chunk} samples per encoder pass ({shown})")
-    return chunk
-
-
 @dataclass
 class Run:
     """Everything a training run is made of, assembled once."""
@@ -109,9 +78,8 @@ class Run:
     world: World
     console: Console
     run_dir: Path
-    model: torch.nn.Module  # DDP-wrapped or sharded by FSDP under several processes (clipscale.parallel)
+    model: ParallelModel  # DDP-wrapped or sharded by FSDP under several processes
     step: TrainStep
-    stream_state: StreamState
     start_step: int
     batches: TrainingBatches
     evaluator: Evaluator
@@ -130,36 +98,32 @@ class Run:
         """`checkpoint`: the one the run resumes from, or None. Nothing is written to the run
         folder before every part is built: a mistake found here leaves it as it was."""
         torch.manual_seed(cfg.run.seed)  # the model's initial weights: the same on every rank
-        data = prepare_data(cfg.data, world)
         towers = build_model(cfg.model)
         train = cfg.train
-        parallel = parallelize(towers.model, world, parallel=train.parallel, precision=train.precision,
-                               reduce=train.fsdp_reduce, offload=train.fsdp_offload)
-        module = parallel.module
-        visual = module.visual
-        image_size = visual.image_size[0] if isinstance(visual.image_size, tuple) else visual.image_size
-        with gathered(module):
-            flops = train_flops_per_sample(module, image_size, module.context_length, world.device, *trainable_towers(module))
+        model = parallelize(towers.model, world, parallel=train.parallel, precision=train.precision,
+                            reduce=train.fsdp_reduce, offload=train.fsdp_offload)
+        with gathered(model.module):
+            flops = train_flops_per_sample(model.module, image_size(model.module), model.module.context_length,
+                                           world.device, *trainable_towers(model.module))
         loss_fn = loss_fn if loss_fn is not None else build_loss(cfg.loss.name, **cfg.loss.options)
-        optimizer = build_optimizer(module, cfg.optim, fused=world.device.type == "cuda" and not train.fsdp_offload)
-        chunk = chunk_size(cfg, towers, loss_fn, world, console)
-        step = TrainStep(parallel.model, loss_fn, optimizer, chunk_size=chunk, precision=train.precision,
-                         grad_clip=cfg.optim.grad_clip, max_nonfinite_steps=train.max_nonfinite_steps,
-                         sync=parallel.sync, device=world.device)
-        stream_state, window = StreamState(), RecordWindow(cfg.train.batch_size, world.device)
-        weights = Weights(module, optimizer, world, sharded=train.parallel == "fsdp")
-        start_step = checkpoints.start(checkpoint, weights=weights, shared=[step],
-                                       per_rank={"data": stream_state, "metrics": window}, samples_per_epoch=data.num_train)
-        evaluator = Evaluator(cfg, towers, world, AUTOCAST_DTYPES[cfg.train.precision])
-        batches = TrainingBatches.build(cfg, data, towers.train_transform, towers.tokenizer, world, stream_state, chunk,
-                                        cfg.train.steps - start_step)
+        optimizer = build_optimizer(model.module, cfg.optim, fused=world.device.type == "cuda" and not train.fsdp_offload)
+        chunk = chunk_size(cfg, model, loss_fn, world, console)
+        step = TrainStep(model, loss_fn, optimizer, chunk_size=chunk, precision=train.precision,
+                         grad_clip=cfg.optim.grad_clip, max_nonfinite_steps=train.max_nonfinite_steps)
+        batches = TrainingBatches(cfg, world, towers.train_transform, towers.tokenizer, chunk)
         try:
+            window = RecordWindow(cfg.train.batch_size, world.device)
+            weights = Weights(model.module, optimizer, world, sharded=train.parallel == "fsdp")
+            start_step = checkpoints.start(checkpoint, weights=weights, shared=[step],
+                                           per_rank={"data": batches, "metrics": window},
+                                           samples_per_epoch=batches.samples_per_epoch)
+            evaluator = Evaluator(cfg, towers, world, AUTOCAST_DTYPES[cfg.train.precision])
             claim_run_dir(plan, world, console)
             for line in batches.path.notes:
                 console.say(line)
             compiled = compile_enabled(cfg.model.compile, world.device)
             if compiled:  # its cache lives in the run folder, so only once the folder is claimed
-                for unit in parallel.compiled_units:
+                for unit in model.compiled_units:
                     compile_towers(unit, Path(cfg.model.compile_cache or plan.run_dir / "compile_cache"))
             if world.is_main:
                 write_open_clip_folder(plan.run_dir, towers)  # with the final weights, open_clip's `local-dir:` loads the run
@@ -167,20 +131,18 @@ class Run:
         except BaseException:
             batches.close()
             raise
-        return cls(cfg, world, console, plan.run_dir, parallel.model, step, stream_state, start_step, batches,
-                   evaluator, window, logger, checkpoints, flops, compiled)
+        return cls(cfg, world, console, plan.run_dir, model, step, start_step, batches, evaluator, window, logger,
+                   checkpoints, flops, compiled)
 
     def fit(self, preemption: StopRequest) -> dict:
         cfg = self.cfg
         self.enter_train_mode()
         self.progress = self.console.progress_bar(cfg.train.steps, self.start_step, cfg.run.name)
-        self.window.open(self.data_errors())
+        self.window.open(self.batches.error_totals())
         for step_number in range(self.start_step, cfg.train.steps):
-            batch = self.batches.next()
             lr = learning_rate(step_number, cfg.optim, cfg.train.steps)
-            result = self.step(batch.images, batch.texts, lr)
-            batch.consumed(self.stream_state)
-            self.batches.release(batch)
+            with self.batches.next() as batch:  # its pieces still arriving; used once the step returns
+                result = self.step(batch.images, batch.texts, lr)
             self.data_wait_s += batch.data_wait_s
             done = step_number + 1
             self.log_metrics(done, result, lr)
@@ -191,7 +153,7 @@ class Run:
                 return self.stop(signum, done)
         self.progress.close()
         results = self.final_evaluation()
-        self.checkpoints.end(self.step.module)  # last: the weights and the end marker say that the run has ended
+        self.checkpoints.end(self.model.module)  # last: the weights and the end marker say that the run has ended
         return results
 
     def log_metrics(self, step_number: int, result: StepResult, lr: float) -> None:
@@ -201,8 +163,8 @@ class Run:
             return
         steps = self.window.steps  # in this record
         extra = {"data_wait_s": self.data_wait_s / steps}  # per step, on this rank
-        record = self.window.record(result, lr, logit_scale=self.step.module.logit_scale.exp().item(),
-                                    nonfinite_steps=self.step.nonfinite_total, data_errors=self.data_errors(), extra=extra)
+        record = self.window.record(result, lr, logit_scale=result.logit_scale.item(), nonfinite_steps=self.step.nonfinite_total,
+                                    data_errors=self.batches.error_totals(), extra=extra)
         peak = peak_bf16_flops(self.world.device)
         if peak is not None:
             record["mfu"] = self.flops_per_sample * record["samples_per_s"] / self.world.world_size / peak
@@ -229,10 +191,6 @@ class Run:
         self.console.say(f"the steps waited for their data {100 * self.data_wait_s / elapsed:.0f}% of the time "
                          f"({path.describe()}): {knob}")
 
-    def data_errors(self) -> list[int]:
-        """[skipped samples, shard errors] over all ranks since the run began."""
-        return all_reduce_sum_list([self.stream_state.skipped_samples, self.stream_state.shard_errors], self.world.device)
-
     def stop(self, signum: int, step_number: int) -> dict:
         # No rank leaves before rank 0 has written the checkpoint: srun --kill-on-bad-exit
         # would end the step at the first rank's exit status 128+signal.
@@ -242,9 +200,7 @@ class Run:
         return {"preempted_by": signum}
 
     def enter_train_mode(self) -> None:
-        self.model.train()
-        if self.cfg.model.lock_image and self.cfg.model.lock_image_unlocked_groups == 0:
-            self.step.module.visual.eval()  # LiT: a frozen tower is a fixed feature extractor, no dropout
+        train_mode(self.model.module, self.cfg.model)
 
     def evaluate_on_schedule(self, step_number: int) -> None:
         every = self.cfg.eval.every_n_steps
@@ -252,8 +208,8 @@ class Run:
             self.evaluate(step_number)
 
     def evaluate(self, step_number: int) -> dict:
-        with gathered(self.model):
-            results = self.evaluator(self.model)
+        with gathered(self.model.module):
+            results = self.evaluator(self.model.module)
         self.enter_train_mode()  # evaluation leaves the whole model in train mode
         if results:
             self.logger.log(step_number, results)

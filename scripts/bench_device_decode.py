@@ -27,8 +27,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from make_synthetic_shards import COLOURS, synthetic_jpeg  # noqa: E402
 
 from clipscale.config import ModelConfig  # noqa: E402
+from clipscale.data.chunks import Arrivals  # noqa: E402
 from clipscale.data.device_decode import DeviceDecoder, decode_parts  # noqa: E402
-from clipscale.data.offload import EncodedImages  # noqa: E402
+from clipscale.data.encoded import EncodedBatch, EncodedImages  # noqa: E402
 from clipscale.data.transforms import SplitTransform  # noqa: E402
 from clipscale.models import build_model  # noqa: E402
 from clipscale.provenance import provenance  # noqa: E402
@@ -80,10 +81,14 @@ def main(argv=None) -> None:
         return pixels
 
     decoder = DeviceDecoder(split, device)
+    encoded, arrived = EncodedBatch(), Arrivals()  # the chunk as a batch of pieces, all arrived
+    for first, (piece, _, _) in zip(range(0, args.chunk, args.piece), parts):
+        encoded.add(first, piece)
+    arrived.add(args.chunk)
 
     def decode_in_thread():
-        pixels, done = decoder.submit(lambda: parts).result()
-        done.synchronize()
+        pixels = decoder.submit(encoded, arrived, 0, args.chunk).on_device(device, None)
+        torch.cuda.synchronize()
         return pixels
 
     images = split.to_float(decode_inline())
@@ -118,11 +123,9 @@ def main(argv=None) -> None:
         torch.cuda.synchronize()
 
     def thread_beside_train():  # today's trainer: the next chunk decodes while this one trains
-        future = decoder.submit(lambda: parts)
+        decoding = decoder.submit(encoded, arrived, 0, args.chunk)
         train_chunk()
-        pixels, done = future.result()
-        torch.cuda.current_stream().wait_event(done)
-        split.to_float(pixels)
+        split.to_float(decoding.on_device(device, None))
         torch.cuda.synchronize()
 
     cases = {"decode, calling thread": decode_inline,

@@ -23,8 +23,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 from clipscale.config import load_config  # noqa: E402
-from clipscale.data import prepare_data  # noqa: E402
-from clipscale.data.shards import StreamState  # noqa: E402
 from clipscale.distributed import World  # noqa: E402
 from clipscale.models import build_model  # noqa: E402
 from clipscale.data.pipeline import TrainingBatches  # noqa: E402
@@ -36,19 +34,17 @@ def run_case(case: dict, shards: str, workers: int) -> dict:
     cfg = load_config(REPO / "configs" / "vit_b16_infcl.yaml", [
         f"model.name={case.get('model', 'ViT-B-32')}", "data.kind=webdataset", f"data.train_shards={shards}",
         f"data.workers={workers}", f"data.decoder={case['decoder']}", f"train.batch_size={batch}",
-        f"train.chunk_size={chunk}", "eval.zeroshot=false", "run.output_dir=/tmp/bench_loader"])
+        f"train.chunk_size={chunk}", f"train.steps={batches}", "eval.zeroshot=false", "run.output_dir=/tmp/bench_loader"])
     world = World()
     started = time.perf_counter()
     towers = build_model(cfg.model)
-    stream = TrainingBatches.build(cfg, prepare_data(cfg.data, world), towers.train_transform, towers.tokenizer, world,
-                                   StreamState(), chunk=chunk, steps=batches)
+    stream = TrainingBatches(cfg, world, towers.train_transform, towers.tokenizer, chunk)
     arrived = []  # seconds since the start when each batch's last piece was in
     try:
         for _ in range(batches):
-            gathered = stream.next()
-            gathered.texts.submit(0, len(gathered), 1)()  # the texts arrive with the images: every piece is in
+            with stream.next():  # used at once (it waits for every piece): the next batch is gathered flat out
+                pass
             arrived.append(time.perf_counter() - started)
-            stream.release(gathered)  # at once: with no step to wait for, the next batch is gathered flat out
     finally:
         stream.close()
     later = [b - a for a, b in zip(arrived, arrived[1:])]

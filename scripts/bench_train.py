@@ -25,7 +25,7 @@ import open_clip
 import torch
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
-from clipscale.data.batches import HostTensor
+from clipscale.data.chunks import ChunkSource
 from clipscale.losses import build_loss
 from clipscale.provenance import provenance
 from clipscale.step import TrainStep
@@ -77,7 +77,7 @@ class Bench:
     def pinned_batch(self, batch: int):
         """uint8 images in pinned host memory (150 KB a sample), normalised on the GPU per chunk."""
         images = host_images(batch, IMAGE_SIZE, pin=self.device.type == "cuda")
-        return HostTensor(images, self.normalise), HostTensor(random_tokens(batch))
+        return ChunkSource.of_tensor(images, self.normalise), ChunkSource.of_tensor(random_tokens(batch))
 
     # --- running ----------------------------------------------------------------------------
 
@@ -197,7 +197,7 @@ def host_images(batch: int, size: int, pin: bool) -> torch.Tensor:
 
 def host_bytes(column) -> int:
     """Bytes of a batch column on the host as if every sample were distinct."""
-    tensor = column.tensor if isinstance(column, HostTensor) else column
+    tensor = column.rows.tensor if isinstance(column, ChunkSource) else column
     return tensor.numel() * tensor.element_size() if tensor.device.type == "cpu" else 0
 
 

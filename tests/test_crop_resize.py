@@ -73,7 +73,7 @@ def test_the_device_decoder_resizes_a_chunk_in_one_pass_and_keeps_its_other_imag
     from PIL import Image
 
     from clipscale.data import device_decode
-    from clipscale.data.offload import EncodedImages
+    from clipscale.data.encoded import EncodedImages
     from clipscale.data.transforms import SplitTransform
 
     split = SplitTransform.split(image_transform(16, is_train=True, aug_cfg={"scale": (0.5, 1.0)}))

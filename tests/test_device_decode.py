@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -21,9 +22,9 @@ from open_clip.transform import image_transform
 from PIL import Image
 
 from clipscale.config import load_config
-from clipscale.data.batches import Arrivals, DeviceBudget, HostTensor
-from clipscale.data.device_decode import DeviceDecodedImages, DeviceDecoder, decode_rows, is_whole_jpeg
-from clipscale.data.offload import EncodedImages
+from clipscale.data.chunks import Arrivals, ChunkSource, KeepBudget
+from clipscale.data.device_decode import DeviceDecodedRows, DeviceDecoder, decode_rows
+from clipscale.data.encoded import EncodedImages, is_whole_jpeg
 from clipscale.data.shards import ShardStream
 from clipscale.data.transforms import SplitTransform
 from clipscale.metrics import read_metrics
@@ -119,9 +120,9 @@ def test_device_decoded_chunks_give_gradient_cache_identical_pixels_in_both_pass
     whole = decode_rows(SPLIT, piece["encoded"], 0, 12, torch.device("cpu"))
     model, (_, texts) = tiny_clip(), make_batch(12, seed=1)
     arrivals = Arrivals()
-    decoder = DeviceDecoder(SPLIT, torch.device("cpu"))
-    budget = DeviceBudget(2**30) if kept else None
-    images = DeviceDecodedImages(12, arrivals, SPLIT.to_float, budget, decoder, (4, 3 * 32 * 32) if ahead else None)
+    decoder = DeviceDecoder(SPLIT, torch.device("cpu"), chunk_size=4 if ahead else None)
+    budget = KeepBudget(2**30) if kept else None
+    images = decoder.column(12, arrivals, SPLIT.to_float, budget)
 
     def arrive():
         for start in range(0, 12, 3):
@@ -135,14 +136,17 @@ def test_device_decoded_chunks_give_gradient_cache_identical_pixels_in_both_pass
     filler.start()
     if ahead:  # all pieces in before the step: every chunk is being decoded before pass 1 asks
         filler.join()
-        assert sorted(images.decoding) == [(0, 4), (4, 8), (8, 12)]
-    _, streamed = gradcache_grads(model, float64_clip_loss, images, HostTensor(texts), chunk_size=4)
+        deadline = time.monotonic() + 30
+        while len(images.ahead) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(images.ahead) == [(0, 4), (4, 8), (8, 12)]
+    _, streamed = gradcache_grads(model, float64_clip_loss, images, ChunkSource.of_tensor(texts), chunk_size=4)
     filler.join()
     decoder.close()
     # Chunks of 4: pass 2 re-encodes the first two (the last keeps its graph from pass 1).
     assert decoder.images_decoded == (12 if kept else 12 + 8)
     assert not images.kept and (budget is None or budget.used == 0), "pass 2 took and freed every kept chunk"
-    assert not images.decoding, "every chunk decoded ahead was taken by pass 1"
+    assert not images.ahead, "every chunk decoded ahead was taken by pass 1"
     _, held = gradcache_grads(model, float64_clip_loss, SPLIT.to_float(whole), texts, chunk_size=4)
     assert relative_error(streamed, held) == 0.0
 
@@ -151,10 +155,10 @@ def test_what_pass_one_keeps_stays_within_the_budget(jpeg_shards):
     """A budget of two chunks keeps two and the other chunk is decoded again in pass 2."""
     piece = next(iter(_stream(jpeg_shards, decode=False, piece_size=12)))
     chunk_bytes = 4 * 3 * 32 * 32  # uint8 pixels of one chunk of 4 at the transform's 32 px
-    budget = DeviceBudget(2 * chunk_bytes)
+    budget = KeepBudget(2 * chunk_bytes)
     decoder = DeviceDecoder(SPLIT, torch.device("cpu"))
     arrivals = Arrivals()
-    images = DeviceDecodedImages(12, arrivals, SPLIT.to_float, budget, decoder)
+    images = decoder.column(12, arrivals, SPLIT.to_float, budget)
     images.put(slice(0, 12), piece)
     arrivals.add(12)
     bounds = [(0, 4), (4, 8), (8, 12)]
@@ -164,6 +168,22 @@ def test_what_pass_one_keeps_stays_within_the_budget(jpeg_shards):
     decoder.close()
     assert decoder.images_decoded == 16 and budget.used == 0 and not images.kept
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_a_batch_released_before_its_step_frees_what_was_decoded_ahead(jpeg_shards):
+    """The step's budget holds no bytes of a batch that no step will use (a run that stopped)."""
+    piece = next(iter(_stream(jpeg_shards, decode=False, piece_size=12)))
+    budget, decoder, arrivals = KeepBudget(2 * 4 * 3 * 32 * 32), DeviceDecoder(SPLIT, torch.device("cpu"), chunk_size=4), Arrivals()
+    images = decoder.column(12, arrivals, SPLIT.to_float, budget)
+    images.put(slice(0, 12), piece)
+    arrivals.add(12)
+    deadline = time.monotonic() + 30
+    while len(images.ahead) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(images.ahead) == [(0, 4), (4, 8)] and budget.used == budget.limit  # the third waits for room
+    images.release()
+    decoder.close()
+    assert budget.used == 0 and not images.ahead
 
 
 def _train(digits_root, tmp_path, jpeg_shards, name, *extra, monkeypatch=None, record=None):
@@ -193,8 +213,8 @@ def test_the_trainer_decodes_on_the_device_on_the_loaders_curve(digits_root, tmp
                     record=record)
     monkeypatch.undo()
     loader = _train(digits_root, tmp_path, jpeg_shards, "loader")
-    assert len(record) == 6 and all(isinstance(images, DeviceDecodedImages) for images in record)
-    assert all(sum(e.nbytes for _, e in images.encoded) < 64 * 3 * 32 * 32 for images in record)
+    assert len(record) == 6 and all(isinstance(images.rows, DeviceDecodedRows) for images in record)
+    assert all(images.rows.encoded.nbytes < 64 * 3 * 32 * 32 for images in record)
     assert [m["loss"] for m in device] == pytest.approx([m["loss"] for m in loader], rel=1e-3)
     assert [m["skipped_samples_total"] for m in device] == [m["skipped_samples_total"] for m in loader]
     assert device[-1]["skipped_samples_total"] >= 1  # the stretch of six steps holds one damaged sample

@@ -73,7 +73,7 @@ class OneGraphStep:
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             self.model.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
-        return StepResult(loss.detach(), norm, True)
+        return StepResult(loss.detach(), norm, True, self.model.logit_scale.detach().exp())
 
 
 def train(rank: int, world: int, parallel: str, loss_name: str, reduce: str = "chunk", offload: bool = False,
@@ -95,7 +95,7 @@ def train(rank: int, world: int, parallel: str, loss_name: str, reduce: str = "c
     if parallel == "one_graph":
         step = OneGraphStep(placed.module, loss_fn, optimizer)
     else:
-        step = TrainStep(placed.model, loss_fn, optimizer, chunk_size=CHUNK, grad_clip=1.0, sync=placed.sync)
+        step = TrainStep(placed, loss_fn, optimizer, chunk_size=CHUNK, grad_clip=1.0)
     torch.manual_seed(100 + rank)  # dropout: a different mask on every rank, the same in every training
     losses, norms = [], []
     for k in range(STEPS):
@@ -167,7 +167,7 @@ def count_reduce_scatters(rank: int, world: int) -> dict:
     for reduce in ("chunk", "step"):
         placed = parallelize(tiny_clip(), World(rank, world), parallel="fsdp", reduce=reduce)
         optimizer = build_optimizer(placed.module, OptimConfig(lr=1e-3))
-        step = TrainStep(placed.model, build_loss("local"), optimizer, chunk_size=2, sync=placed.sync)
+        step = TrainStep(placed, build_loss("local"), optimizer, chunk_size=2)
         calls, reduce_scatter = [], dist.reduce_scatter_single
         dist.reduce_scatter_single = lambda *args, **kwargs: calls.append(1) or reduce_scatter(*args, **kwargs)
         try:
@@ -200,7 +200,7 @@ def evaluate_unevenly(rank: int, world: int) -> dict:
     placed.module.train()
     sharded_after = all(isinstance(p, DTensor) for n, p in placed.module.named_parameters() if not n.startswith("logit_"))
     optimizer = build_optimizer(placed.module, OptimConfig(lr=1e-3))
-    TrainStep(placed.model, build_loss("local"), optimizer, chunk_size=2, sync=placed.sync)(*make_batch(4, seed=rank))
+    TrainStep(placed, build_loss("local"), optimizer, chunk_size=2)(*make_batch(4, seed=rank))
     return {"error": max(errors), "sharded_after": sharded_after}
 
 

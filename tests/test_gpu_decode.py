@@ -18,7 +18,7 @@ from open_clip.transform import image_transform
 from PIL import Image
 
 from clipscale.data.device_decode import JpegEngines, TorchvisionJpeg, decode_rows
-from clipscale.data.offload import EncodedImages
+from clipscale.data.encoded import EncodedImages
 from clipscale.data.transforms import SplitTransform
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

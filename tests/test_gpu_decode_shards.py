@@ -34,7 +34,8 @@ import webdataset as wds
 from open_clip.transform import image_transform
 from PIL import Image, ImageDraw
 
-from clipscale.data.device_decode import JpegEngines, TorchvisionJpeg, decode_rows, is_whole_jpeg
+from clipscale.data.device_decode import JpegEngines, TorchvisionJpeg, decode_rows
+from clipscale.data.encoded import is_whole_jpeg
 from clipscale.data.shards import ShardStream
 from clipscale.data.transforms import SplitTransform
 

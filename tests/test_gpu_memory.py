@@ -15,7 +15,7 @@ import torch
 
 from clipscale import memory
 from clipscale.config import ModelConfig, OptimConfig
-from clipscale.data.batches import DeviceBudget, HostTensor
+from clipscale.data.chunks import ChunkSource, KeepBudget
 from clipscale.data.transforms import SplitTransform
 from clipscale.losses import build_loss
 from clipscale.models import build_model
@@ -45,8 +45,8 @@ def test_the_auto_chunk_runs_a_real_step_under_the_probes_budget(monkeypatch):
     assert figures["fits"] < BATCH, f"the whole batch fits: nothing is tested ({figures})"
 
     step = TrainStep(model, loss_fn, optimizer, chunk_size=chunk, precision="bf16")
-    images = HostTensor(pixels, SplitTransform.split(towers.train_transform).to_float, budget=DeviceBudget(kept))
-    texts = HostTensor(torch.randint(1, model.vocab_size, (BATCH, model.context_length)))
+    images = ChunkSource.of_tensor(pixels, SplitTransform.split(towers.train_transform).to_float, budget=KeepBudget(kept))
+    texts = ChunkSource.of_tensor(torch.randint(1, model.vocab_size, (BATCH, model.context_length)))
     torch.cuda.reset_peak_memory_stats(device)
     for _ in range(2):  # the first step creates AdamW's moments, which the probe counted from the start
         assert step(images, texts, lr=1e-5).applied

@@ -25,8 +25,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 import torchvision.transforms as T
 
-from clipscale.data.batches import Arrivals, ArrivingTensor, HostTensor
-from clipscale.data.offload import DecodePool, EncodedImages, OffloadedImages
+from clipscale.data.chunks import Arrivals, ChunkSource, PinnedRows
+from clipscale.data.encoded import EncodedImages
+from clipscale.data.offload import DecodePool
 from clipscale.data.transforms import SplitTransform
 from clipscale.gradcache import GradCache, encode
 from clipscale.losses import CLIP_INPUTS, _registered, available_losses, build_loss, loss_contract
@@ -237,18 +238,21 @@ def test_host_columns_give_the_same_gradients():
     pixels = torch.randint(0, 256, (10, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     _, texts = make_batch(10, seed=0)
     _, kept = gradcache_grads(model, loss_fn, normalise(pixels), texts, chunk_size=4)
-    _, pinned = gradcache_grads(model, loss_fn, HostTensor(pixels, normalise), HostTensor(texts), chunk_size=4)
+    pinned_images, pinned_texts = ChunkSource.of_tensor(pixels, normalise), ChunkSource.of_tensor(texts)
+    _, pinned = gradcache_grads(model, loss_fn, pinned_images, pinned_texts, chunk_size=4)
     assert relative_error(pinned, kept) == 0.0
 
     arrivals = Arrivals()
-    images = ArrivingTensor(torch.empty_like(pixels), arrivals, normalise)
-    tokens = ArrivingTensor(torch.empty_like(texts), arrivals)
+    images = ChunkSource(PinnedRows(torch.empty_like(pixels), "images", arrivals), normalise)
+    tokens = ChunkSource(PinnedRows(torch.empty_like(texts), "texts", arrivals))
 
     def arrive():  # two rows at a time, slower than the step asks for them
         for start in range(0, 10, 2):
             time.sleep(0.05)
-            images.tensor[start : start + 2] = pixels[start : start + 2]
-            tokens.tensor[start : start + 2] = texts[start : start + 2]
+            rows = slice(start, start + 2)
+            piece = {"images": pixels[rows], "texts": texts[rows]}
+            images.put(rows, piece)
+            tokens.put(rows, piece)
             arrivals.add(2)
 
     filler = threading.Thread(target=arrive)
@@ -265,10 +269,10 @@ def test_offloaded_images_decoded_again_in_processes_give_the_same_gradients():
     pixels = torch.randint(0, 256, (12, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     _, texts = make_batch(12, seed=0)
     split = SplitTransform.split(T.ToTensor())
-    pool = DecodePool(split.decode, processes=2)
+    pool = DecodePool(split.decode, processes=2, window=2)
     try:
         arrivals = Arrivals()
-        images = OffloadedImages(12, arrivals, split.to_float, None, pool, window=2)
+        images = pool.column(12, arrivals, split.to_float, None)
 
         def arrive():  # pieces of 2: the window holds 2, so the loader waits for the first pass
             for start in range(0, 12, 2):
@@ -278,7 +282,7 @@ def test_offloaded_images_decoded_again_in_processes_give_the_same_gradients():
 
         filler = threading.Thread(target=arrive)
         filler.start()
-        _, offloaded = gradcache_grads(model, loss_fn, images, HostTensor(texts), chunk_size=4)
+        _, offloaded = gradcache_grads(model, loss_fn, images, ChunkSource.of_tensor(texts), chunk_size=4)
         filler.join()
     finally:
         pool.close()

@@ -1,9 +1,8 @@
 """Host memory of the training data path grows with the batch as two batches of uint8, no more.
 
-The trainer's own data path (`TrainingBatches`: loader workers decoding pieces,
-`BatchStream` gathering them one batch ahead) runs in a child process at two batch sizes,
-measured from outside as scripts/bench_e2e.py measures it on the GPU (PSS, loader workers
-included). Per added sample:
+The trainer's own data path (`TrainingBatches`: loader workers decoding pieces, gathered one
+batch ahead) runs in a child process at two batch sizes, measured from outside as
+scripts/bench_e2e.py measures it on the GPU (PSS, loader workers included). Per added sample:
 
   * the trainer process, which holds this batch and the next, grows by at most 2.5 times one
     sample's uint8 pixels (two batches, their tokens, slack);
@@ -11,9 +10,6 @@ included). Per added sample:
     pixels (their allocator's high-water mark drifts by tens of MB from run to run, whatever
     the batch: measured together with the trainer it once made the tree look like 2.67x);
   * no moment of the run holds half a batch more than the steady state (a transient copy).
-
-The data path this replaced (each worker assembling whole float32 batches, two in flight
-per worker) grew by about 20 times.
 """
 
 from __future__ import annotations
@@ -33,20 +29,16 @@ SIZE = 64  # the model's input: 3 * 64 * 64 = 12,288 uint8 bytes a sample
 CHILD = """
 import sys
 from clipscale.config import load_config
-from clipscale.data import prepare_data
-from clipscale.data.shards import StreamState
 from clipscale.distributed import World
 from clipscale.models import build_model
 from clipscale.data.pipeline import TrainingBatches
 
 cfg = load_config(sys.argv[1], sys.argv[2:])
 towers = build_model(cfg.model)
-batches = TrainingBatches.build(cfg, prepare_data(cfg.data, World()), towers.train_transform, towers.tokenizer, World(),
-                                StreamState(), chunk=cfg.train.chunk_size, steps=2)
+batches = TrainingBatches(cfg, World(), towers.train_transform, towers.tokenizer, cfg.train.chunk_size)
 for _ in range(2):  # the second is gathered while the first is held: both slots full
-    batch = batches.next()
-    batch.texts.submit(0, len(batch), 1)()  # every piece has arrived
-    batches.release(batch)
+    with batches.next():  # used at once: leaving it waits for every piece
+        pass
 print("HELD", flush=True)  # both slots' buffers hold a whole batch until close(): measured now
 sys.stdin.readline()
 batches.close()
@@ -81,7 +73,7 @@ def _measure(shards: str, batch_size: int, tmp_path) -> dict[str, int]:
     model = ("model.custom={embed_dim: 32, vision_cfg: {image_size: %d, patch_size: 16, width: 64, layers: 1, "
              "head_width: 32}, text_cfg: {context_length: 16, vocab_size: 49408, width: 64, heads: 2, layers: 1}}" % SIZE)
     overrides = [model, "data.kind=webdataset", f"data.train_shards={shards}",
-                 f"train.batch_size={batch_size}", "train.chunk_size=256", f"run.output_dir={tmp_path}"]
+                 f"train.batch_size={batch_size}", "train.chunk_size=256", "train.steps=2", f"run.output_dir={tmp_path}"]
     child = subprocess.Popen([sys.executable, "-c", CHILD, DIGITS_YAML, *overrides], cwd=REPO, text=True,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     bench_e2e = _bench_e2e()

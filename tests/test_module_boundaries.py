@@ -1,4 +1,4 @@
-"""What a module of clipscale/ may reach in another, and what state it may keep (issue 29).
+"""What a module of clipscale/ may reach in another, and what state it may keep.
 
 - No module imports a private name (`_x`) of another clipscale module: not by `from m import _x`,
   not as `m._x` through an imported module, not a private module itself. What another module

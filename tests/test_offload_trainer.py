@@ -21,8 +21,10 @@ from open_clip.transform import image_transform
 
 from clipscale.config import load_config
 from clipscale.data.batches import BatchStream
-from clipscale.data.device_decode import DeviceDecodedImages
-from clipscale.data.offload import EncodedImages, OffloadedImages
+from clipscale.data.chunks import Arrivals
+from clipscale.data.device_decode import DeviceDecodedRows, DeviceDecoder
+from clipscale.data.encoded import EncodedImages
+from clipscale.data.offload import DecodePool, OffloadedRows
 from clipscale.data.shards import ShardErrors, ShardStream, StreamState
 from clipscale.data.sources import IMAGE
 from clipscale.data.transforms import SplitTransform
@@ -69,15 +71,15 @@ def test_uint8_pieces_and_kept_bytes_give_the_whole_transforms_pixels_bit_for_bi
 
 def _streamed(loader, batch_size, piece_size, to_float, count):
     """`count` batches from BatchStream, as the trainer takes them, with the stream state after each."""
-    stream, state, out = BatchStream(loader, batch_size=batch_size, piece_size=piece_size, batches=count,
-                                     to_float=to_float), StreamState(), []
+    state, out = StreamState(), []
+    stream = BatchStream(loader, batch_size=batch_size, piece_size=piece_size, state=state, steps=count,
+                         device_transform=to_float)
+    cpu = torch.device("cpu")
     for _ in range(count):
-        batch = stream.next()
-        images = torch.cat([batch.images.submit(s, s + piece_size, 1)() for s in range(0, batch_size, piece_size)])
-        texts = batch.texts.submit(0, batch_size, 1)().clone()
-        batch.consumed(state)
-        out.append((to_float(images), texts, copy.deepcopy(state)))
-        stream.release(batch)
+        with stream.next() as batch:
+            images = torch.cat(list(batch.images.chunks([(s, s + piece_size) for s in range(0, batch_size, piece_size)], cpu)))
+            texts = torch.cat(list(batch.texts.chunks([(0, batch_size)], cpu))).clone()
+        out.append((images, texts, copy.deepcopy(state)))
     stream.close()
     return out
 
@@ -97,6 +99,44 @@ def test_a_streamed_batch_is_todays_whole_batch_bit_for_bit(digits_root, workers
     for (images, texts, cursor), (s_images, s_texts, state) in zip(whole, streamed):
         assert torch.equal(s_images, images) and torch.equal(s_texts, texts)
         assert tuple(state.cursors[cursor[0]]) == tuple(cursor[1:])
+
+
+class _CountedPieces:
+    """Numbered pieces of 2 token rows, counting how many the stream took."""
+
+    def __init__(self):
+        self.taken = 0
+
+    def __iter__(self):
+        while True:
+            self.taken += 1
+            yield {"images": torch.zeros(2, 3, 4, 4, dtype=torch.uint8), "texts": torch.full((2, 1), self.taken),
+                   "cursor": (0, 0, self.taken), "skipped_samples": 1, "shard_errors": 0}
+
+
+def test_a_batch_moves_the_stream_on_when_its_step_is_done_and_not_when_the_step_fails():
+    pieces, state = _CountedPieces(), StreamState()
+    stream = BatchStream(pieces, batch_size=4, piece_size=2, state=state, steps=5, in_thread=False)
+    with pytest.raises(ValueError):
+        with stream.next():
+            raise ValueError("the step failed")
+    assert state == StreamState(), "a batch whose step failed was not used"
+    with stream.next() as batch:
+        assert torch.cat(list(batch.texts.chunks([(0, 4)], torch.device("cpu")))).flatten().tolist() == [3, 3, 4, 4]
+    assert state == StreamState(cursors={0: (0, 4)}, pieces=2, batches=1, skipped_samples=2)
+    stream.close()
+
+
+def test_the_stream_gathers_no_batch_beyond_the_runs_last_step():
+    """A run resumed after 3 of its 5 steps gathers 2 batches, the second while the first is used."""
+    pieces = _CountedPieces()
+    stream = BatchStream(pieces, batch_size=4, piece_size=2, state=StreamState(batches=3), steps=5)
+    for _ in range(2):
+        with stream.next():
+            pass
+    stream.thread.join(timeout=10)
+    assert not stream.thread.is_alive() and pieces.taken == 2 * 2
+    stream.close()
 
 
 @pytest.mark.filterwarnings("ignore:Unused augmentation cfg items")  # open_clip's, about items it does use
@@ -172,9 +212,9 @@ def test_the_trainer_streams_offloaded_images_to_the_step(digits_root, tmp_path,
     _train(digits_root, tmp_path, "offload", "data.workers=1", "train.offload=true", monkeypatch=monkeypatch, record=record)
     assert len(record) == 6
     for images, texts in record:
-        assert isinstance(images, OffloadedImages)
+        assert isinstance(images.rows, OffloadedRows)
         assert len(images) == len(texts) == 64
-        assert sum(e.nbytes for _, e in images.encoded) < 64 * 3 * 32 * 32  # PNG bytes, about 1.1 KB a digit
+        assert images.rows.encoded.nbytes < 64 * 3 * 32 * 32  # PNG bytes, about 1.1 KB a digit
     assert not [w for w in recwarn if "does not split" in str(w.message)]
 
 
@@ -211,8 +251,13 @@ def test_the_kept_bytes_are_copied_out_of_the_loader_workers_shared_memory():
     until it is freed: a column that kept them for a million-sample batch would run out of them."""
     piece = next(iter(torch.utils.data.DataLoader(_OnePiece(), batch_size=None, num_workers=1)))
     assert piece["encoded"].data.is_shared()  # as the worker sent it
-    for column in (OffloadedImages(2, None, None, None, None, window=1), DeviceDecodedImages(2, None, None, None, None)):
-        column.put(slice(0, 2), piece)
-        [(first_row, kept)] = column.encoded
-        assert first_row == 0 and [kept[i] for i in range(2)] == [piece["encoded"][i] for i in range(2)]
-        assert not any(tensor.is_shared() for tensor in (kept.data, kept.offsets, kept.params)), type(column).__name__
+    pool, decoder = DecodePool(lambda sample: None, processes=1, window=1), DeviceDecoder(None, torch.device("cpu"))
+    try:
+        for rows in (OffloadedRows(2, Arrivals(), pool), DeviceDecodedRows(2, Arrivals(), decoder)):
+            rows.put(slice(0, 2), piece)
+            [(first_row, kept)] = rows.encoded.pieces
+            assert first_row == 0 and [kept[i] for i in range(2)] == [piece["encoded"][i] for i in range(2)]
+            assert not any(tensor.is_shared() for tensor in (kept.data, kept.offsets, kept.params)), type(rows).__name__
+    finally:
+        pool.close()
+        decoder.close()

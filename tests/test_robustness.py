@@ -183,7 +183,7 @@ def test_a_worker_killed_mid_run_is_restarted_from_the_latest_checkpoint(digits_
 
 @pytest.mark.slow
 def test_jobs_that_start_together_on_one_data_root_all_get_the_digits_shards(tmp_path):
-    """Two jobs sharing `data.root` used to race on one half-written folder (a FileNotFoundError)."""
+    """Two jobs sharing `data.root` do not race on one half-written folder (a FileNotFoundError)."""
     write = "import sys; from clipscale.data.digits import write_digits_shards; write_digits_shards(sys.argv[1], 32)"
     jobs = [subprocess.Popen([sys.executable, "-c", write, str(tmp_path)], cwd=REPO, stderr=subprocess.PIPE, text=True)
             for _ in range(3)]

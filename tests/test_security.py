@@ -1,4 +1,4 @@
-"""Untrusted shards and checkpoints run no code and take no run down (issue 31).
+"""Untrusted shards and checkpoints run no code and take no run down.
 
 A hostile shard carries, beside each sample's image, caption and label, `.pyd`, `.pickle`,
 `.pth` and `.npy` (object array) members whose loading would create a marker file: webdataset's

@@ -138,7 +138,7 @@ def test_every_training_step_is_the_one_train_py_runs():
 
 def test_the_training_loop_reads_in_one_sitting():
     """Run.fit is next batch, lr, step, then one call each for metrics, evaluation and checkpoint:
-    at most 30 lines (issue 29), the rest lives in the components it calls."""
+    at most 30 lines, the rest lives in the components it calls."""
     tree = ast.parse((PACKAGE / "trainer.py").read_text())
     [fit] = [node for run in tree.body if isinstance(run, ast.ClassDef) and run.name == "Run"
              for node in run.body if isinstance(node, ast.FunctionDef) and node.name == "fit"]

@@ -283,7 +283,7 @@ def test_lit_keeps_the_locked_tower_in_eval_mode(digits_root, tmp_path, monkeypa
     real_call = TrainStep.__call__
 
     def recording_call(step, images, texts, lr=None):
-        modes.append((step.module.visual.training, step.module.transformer.training))
+        modes.append((step.model.module.visual.training, step.model.module.transformer.training))
         return real_call(step, images, texts, lr)
 
     monkeypatch.setattr(TrainStep, "__call__", recording_call)

@@ -1,32 +1,16 @@
 """JPEG decoding on the training device (`data.decoder: device`): the loader reads, the GPU decodes.
 
-With loader decoding, a worker spends most of a sample's time in libjpeg and PIL's resize;
-at ViT-B/32's pace 14 workers cannot keep one H100 busy. With device decoding the workers
-only read the shards, parse each JPEG's header to draw its crop (the same draw, from the
-same per-sample seed, as loader decoding), and tokenize. The host keeps the batch as the
-shards' bytes (`EncodedImages`, about a tenth of its uint8 pixels), so every batch is
-offloaded. Gradient Cache's first pass decodes each chunk on the device: one batched call
-to the GPU's hardware JPEG engines (`JpegEngines`, nvImageCodec) or to nvJPEG on the SMs
-(`TorchvisionJpeg`), then every image's crop and resize in one batched pass (`crop_resize`,
-within a grey level of torchvision's `resized_crop`). The second pass takes the pixels the
-first kept on the device (`batches.stream_chunks`); a chunk the device had no room for is
-decoded again, with the same bytes, code and device, so both passes see the same pixels,
-which the cached feature gradients need.
-
-A sample that is not a whole JPEG (PNG, WebP, a JPEG with bytes after its end marker) is
-decoded by the worker with PIL to judge it, exactly as loader decoding would (an
-undecodable one is skipped and counted), and again here with PIL. A whole JPEG is decoded
-by the worker at 1/8 scale (`decodes_at_reduced_scale`), which finds damaged data as a full
-decode would, so it is skipped and counted too. A JPEG that the device rejects (CMYK,
-say) is decoded with PIL. On a CPU device the same code runs
-torchvision's CPU decoder: that is how the tests hold it.
+`DeviceDecoder` decodes a batch's chunks on a thread and CUDA stream of its own, with the GPU's
+hardware JPEG engines (`JpegEngines`, nvImageCodec) or nvJPEG on the SMs (`TorchvisionJpeg`),
+then crops and resizes a whole chunk at once (`crop_resize`); what they refuse, PIL decodes.
+`DeviceDecodedRows` are the images column's rows: the pieces' JPEG bytes, decoded chunk by chunk.
+On a CPU device the same code runs torchvision's CPU decoder: that is how the tests hold it.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -35,18 +19,9 @@ from typing import Callable
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from clipscale.data.batches import Arrivals, DeviceBudget, DeviceTransform, HostColumn
-from clipscale.data.offload import EncodedImages, encoded_rows
+from clipscale.data.chunks import Arrivals, ChunkSource, DeviceTransform, KeepBudget
+from clipscale.data.encoded import EncodedBatch, EncodedImages, is_whole_jpeg
 from clipscale.data.transforms import SplitTransform
-
-JPEG_START, JPEG_END = b"\xff\xd8\xff", b"\xff\xd9"
-
-
-def is_whole_jpeg(data) -> bool:
-    """A JPEG from its start marker to its end marker (bytes or a uint8 array): what the device
-    decodes. A cut-short file lacks the end marker; the worker then decodes it itself, to skip
-    and count it."""
-    return bytes(data[:3]) == JPEG_START and bytes(data[-2:]) == JPEG_END
 
 
 class TorchvisionJpeg:
@@ -133,14 +108,6 @@ def _tiny_jpeg() -> bytes:
 TINY_JPEG = _tiny_jpeg()
 
 
-def decodes_at_reduced_scale(img) -> None:
-    """Decode a JPEG's entropy-coded data at 1/8 scale (libjpeg's DCT scaling: a fraction of a
-    full decode), raising what a full decode would raise: the worker's check that the device
-    will be able to decode what it keeps, so an undecodable image is skipped and counted there."""
-    img.draft("RGB", (max(1, img.width // 8), max(1, img.height // 8)))
-    img.load()
-
-
 def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop: int,
                 device: torch.device, jpeg: Callable[[list[torch.Tensor]], list] | None = None) -> torch.Tensor:
     """encoded[start:stop] decoded, cropped and resized on `device`: uint8 [n, 3, H, W].
@@ -185,31 +152,47 @@ def resized_crops(split: SplitTransform, images: list[torch.Tensor], boxes: list
 
 def decode_parts(split: SplitTransform, parts: list[tuple[EncodedImages, int, int]], device: torch.device,
                  jpeg: Callable[[list[torch.Tensor]], list] | None = None) -> torch.Tensor:
-    """A chunk kept as pieces (`encoded_rows`), decoded in order: uint8 [n, 3, H, W] on `device`."""
+    """A chunk kept as pieces (`EncodedBatch.rows`), decoded in order: uint8 [n, 3, H, W] on `device`."""
     return torch.cat([decode_rows(split, encoded, lo, hi, device, jpeg) for encoded, lo, hi in parts])
 
 
 class DeviceDecoder:
-    """Decodes a batch's chunks on the device ahead of the step, in a thread of its own.
+    """Decodes a batch's chunks on the device in a thread of its own.
 
     A decode waits for its own work: issued from the training thread, every chunk's decode
     would stall the model's queue. On a thread with its own CUDA stream it is launched and
-    runs while the model computes the previous chunk. `images_decoded` counts every image
-    decoded (the tests hold "once per step" with it)."""
+    runs while the model computes the previous chunk. With a keep budget, each chunk of
+    `chunk_size` is decoded as soon as its pieces are in and the budget has room: during the
+    previous step, so pass 1 finds it ready (`ChunkSource.prepare_ahead`). `images_decoded`
+    counts every image decoded (the tests hold "once per step" with it)."""
 
-    def __init__(self, split: SplitTransform, device: torch.device, jpeg: Callable[[list[torch.Tensor]], list] | None = None):
-        self.split, self.device = split, device
+    def __init__(self, split: SplitTransform, device: torch.device, jpeg: Callable[[list[torch.Tensor]], list] | None = None,
+                 chunk_size: int | None = None):
+        self.split, self.device, self.chunk_size = split, device, chunk_size
         self.jpeg = jpeg or TorchvisionJpeg(device)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="clipscale-decode")
         self.images_decoded = 0
 
-    def submit(self, parts: Callable[[], list]) -> Future:
-        return self.thread.submit(self._decode, parts)
+    def column(self, batch_size: int, arrivals: Arrivals, device_transform: DeviceTransform | None,
+               budget: KeepBudget | None) -> ChunkSource:
+        """A batch's images column, decoded here; its chunks decoded ahead when the budget and the
+        transform allow (a single random resized crop: every image's pixels are the same size)."""
+        images = ChunkSource(DeviceDecodedRows(batch_size, arrivals, self), device_transform, budget)
+        crop = self.split.only_random_resized_crop()
+        if budget is not None and self.chunk_size is not None and crop is not None:
+            images.prepare_ahead(self.chunk_size, 3 * crop.size[0] * crop.size[1], arrivals)
+        return images
 
-    def _decode(self, parts: Callable[[], list]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def submit(self, encoded: EncodedBatch, arrivals: Arrivals, start: int, stop: int) -> "DecodedChunk":
+        """Rows [start, stop) decoded once they have arrived."""
+        return DecodedChunk(self.thread.submit(self._decode, encoded, arrivals, start, stop))
+
+    def _decode(self, encoded: EncodedBatch, arrivals: Arrivals, start: int, stop: int
+                ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        arrivals.wait_for(stop)
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            pixels = decode_parts(self.split, parts(), self.device, self.jpeg)
+            pixels = decode_parts(self.split, encoded.rows(start, stop), self.device, self.jpeg)
         self.images_decoded += len(pixels)
         return pixels, (self.stream.record_event() if self.stream is not None else None)
 
@@ -217,86 +200,39 @@ class DeviceDecoder:
         self.thread.shutdown(wait=False, cancel_futures=True)
 
 
-class DeviceDecodedImages(HostColumn):
-    """The images column of a batch decoded on the device (a `HostColumn`, filled by `BatchStream`):
-    the host holds each piece's `EncodedImages`. With `ahead` = (chunk size, bytes of an
-    image's pixels), each chunk is decoded as soon as its pieces are in, while the budget has
-    room: during the previous step, so pass 1 finds it ready. Otherwise a chunk is decoded when
-    pass 1 asks for it. Pass 2 takes the pixels pass 1 kept on the device (`stream_chunks`);
-    only the chunks the budget had no room for are decoded again."""
+class DecodedChunk:
+    """A chunk being decoded by the decoder's thread on its CUDA stream."""
 
-    def __init__(self, batch_size: int, arrivals: Arrivals, to_float: DeviceTransform | None, budget: DeviceBudget | None,
-                 decoder: DeviceDecoder, ahead: tuple[int, int] | None = None):
-        super().__init__(to_float, budget)
-        self.batch_size = batch_size
-        self.arrivals = arrivals
-        self.decoder = decoder
-        self.ahead = ahead if budget is not None else None
-        self.encoded: list[tuple[int, EncodedImages]] = []  # (first row, the piece's images), in order
-        self.decoding: dict[tuple[int, int], tuple[Future, int]] = {}  # chunks decoded ahead: (result, bytes)
-        self.rows_ahead = 0  # rows [0, rows_ahead) have been handed to the decoder (ahead, or by pass 1)
-        self.rows_in = 0  # rows [0, rows_in) have arrived
-        self.released = False
-        self.lock = threading.Lock()  # put (the gathering thread) and submit (the step) both move rows_ahead
+    def __init__(self, future: Future):
+        self.future = future
 
-    def __len__(self) -> int:
-        return self.batch_size
-
-    def put(self, rows: slice, piece: dict) -> None:
-        # A private copy: the piece's tensors sit in shared memory, one file descriptor each,
-        # and a batch of a million samples would hold thousands of them.
-        self.encoded.append((rows.start, piece["encoded"].clone()))
-        self.rows_in = rows.stop
-        self.decode_ahead()
-
-    def decode_ahead(self) -> None:
-        """Hand the decoder every chunk whose pieces are in, while the budget has room; when it
-        has none, go on once the step gives some back (the previous batch's pass 2 frees its chunks)."""
-        if self.ahead is None or self.released:
-            return
-        chunk, image_bytes = self.ahead
-        with self.lock:
-            while self.rows_ahead < self.batch_size:
-                start, stop = self.rows_ahead, min(self.rows_ahead + chunk, self.batch_size)
-                if stop > self.rows_in:
-                    return
-                size = (stop - start) * image_bytes
-                if not self.budget.take_bytes(size):
-                    self.budget.when_freed(self.decode_ahead)
-                    return
-                parts = encoded_rows(self.encoded, start, stop)
-                self.decoding[(start, stop)] = (self.decoder.submit(lambda parts=parts: parts), size)
-                self.rows_ahead = stop
-
-    def submit(self, start: int, stop: int, pass_number: int) -> Callable[[], tuple]:
-        if pass_number == 1:
-            with self.lock:
-                ahead = self.decoding.pop((start, stop), None)
-                self.rows_ahead = max(self.rows_ahead, stop)  # asked for now: not to be decoded ahead as well
-            if ahead is not None:
-                self.charged.add((start, stop))
-                return ahead[0].result
-
-        def parts() -> list:
-            self.arrivals.wait_for(stop)
-            return encoded_rows(self.encoded, start, stop)
-
-        return self.decoder.submit(parts).result
-
-    def drop_kept(self) -> None:
-        self.released = True  # the step is done with this batch: nothing more is decoded ahead for it
-        super().drop_kept()
-        for future, size in self.decoding.values():  # decoded ahead for a step that ended early
-            future.cancel()
-            self.budget.give_back_bytes(size)
-        self.decoding.clear()
-
-    @staticmethod
-    def to_device(decoded: tuple, device: torch.device, copy_stream) -> torch.Tensor:
+    def on_device(self, device: torch.device, copy_stream) -> torch.Tensor:
         """Already there: the compute stream only waits for the decode stream's work."""
-        pixels, done = decoded
+        pixels, done = self.future.result()
         if done is not None:
             compute = torch.cuda.current_stream(device)
             compute.wait_event(done)
             pixels.record_stream(compute)  # made on the decode stream, freed after the compute stream's use
         return pixels
+
+    def cancel(self) -> None:
+        self.future.cancel()
+
+
+class DeviceDecodedRows:
+    """The images of a batch that the device decodes: the host holds the pieces' JPEG bytes and
+    crops (`EncodedBatch`, about a tenth of their uint8 pixels); every pass decodes what it asks
+    for that was not kept."""
+
+    def __init__(self, batch_size: int, arrivals: Arrivals, decoder: DeviceDecoder):
+        self.batch_size, self.arrivals, self.decoder = batch_size, arrivals, decoder
+        self.encoded = EncodedBatch()
+
+    def __len__(self) -> int:
+        return self.batch_size
+
+    def put(self, rows: slice, piece: dict) -> None:
+        self.encoded.add(rows.start, piece["encoded"])
+
+    def prepare(self, start: int, stop: int, pass_number: int) -> DecodedChunk:
+        return self.decoder.submit(self.encoded, self.arrivals, start, stop)

@@ -1,25 +1,9 @@
-"""The training batches, built from the configuration: the one home of the data path.
+"""The data path built from the configuration: one part of the run, saved by the checkpoint as "data".
 
-    batches = TrainingBatches.build(cfg, data, towers, world, stream_state, chunk, steps)
-    batch = batches.next()                 # at once: its pieces keep arriving
-    step(batch.images, batch.texts, lr)    # Gradient Cache asks each column for its chunks, per pass
-    batch.consumed(stream_state); batches.release(batch)
-    batches.close()                        # the loader's workers and the decoder stop
-
-shards -> loader workers (`ShardStream`: pieces of uint8 pixels, or of JPEG bytes and crops)
-       -> `BatchStream` (a thread gathering each step's pinned host batch, one batch ahead)
-       -> the step's columns: `ArrivingTensor` (pixels), `OffloadedImages` (bytes + a window of
-          pixels, pass 2 decoded in a process pool) or `DeviceDecodedImages` (bytes, decoded
-          on the GPU) -> chunks on the device, pass 1's kept there for pass 2 (`DeviceBudget`)
-
-Who decodes the training images (`data.decoder`):
-  loader  the loader workers, with PIL, as open_clip_train does.
-  device  the workers read the shards, draw each crop and check the JPEG at 1/8 scale; the GPU
-          decodes: its hardware JPEG engines through nvImageCodec where they are there
-          (`data.device_decoder`), nvJPEG on the SMs otherwise. The host holds the batch as
-          JPEG bytes (about a tenth of its pixels).
-  auto    device on a GPU (when the image transform is a random resized crop the device can
-          run), loader otherwise.
+`TrainingBatches` reads the training shards in the loader's workers (`ShardStream`), decodes
+beside them as `data.decoder` says (`resolve_data_path`), gathers each step's batch (`BatchStream`)
+and keeps where the stream stands (`StreamState`) and its data-error counts; it shuts all of it
+down. docs/architecture.md tells how a batch flows.
 """
 
 from __future__ import annotations
@@ -30,19 +14,15 @@ from dataclasses import dataclass
 import torch
 
 from clipscale.config import Config, ConfigError
-from clipscale.data import PreparedData
-from clipscale.data.batches import BatchStream, DeviceBudget, StreamedBatch, piece_size_for
-from clipscale.data.device_decode import DeviceDecodedImages, DeviceDecoder, JpegEngines, TorchvisionJpeg
-from clipscale.data.offload import DecodePool, OffloadedImages
+from clipscale.data import prepare_data
+from clipscale.data.batches import BatchStream, ImageDecoder, StreamedBatch, piece_size_for
+from clipscale.data.chunks import KeepBudget, kept_bytes
+from clipscale.data.device_decode import DeviceDecoder, JpegEngines, TorchvisionJpeg
+from clipscale.data.offload import DecodePool
 from clipscale.data.shards import ShardStream, StreamState
 from clipscale.data.transforms import SplitTransform
-from clipscale.distributed import World
+from clipscale.distributed import World, all_reduce_sum_list
 from clipscale.signals import ignore_stop_signals
-
-GIB = 2**30
-DEVICE_SHARE_KEPT = 0.25  # of a GPU's memory, for pass-1 chunks kept for pass 2 (data.keep_on_device_gib: null)
-HOST_KEPT_GIB = 1.0  # the same on a CPU device
-
 
 @dataclass
 class DataPath:
@@ -90,36 +70,31 @@ def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.d
     return DataPath("device", jpeg.name, True, notes), jpeg
 
 
-def kept_bytes(cfg: Config, device: torch.device) -> int:
-    """data.keep_on_device_gib in bytes: what pass-1 chunks may hold on the device for pass 2."""
-    if cfg.data.keep_on_device_gib is not None:
-        return int(cfg.data.keep_on_device_gib * GIB)
-    if device.type == "cuda":
-        return int(DEVICE_SHARE_KEPT * torch.cuda.get_device_properties(device).total_memory)
-    return int(HOST_KEPT_GIB * GIB)
-
-
 class TrainingBatches:
-    """The loader, whoever decodes beside it, and the thread that gathers each step's batch."""
+    """The data path of a run, built from the configuration, the world, the model's training
+    transform and tokenizer, and the chunk. A part of the run's checkpoint (`state_dict`), whose
+    state is read when the stream starts: load it before the first `next()`.
 
-    def __init__(self, stream: BatchStream, decoder: DecodePool | DeviceDecoder | None, path: DataPath):
-        self.stream = stream
-        self.decoder = decoder
-        self.path = path
+        with batches.next() as batch:            # at once: its pieces keep arriving
+            step(batch.images, batch.texts, lr)  # Gradient Cache asks each column for its chunks
+        # leaving it marks the batch used: the cursors move past it
+    """
 
-    @classmethod
-    def build(cls, cfg: Config, data: PreparedData, train_transform, tokenizer, world: World, stream_state: StreamState,
-              chunk: int, steps: int) -> "TrainingBatches":
+    def __init__(self, cfg: Config, world: World, image_transform, tokenizer, chunk: int):
+        data = prepare_data(cfg.data, world)
+        self.samples_per_epoch = data.num_train
+        self.world = world
         per_rank = cfg.train.batch_size // world.world_size
         piece = piece_size_for(per_rank, chunk)
-        split = SplitTransform.split(train_transform)
+        split = SplitTransform.split(image_transform)
         if split is None and world.is_main:
-            warnings.warn(f"the image transform {train_transform} does not split into uint8 host steps and float "
+            warnings.warn(f"the image transform {image_transform} does not split into uint8 host steps and float "
                           "device steps: loader pieces and the host batch hold float32 images (4x the memory)")
-        path, jpeg = resolve_data_path(cfg, split, world.device)
-        if path.offload and split is None:
+        self.path, jpeg = resolve_data_path(cfg, split, world.device)
+        if self.path.offload and split is None:
             raise ConfigError("train.offload needs an image transform whose random crop can be kept with the image bytes "
-                              f"(open_clip's RandomResizedCrop pipelines); got {train_transform}")
+                              f"(open_clip's RandomResizedCrop pipelines); got {image_transform}")
+        self.state = StreamState()
         stream = ShardStream(
             data.train_shards,
             piece_size=piece,
@@ -127,47 +102,46 @@ class TrainingBatches:
             world_size=world.world_size,
             num_workers=cfg.data.workers,
             seed=cfg.run.seed,
-            image_transform=train_transform,
+            image_transform=image_transform,
             tokenizer=tokenizer,
             shuffle_buffer=cfg.data.shuffle_buffer,
-            state=stream_state,
+            state=self.state,
             split=split,
-            keep_encoded=path.offload,
-            decode=path.decoder == "loader",
+            keep_encoded=self.path.offload,
+            decode=self.path.decoder == "loader",
             max_image_pixels=cfg.data.max_image_pixels,
         )
         # A generator of its own: the loader's seed draw leaves the global RNG (dropout's) as restored.
         loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=cfg.data.workers,
                                              persistent_workers=cfg.data.workers > 0, worker_init_fn=ignore_stop_signals,
                                              generator=torch.Generator().manual_seed(cfg.run.seed + world.rank))
-        decoder, image_column = None, None
-        if path.decoder == "device":
-            decoder = DeviceDecoder(split, world.device, jpeg)
-            crop = split.only_random_resized_crop()
-            ahead = (chunk, 3 * crop.size[0] * crop.size[1]) if crop is not None else None
-
-            def image_column(batch_size, arrivals, to_float, budget):
-                return DeviceDecodedImages(batch_size, arrivals, to_float, budget, decoder, ahead)
-        elif path.offload:
-            decoder = DecodePool(split.decode, cfg.data.decode_workers or max(1, cfg.data.workers))
+        self.decoder: ImageDecoder | None = None
+        if self.path.decoder == "device":
+            self.decoder = DeviceDecoder(split, world.device, jpeg, chunk_size=chunk)
+        elif self.path.offload:
             # Without workers the batch is gathered whole before the step (BatchStream's in_thread): no bound then.
             window = 2 * max(1, chunk // piece) if cfg.data.workers else 0
-
-            def image_column(batch_size, arrivals, to_float, budget):
-                return OffloadedImages(batch_size, arrivals, to_float, budget, decoder, window)
-        to_float = split.to_float if split is not None else None
-        batches = BatchStream(loader, batch_size=per_rank, piece_size=piece, batches=steps, to_float=to_float,
-                              image_column=image_column, in_thread=cfg.data.workers > 0,
-                              budget=DeviceBudget(kept_bytes(cfg, world.device)))
-        return cls(batches, decoder, path)
+            self.decoder = DecodePool(split.decode, cfg.data.decode_workers or max(1, cfg.data.workers), window)
+        self.stream = BatchStream(loader, batch_size=per_rank, piece_size=piece, state=self.state, steps=cfg.train.steps,
+                                  device_transform=split.to_float if split is not None else None, decoder=self.decoder,
+                                  budget=KeepBudget(kept_bytes(cfg.data.keep_on_device_gib, world.device)), in_thread=cfg.data.workers > 0)
 
     def next(self) -> StreamedBatch:
         return self.stream.next()
 
-    def release(self, batch: StreamedBatch) -> None:
-        self.stream.release(batch)
+    def error_totals(self) -> list[int]:
+        """[skipped samples, shard errors] over all ranks since the run began (every rank calls it)."""
+        return all_reduce_sum_list([self.state.skipped_samples, self.state.shard_errors], self.world.device)
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.load_state_dict(state)
 
     def close(self) -> None:
+        """The gathering thread, the loader's workers and the decoder stop (each batch first: a
+        batch being decoded ahead stops before its decoder does)."""
         self.stream.close()
         if self.decoder is not None:
             self.decoder.close()

@@ -1,43 +1,13 @@
-"""An endless, exactly resumable stream of training samples from webdataset shards, in pieces.
+"""An endless, exactly resumable stream of training samples from webdataset shards, in pieces (`ShardStream`),
+and where one rank's stream stands (`StreamState`: its cursors and data-error counts).
 
-Every (rank, loader worker) pair is one *consumer*. In epoch e the shard list
-is permuted with a seed derived from (seed, e); consumer c reads every
-C-th shard of that order (or, with fewer shards than consumers, every C-th
-sample of all shards); with resampled shards (`ShardSource.resampled`) it draws
-its epoch's shards with replacement instead, seeded by (seed, e, c). It shuffles
-through a buffer seeded by (seed, e, c) (`clipscale.data.epoch`), decodes and hands
-out *pieces* of `piece_size` samples. The stream never ends, so every rank takes
-exactly `train.steps` steps whatever the shard sizes. Shards are tar files (local,
-`pipe:`, `http(s)://`) or a CSV table's row blocks (`clipscale.data.sources`).
-
-Workers never assemble a whole batch. DataLoader hands out pieces round-robin over
-its workers, so all workers decode for the same step at once, and the trainer
-gathers a step's pieces (`clipscale.data.batches`) while the step already runs on
-the first ones. Piece k of a rank comes from logical worker (k + first) mod W.
-
-Resumption is exact, resampled shards included: every piece carries its worker's
-cursor (epoch, and where the epoch stands: draws from the shuffle buffer, the sizes
-of the shards read to their end, the buffer's raw sample indices). The trainer
-records the cursor of the last piece it used from each worker and how many pieces
-it used; a resumed stream skips whole epochs for free, seeks to its place in the
-current epoch (it reads again only the shards that hold the buffer's samples, and
-decodes none of them; `clipscale.data.epoch`), and rotates which logical worker
-its first loader slot serves.
-
-Nothing in the data stops a run or shrinks a batch. Samples that cannot be
-decoded (corrupt image bytes, no caption, an image whose header claims more
-pixels than `data.max_image_pixels`) are skipped and counted; a shard
-that cannot be read to its end (a truncated or missing tar file) gives the
-samples before the damage, the rest is skipped and the event counted. Both
-counts travel with the piece; StreamState keeps this rank's totals, so they
-survive a resume (replayed samples are not counted twice).
-
-Images leave the worker as uint8 when the transform splits (`SplitTransform`: the
-float conversion runs on the device). With data offload (`keep_encoded`), a piece
-also keeps each image's bytes as read from the shard and the crop it drew
-(`EncodedImages`), so the batch can be decoded again in the second Gradient Cache
-pass without holding its pixels. When the training device decodes (`decode=False`,
-`clipscale.data.device_decode`), a piece holds only the bytes and crops.
+Each (rank, loader worker) pair is a consumer reading its own share of each epoch's shards (drawn
+with replacement with resampled shards), shuffled through a buffer (`clipscale.data.epoch`); the
+DataLoader hands pieces out round-robin, piece k of a rank from logical worker (k + first) mod W. A
+piece holds uint8 pixels (or the whole transform's floats), token ids, its worker's cursor and the
+samples and shards it skipped; with `keep_encoded` also the images' bytes and crops
+(`EncodedImages`), without `decode` only those. Nothing in the data stops a run or shrinks a batch.
+docs/architecture.md tells the order and how a resumed stream finds its place.
 """
 
 from __future__ import annotations
@@ -51,10 +21,9 @@ from typing import Callable, Optional, Sequence
 import torch
 import webdataset as wds
 
-from clipscale.data.device_decode import decodes_at_reduced_scale, is_whole_jpeg
-from clipscale.data.members import DATA_ERRORS, decode_text, first_member, open_image
+from clipscale.data.encoded import EncodedImages, decodes_at_reduced_scale, is_whole_jpeg
 from clipscale.data.epoch import EpochPlan, ShuffledEpoch
-from clipscale.data.offload import EncodedImages
+from clipscale.data.members import DATA_ERRORS, decode_text, first_member, open_image
 from clipscale.data.sources import IMAGE_KEYS, TEXT_KEYS, ShardSource
 from clipscale.data.transforms import SplitTransform
 
@@ -65,6 +34,7 @@ class StreamState:
 
     cursors: dict = field(default_factory=dict)
     pieces: int = 0  # pieces consumed by the trainer; decides the worker rotation on resume
+    batches: int = 0  # batches the trainer used: the run's steps on this rank, so its stream gathers no more
     skipped_samples: int = 0  # undecodable samples in those pieces' stretch of the stream
     shard_errors: int = 0  # shards that could not be read to their end
 

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_step import SMOKE_MODEL
 from bench_train import build_model, host_images
 
-from clipscale.data.batches import HostTensor
+from clipscale.data.chunks import ChunkSource
 from clipscale.distributed import World, init_distributed
 from clipscale.distributed import unwrap
 from clipscale.gradcache import trainable_towers
@@ -93,7 +93,7 @@ def synthetic_batch(work: Workload, local_batch: int, device: torch.device, offl
             if "out of memory" not in str(error):
                 raise
             raise HostMemoryError(f"pinning the offloaded batch failed ({error})") from error
-        return HostTensor(images, normalise), HostTensor(tokens)
+        return ChunkSource.of_tensor(images, normalise), ChunkSource.of_tensor(tokens)
     return normalise(torch.randint(0, 256, shape, dtype=torch.uint8, device=device)), tokens.to(device)
 
 

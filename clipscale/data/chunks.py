@@ -1,0 +1,307 @@
+"""A column of a step's batch (its images or its texts) handed to the device a chunk at a time.
+
+`ChunkSource` is what Gradient Cache asks for chunks, once per pass. Its `Rows` say how rows
+[start, stop) become ready: a pinned host tensor (`PinnedRows`, possibly still filling from the
+loader), offloaded bytes (offload.py), bytes the GPU decodes (device_decode.py). The source owns
+everything else: preparing the next chunks while one is used, copying host rows on a side CUDA
+stream, keeping pass 1's chunks on the device for pass 2 while the `KeepBudget` has room,
+preparing chunks before their pass asks (`prepare_ahead`), and the time the step waited.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable, Iterator, Optional, Protocol, Sequence
+
+import torch
+
+Bounds = Sequence[tuple[int, int]]
+DeviceTransform = Callable[[torch.Tensor], torch.Tensor]
+LOOKAHEAD = 2  # chunks being prepared while one is used
+GIB = 2**30
+DEVICE_SHARE_KEPT = 0.25  # of a GPU's memory, for chunks kept for pass 2 (data.keep_on_device_gib: null)
+HOST_KEPT_GIB = 1.0  # the same on a CPU device
+
+
+def identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def copy_to_device(host: torch.Tensor, device: torch.device, copy_stream) -> torch.Tensor:
+    """host -> device; on CUDA issued on `copy_stream`, ordered before the compute stream's next work."""
+    if copy_stream is None:
+        return host.to(device)
+    with torch.cuda.stream(copy_stream):
+        moved = host.to(device, non_blocking=True)
+    compute = torch.cuda.current_stream(device)
+    compute.wait_stream(copy_stream)
+    # The tensor was allocated on the copy stream but is used (and freed) on the compute
+    # stream: tell the caching allocator, or it could hand the memory out too early.
+    moved.record_stream(compute)
+    return moved
+
+
+def kept_bytes(keep_on_device_gib: float | None, device: torch.device) -> int:
+    """data.keep_on_device_gib in bytes on `device`: the `KeepBudget`'s limit."""
+    if keep_on_device_gib is not None:
+        return int(keep_on_device_gib * GIB)
+    if device.type == "cuda":
+        return int(DEVICE_SHARE_KEPT * torch.cuda.get_device_properties(device).total_memory)
+    return int(HOST_KEPT_GIB * GIB)
+
+
+class KeepBudget:
+    """How many bytes of chunks may wait on the device for their use: pass 1's chunks kept for
+    pass 2, and chunks prepared ahead. One budget for every column of every batch in flight."""
+
+    def __init__(self, limit_bytes: int):
+        self.limit = limit_bytes
+        self.used = 0
+        self.changed = threading.Condition()
+
+    def take(self, size: int) -> bool:
+        with self.changed:
+            if self.used + size > self.limit:
+                return False
+            self.used += size
+            return True
+
+    def take_when_room(self, size: int, unless: Callable[[], bool]) -> bool:
+        """Wait until `size` bytes fit and take them (True), or until `unless()` holds (False)."""
+        with self.changed:
+            self.changed.wait_for(lambda: unless() or self.used + size <= self.limit)
+            if unless():
+                return False
+            self.used += size
+            return True
+
+    def give_back(self, size: int) -> None:
+        with self.changed:
+            self.used -= size
+            self.changed.notify_all()
+
+    def wake(self) -> None:
+        """A waiter's `unless` may hold now."""
+        with self.changed:
+            self.changed.notify_all()
+
+
+class Arrivals:
+    """How many leading rows of a batch have arrived; waiting on it re-raises a loader failure."""
+
+    def __init__(self):
+        self.rows = 0
+        self.error: Optional[BaseException] = None
+        self.condition = threading.Condition()
+
+    def add(self, rows: int) -> None:
+        with self.condition:
+            self.rows += rows
+            self.condition.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self.condition:
+            self.error = error
+            self.condition.notify_all()
+
+    def wait_for(self, rows: int) -> None:
+        with self.condition:
+            self.condition.wait_for(lambda: self.rows >= rows or self.error is not None)
+            if self.rows < rows:
+                self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise RuntimeError("the data loader failed while gathering this batch") from self.error
+
+
+class Prepared(Protocol):
+    """A chunk on its way: `on_device` waits for it and returns it on the device, ordered before
+    the compute stream's next work."""
+
+    def on_device(self, device: torch.device, copy_stream) -> torch.Tensor: ...
+
+    def cancel(self) -> None: ...
+
+
+class HostChunk:
+    """Rows that become ready on the host (`host`, pinned), then are copied to the device."""
+
+    def host(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def on_device(self, device: torch.device, copy_stream) -> torch.Tensor:
+        return copy_to_device(self.host(), device, copy_stream)
+
+    def cancel(self) -> None:
+        """Nothing runs for it until `host` is called."""
+
+
+class PinnedSlice(HostChunk):
+    """Rows of a pinned tensor, handed out once they have arrived (`arrivals`: None, all there)."""
+
+    def __init__(self, rows: torch.Tensor, arrivals: Arrivals | None, stop: int):
+        self.rows, self.arrivals, self.stop = rows, arrivals, stop
+
+    def host(self) -> torch.Tensor:
+        if self.arrivals is not None:
+            self.arrivals.wait_for(self.stop)
+        return self.rows  # a row slice of a pinned tensor is pinned
+
+
+class OnDevice:
+    """A chunk already on the device (one pass 1 kept)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def on_device(self, device: torch.device, copy_stream) -> torch.Tensor:
+        return self.tensor
+
+    def cancel(self) -> None:
+        """Nothing is running for it."""
+
+
+class Rows(Protocol):
+    """How a column's rows become ready: `put` takes each loader piece, `prepare` starts making
+    rows [start, stop) ready for a pass."""
+
+    def __len__(self) -> int: ...
+
+    def put(self, rows: slice, piece: dict) -> None: ...
+
+    def prepare(self, start: int, stop: int, pass_number: int) -> Prepared: ...
+
+
+class PinnedRows:
+    """A column held whole in one pinned host tensor (uint8 images, token ids), filled from the
+    loader pieces' `key` as they arrive (`arrivals`; None: the tensor is whole already)."""
+
+    def __init__(self, tensor: torch.Tensor, key: str = "", arrivals: Arrivals | None = None):
+        if torch.cuda.is_available() and not tensor.is_pinned():
+            tensor = tensor.pin_memory()  # once, so that every chunk's copy can be asynchronous
+        self.tensor, self.key, self.arrivals = tensor, key, arrivals
+
+    def __len__(self) -> int:
+        return len(self.tensor)
+
+    def put(self, rows: slice, piece: dict) -> None:
+        self.tensor[rows].copy_(piece[self.key])
+
+    def prepare(self, start: int, stop: int, pass_number: int) -> PinnedSlice:
+        return PinnedSlice(self.tensor[start:stop], self.arrivals, stop)
+
+
+class ChunkSource:
+    """One column of a batch, handed to the device a chunk at a time: what Gradient Cache asks for
+    its chunks (`chunks`, once per pass). `release` once the step is done with it."""
+
+    def __init__(self, rows: Rows, device_transform: DeviceTransform | None = None, budget: KeepBudget | None = None):
+        self.rows = rows
+        self.device_transform = device_transform or identity
+        self.budget = budget
+        self.kept: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # pass 1's chunks on the device, and their bytes
+        self.ahead: dict[tuple[int, int], tuple[Prepared, int]] = {}  # pass 1's chunks prepared before it asked
+        self.asked_until = 0  # pass 1 has asked for rows [0, asked_until): nothing there is prepared ahead
+        self.released = False
+        self.lock = threading.Lock()  # the thread preparing ahead and the step both reach `ahead`
+        self.wait_s = 0.0  # time the step spent waiting for this column's chunks
+
+    @classmethod
+    def of_tensor(cls, tensor: torch.Tensor, device_transform: DeviceTransform | None = None,
+                  budget: KeepBudget | None = None) -> "ChunkSource":
+        """A whole host tensor (pinned here) as a chunk source."""
+        return cls(PinnedRows(tensor), device_transform, budget)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def put(self, rows: slice, piece: dict) -> None:
+        self.rows.put(rows, piece)
+
+    def chunks(self, bounds: Bounds, device: torch.device, pass_number: int = 1, keep: Bounds = ()) -> Iterator[torch.Tensor]:
+        """Rows [start, stop) of each bound on `device`, in order, device-transformed; the next ones
+        are prepared meanwhile, and a host chunk's copy overlaps the kernels still queued for the
+        previous one. In pass 1 the chunks in `keep` (those pass 2 will ask for) stay on the device
+        while the budget has room; pass 2 takes them instead of preparing them again."""
+        copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        keep = set(keep) if self.budget is not None and pass_number == 1 else set()
+        pending = deque(self._prepare(bound, pass_number) for bound in bounds[:LOOKAHEAD])
+        later = iter(bounds[LOOKAHEAD:])
+        for bound in bounds:
+            prepared, charged = pending.popleft()
+            started = time.perf_counter()
+            chunk = prepared.on_device(device, copy_stream)
+            self.wait_s += time.perf_counter() - started
+            upcoming = next(later, None)
+            if upcoming is not None:
+                pending.append(self._prepare(upcoming, pass_number))
+            if bound in keep and (charged or self.budget.take(nbytes(chunk))):
+                self.kept[bound] = (chunk, charged or nbytes(chunk))
+            elif charged:
+                self.budget.give_back(charged)  # prepared ahead, not needed again: freed after this use
+            yield self.device_transform(chunk)
+
+    def _prepare(self, bound: tuple[int, int], pass_number: int) -> tuple[Prepared, int]:
+        """The chunk's preparation started, and the budget bytes it already holds."""
+        if pass_number == 1:
+            with self.lock:
+                self.asked_until = max(self.asked_until, bound[1])
+                ahead = self.ahead.pop(bound, None)
+            if self.budget is not None:
+                self.budget.wake()  # a chunk waiting to be prepared ahead may be asked for now
+            if ahead is not None:
+                return ahead
+        kept = self.kept.pop(bound, None) if pass_number > 1 else None
+        if kept is not None:
+            tensor, size = kept
+            self.budget.give_back(size)  # freed once this chunk has been used
+            return OnDevice(tensor), 0
+        return self.rows.prepare(*bound, pass_number), 0
+
+    def prepare_ahead(self, chunk_size: int, row_bytes: int, arrivals: Arrivals) -> None:
+        """Prepare pass 1's chunks of `chunk_size` rows (`row_bytes` each on the device) in order, in a
+        thread of their own: each as soon as its rows have arrived and the budget has room (so mostly
+        during the previous step), until pass 1 asks for it itself or the batch is released."""
+        threading.Thread(target=self._prepare_ahead, args=(chunk_size, row_bytes, arrivals),
+                         name="clipscale-ahead", daemon=True).start()
+
+    def _prepare_ahead(self, chunk_size: int, row_bytes: int, arrivals: Arrivals) -> None:
+        start = 0
+        while start < len(self) and not self.released:
+            stop = min(start + chunk_size, len(self))
+            try:
+                arrivals.wait_for(stop)
+            except RuntimeError:  # the loader failed: the step raises it when it asks for these rows
+                return
+            size = (stop - start) * row_bytes
+            taken = self.budget.take_when_room(size, unless=lambda: self.released or self.asked_until >= stop)
+            with self.lock:
+                if taken and not self.released and self.asked_until < stop:
+                    self.ahead[(start, stop)] = (self.rows.prepare(start, stop, 1), size)
+                    start = stop
+                    continue
+            if taken:
+                self.budget.give_back(size)
+            start = self.asked_until  # pass 1 prepares what it asked for
+
+    def release(self) -> None:
+        """The step is done with this column: free what pass 1 kept and pass 2 did not take (a
+        step that ended early) and what was prepared ahead; nothing more is prepared ahead."""
+        with self.lock:
+            self.released = True
+            ahead, self.ahead = self.ahead, {}
+        for prepared, size in ahead.values():
+            prepared.cancel()
+            self.budget.give_back(size)
+        for _, size in self.kept.values():
+            self.budget.give_back(size)
+        self.kept.clear()
+        if self.budget is not None:
+            self.budget.wake()
