@@ -1,7 +1,7 @@
 """The training loop. Read top to bottom, it is the algorithm:
 
     decide what the run does with runs/<name> (run_dir.py): new, resume, or stop on another
-        configuration; when it resumes, the newest checkpoint that loads   (checkpoint_manager.py)
+        configuration; when it resumes, the newest checkpoint that loads   (run_dir.py)
     assemble the run: world, data, towers, loss, optimizer, the training step; restore its
         parts from the checkpoint (or seed them); the streamed batches; only then, with
         everything that can fail before training checked, claim runs/<name>
@@ -24,12 +24,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from clipscale.checkpoint_manager import CheckpointManager, Weights
+from clipscale.checkpoint import CHECKPOINTS
+from clipscale.checkpoint_manager import CheckpointManager, ModelAndOptimizer, RandomState
+from clipscale.checks import RunPlan, plan_run
 from clipscale.compile import compile_enabled, compile_towers, seconds_compiling
-from clipscale.config import Config, check_world
+from clipscale.config import Config
 from clipscale.console import Console, figures
 from clipscale.data import prepare_data
-from clipscale.data.pipeline import TrainingBatches, kept_bytes
+from clipscale.data.pipeline import TrainingBatches
 from clipscale.data.shards import StreamState
 from clipscale.distributed import World, all_reduce_max, all_reduce_sum_list, barrier, init_distributed, shutdown_distributed
 from clipscale.eval.during_training import Evaluator
@@ -40,8 +42,7 @@ from clipscale.metrics import MetricsLogger, RecordWindow
 from clipscale.models import Towers, build_model, write_open_clip_folder
 from clipscale.optim import build_optimizer, learning_rate
 from clipscale.parallel import gathered, parallelize
-from clipscale.precision import AUTOCAST_DTYPES
-from clipscale.run_dir import RunPlan, plan_run
+from clipscale.run_dir import RunFolder, open_run_folder
 from clipscale.signals import StopRequest
 from clipscale.step import StepResult, TrainStep
 from clipscale.utilization import peak_bf16_flops, train_flops_per_sample
@@ -56,15 +57,14 @@ def train(cfg: Config, *, loss_fn: torch.nn.Module | None = None) -> dict:
     preemption = StopRequest()
     run = None
     try:
-        check_world(cfg, world.world_size)
-        plan = plan_run(cfg)
-        checkpoints = CheckpointManager(plan.run_dir, cfg, world, console)
-        checkpoint = checkpoints.newest() if plan.action == "resume" else None
-        if checkpoints.has_ended(checkpoint):
-            console.say(f"{plan.run_dir} has already trained its {checkpoint['step']} steps; to train on, raise "
+        plan = plan_run(cfg, world)
+        folder = open_run_folder(cfg)
+        checkpoint = folder.newest_checkpoint(world, console)
+        if folder.has_ended(checkpoint):
+            console.say(f"{folder.run_dir} has already trained its {checkpoint['step']} steps; to train on, raise "
                         "train.steps with run.extend_steps=true, or choose a new run.name")
             return {}
-        run = Run.assemble(cfg, world, console, plan, checkpoints, checkpoint, loss_fn)
+        run = Run.assemble(cfg, plan, world, console, folder, checkpoint, loss_fn)
         return run.fit(preemption)
     finally:
         if run is not None:
@@ -73,28 +73,24 @@ def train(cfg: Config, *, loss_fn: torch.nn.Module | None = None) -> dict:
         shutdown_distributed()
 
 
-def claim_run_dir(plan: RunPlan, world: World, console: Console) -> None:
+def claim_run_dir(folder: RunFolder, world: World, console: Console) -> None:
     """Create (or move aside and create) runs/<name> and record the configuration, once every
-    rank has read the folder (plan_run) and everything that can fail before training has passed."""
+    rank has read the folder (open_run_folder) and everything that can fail before training has passed."""
     barrier()
     if world.is_main:
-        for line in plan.apply():
+        for line in folder.apply():
             console.say(line)
     barrier()
 
 
-def chunk_size(cfg: Config, towers: Towers, loss_fn, world: World, console: Console) -> int:
-    """train.chunk_size as the step uses it: this rank's whole batch when null, the probe's
-    choice for "auto" (logged), else the configured chunk."""
-    per_rank = cfg.train.batch_size // world.world_size
-    if cfg.train.chunk_size != "auto":
-        return min(cfg.train.chunk_size or per_rank, per_rank)
-    visual = towers.model.visual
-    image_size = visual.image_size[0] if isinstance(visual.image_size, tuple) else visual.image_size
-    chunk, probe = largest_chunk(towers.model, loss_fn, batch_size=per_rank,
-                                 precision_dtype=AUTOCAST_DTYPES[cfg.train.precision], image_size=image_size,
-                                 context_length=towers.model.context_length, vocab_size=towers.model.vocab_size,
-                                 reserved=kept_bytes(cfg, world.device))
+def chunk_size(plan: RunPlan, towers: Towers, loss_fn, world: World, console: Console) -> int:
+    """The plan's chunk, or for "auto" the probe's choice (logged)."""
+    if plan.chunk != "auto":
+        return plan.chunk
+    per_rank = plan.per_rank_batch
+    chunk, probe = largest_chunk(towers.model, loss_fn, batch_size=per_rank, precision_dtype=plan.autocast_dtype,
+                                 image_size=plan.image_size, context_length=towers.model.context_length,
+                                 vocab_size=towers.model.vocab_size, reserved=plan.keep_on_device_bytes)
     chunk = int(min(all_reduce_max(-chunk, world.device) * -1, per_rank))  # the smallest over ranks
     shown = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in probe.items())
     console.say(f"train.chunk_size=auto: {chunk} samples per encoder pass ({shown})")
@@ -108,7 +104,7 @@ class Run:
     cfg: Config
     world: World
     console: Console
-    run_dir: Path
+    folder: RunFolder
     model: torch.nn.Module  # DDP-wrapped or sharded by FSDP under several processes (clipscale.parallel)
     step: TrainStep
     stream_state: StreamState
@@ -125,7 +121,7 @@ class Run:
     warned_about_data: bool = False
 
     @classmethod
-    def assemble(cls, cfg: Config, world: World, console: Console, plan: RunPlan, checkpoints: CheckpointManager,
+    def assemble(cls, cfg: Config, plan: RunPlan, world: World, console: Console, folder: RunFolder,
                  checkpoint: dict | None, loss_fn: torch.nn.Module | None = None) -> "Run":
         """`checkpoint`: the one the run resumes from, or None. Nothing is written to the run
         folder before every part is built: a mistake found here leaves it as it was."""
@@ -136,38 +132,39 @@ class Run:
         parallel = parallelize(towers.model, world, parallel=train.parallel, precision=train.precision,
                                reduce=train.fsdp_reduce, offload=train.fsdp_offload)
         module = parallel.module
-        visual = module.visual
-        image_size = visual.image_size[0] if isinstance(visual.image_size, tuple) else visual.image_size
         with gathered(module):
-            flops = train_flops_per_sample(module, image_size, module.context_length, world.device, *trainable_towers(module))
+            flops = train_flops_per_sample(module, plan.image_size, module.context_length, world.device,
+                                           *trainable_towers(module))
         loss_fn = loss_fn if loss_fn is not None else build_loss(cfg.loss.name, **cfg.loss.options)
         optimizer = build_optimizer(module, cfg.optim, fused=world.device.type == "cuda" and not train.fsdp_offload)
-        chunk = chunk_size(cfg, towers, loss_fn, world, console)
+        chunk = chunk_size(plan, towers, loss_fn, world, console)
         step = TrainStep(parallel.model, loss_fn, optimizer, chunk_size=chunk, precision=train.precision,
                          grad_clip=cfg.optim.grad_clip, max_nonfinite_steps=train.max_nonfinite_steps,
                          sync=parallel.sync, device=world.device)
         stream_state, window = StreamState(), RecordWindow(cfg.train.batch_size, world.device)
-        weights = Weights(module, optimizer, world, sharded=train.parallel == "fsdp")
-        start_step = checkpoints.start(checkpoint, weights=weights, shared=[step],
-                                       per_rank={"data": stream_state, "metrics": window}, samples_per_epoch=data.num_train)
-        evaluator = Evaluator(cfg, towers, world, AUTOCAST_DTYPES[cfg.train.precision])
+        parts = {"model": ModelAndOptimizer(module, optimizer, world, sharded=train.parallel == "fsdp"), "step": step,
+                 "data": stream_state, "metrics": window, "rng": RandomState(world.device)}
+        checkpoints = CheckpointManager(folder.run_dir / CHECKPOINTS, cfg, world, console, parts)
+        torch.manual_seed(cfg.run.seed + world.rank)  # dropout masks differ between ranks; a checkpoint's replace them
+        start_step = checkpoints.load(checkpoint)
+        evaluator = Evaluator(cfg, towers, world, plan.autocast_dtype)
         batches = TrainingBatches.build(cfg, data, towers.train_transform, towers.tokenizer, world, stream_state, chunk,
                                         cfg.train.steps - start_step)
         try:
-            claim_run_dir(plan, world, console)
+            claim_run_dir(folder, world, console)
             for line in batches.path.notes:
                 console.say(line)
             compiled = compile_enabled(cfg.model.compile, world.device)
             if compiled:  # its cache lives in the run folder, so only once the folder is claimed
                 for unit in parallel.compiled_units:
-                    compile_towers(unit, Path(cfg.model.compile_cache or plan.run_dir / "compile_cache"))
+                    compile_towers(unit, Path(cfg.model.compile_cache or folder.run_dir / "compile_cache"))
             if world.is_main:
-                write_open_clip_folder(plan.run_dir, towers)  # with the final weights, open_clip's `local-dir:` loads the run
-            logger = MetricsLogger(plan.run_dir, cfg, enabled=world.is_main, resume_step=start_step)
+                write_open_clip_folder(folder.run_dir, towers)  # with the final weights, open_clip's `local-dir:` loads the run
+            logger = MetricsLogger(folder.run_dir, cfg, enabled=world.is_main, resume_step=start_step)
         except BaseException:
             batches.close()
             raise
-        return cls(cfg, world, console, plan.run_dir, parallel.model, step, stream_state, start_step, batches,
+        return cls(cfg, world, console, folder, parallel.model, step, stream_state, start_step, batches,
                    evaluator, window, logger, checkpoints, flops, compiled)
 
     def fit(self, preemption: StopRequest) -> dict:
@@ -186,12 +183,12 @@ class Run:
             self.log_metrics(done, result, lr)
             self.evaluate_on_schedule(done)
             signum = preemption.requested(self.world.device)
-            self.checkpoints.after_step(done, stopping=bool(signum))
+            self.checkpoints.save(done, stopping=bool(signum))
             if signum:
                 return self.stop(signum, done)
         self.progress.close()
         results = self.final_evaluation()
-        self.checkpoints.end(self.step.module)  # last: the weights and the end marker say that the run has ended
+        self.folder.end(self.step.module, self.world)  # last: the weights and the end marker say that the run has ended
         return results
 
     def log_metrics(self, step_number: int, result: StepResult, lr: float) -> None:
@@ -272,7 +269,7 @@ class Run:
         return self.evaluate(steps)
 
     def evaluation_path(self, step_number: int) -> Path:
-        return self.run_dir / "eval" / f"step_{step_number:08d}.json"
+        return self.folder.run_dir / "eval" / f"step_{step_number:08d}.json"
 
     def close(self) -> None:
         self.batches.close()
