@@ -44,7 +44,7 @@ def test_a_new_run_creates_its_folder_and_remembers_its_config(tmp_path):
 def test_the_same_config_resumes_and_settings_that_do_not_change_the_run_may_differ(tmp_path):
     run_dir = _started(tmp_path)
     plan = open_run_folder(_config(tmp_path, "eval.every_n_steps=50", "data.decode_workers=2", "train.log_every=5",
-                            "train.chunk_size=64", "run.device=cpu"))
+                                   "train.chunk_size=64", "run.device=cpu", "data.workers=3", "model.compile=false"))
     assert plan.action == "resume" and plan.apply() == []
     assert yaml.safe_load((run_dir / CONFIG_FILE).read_text())["eval"]["every_n_steps"] == 50
 
