@@ -87,7 +87,7 @@ MUTATIONS = [
              ("tests/test_trainer_steps.py::test_the_in_a_row_count_restarts_after_a_finite_step",)),
     Mutation("checkpoint_in_place", "checkpoints written in place (no temporary file, no rename)",
              "clipscale/checkpoint.py",
-             'tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}")',
+             "tmp = temporary_name(path)",
              "tmp = path",
              ("tests/test_checkpoint_atomic.py", "tests/test_checkpoint.py")),
     Mutation("no_fsync", "a checkpoint renamed into place before it reaches the disk (no fsync)",
