@@ -5,12 +5,13 @@ Also `torchrun --nproc_per_node N train.py --config ...` (gloo on CPU, NCCL on G
 
 import argparse
 
-from clipscale.config import load_config
+from clipscale.config import load_config, schema_help
 from clipscale.errors import run_main
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, epilog=schema_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/digits.yaml", help="YAML run configuration")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 loss.name=infcl")
     args = parser.parse_args()

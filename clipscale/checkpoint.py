@@ -42,6 +42,7 @@ from clipscale.errors import STORAGE_ERRNOS, StorageError, UserError, storage_er
 LATEST = "latest"
 POINTER_NAMES = (LATEST, "latest.pt")  # "latest.pt": a hard link before, still in users' commands
 CHECKPOINTS = "checkpoints"  # the run folder's subfolder holding them
+WHOLE_WEIGHTS = ("state_dict", "optimizer")  # the whole model and optimizer, open_clip's keys: rank 0's alone
 STEP_FILE = re.compile(r"step_(\d+)\.pt")
 TMP_SUFFIX = ".tmp"
 

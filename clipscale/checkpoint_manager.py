@@ -1,41 +1,35 @@
-"""The checkpoint manager: one object saves a run, brings it back and marks its end.
+"""The checkpoint manager: saves the parts of a run and brings them back (torchtitan's
+CheckpointManager). It is built after the parts, from a dict of them, and does nothing else:
+which checkpoint to resume from and the run's end are the run folder's (clipscale.run_dir),
+the files themselves (atomic writes, `latest`, pruning) checkpoint.py's.
 
-A run is made of the parts a checkpoint holds:
+    parts = {"model": ModelAndOptimizer(module, optimizer, world, sharded=...),
+             "step": train_step, "data": stream_state, "metrics": window, "rng": RandomState(device)}
+    manager = CheckpointManager(run_dir / CHECKPOINTS, cfg, world, console, parts)
+    start = manager.load(checkpoint)       # the step the run starts from; 0 without a checkpoint
+    manager.save(step, stopping)           # at train.checkpoint_every, on a stop signal, at the last step
 
-    the weights (`Weights`: every rank saves and loads its part)
-        "state_dict", "optimizer" (open_clip's keys): the model and the optimizer, whole; or
-        "sharded": the folder of their shards beside the step file (train.parallel=fsdp)
-    shared, with `state_dict()` and `load_state_dict(state)` (rank 0 saves its copy, every rank
-    loads it); their keys are the checkpoint's own
-        TrainStep    "step", "scaler" (open_clip's key), "nonfinite_steps"
-    per rank (every rank's is saved, each rank loads its own), under the name given:
-        "data"     StreamState     the batch source's cursors and data-error counts
-        "rng"      RandomState     the global random generators (dropout, patch dropout): the manager's own
-        "metrics"  RecordWindow    the data-error counts at the previous metrics record
+A checkpoint is one dict in open_clip's layout, so (whole) `open_clip.load_checkpoint`,
+`open_clip.create_model(name, pretrained=path)` and open_clip_train's --resume read it:
 
-A checkpoint is their union plus `name`, `epoch` and `config`: open_clip's layout, so (whole)
-`open_clip.load_checkpoint` and `open_clip.create_model(name, pretrained=path)` read it. The
-files themselves (atomic writes, `latest`, pruning, the newest that loads) are checkpoint.py's.
-The model and optimizer states go through torch.distributed.checkpoint's state dicts (`Weights`),
-whole in the step file or sharded beside it, and either loads into a replicated (DDP) or a sharded
-(FSDP, `clipscale.parallel`) model: a run resumes on another world size, and from DDP to FSDP and
-back.
+    "model"   "state_dict", "optimizer" (open_clip's keys): the model and the optimizer, whole; or
+              "sharded": the folder of their shards beside the step file (train.parallel=fsdp)
+    "step"    its keys at the top level, rank 0's: "step", "scaler" (open_clip's key), "nonfinite_steps"
+    others    per rank, a list by rank under the part's name: "data" (the batch source's cursors and
+              data-error counts), "metrics" (the counts at the previous record), "rng" (the global
+              random generators: dropout, patch dropout)
+    and       "name", "config", and "epoch": the epochs completed, of train.num_samples_per_epoch
+              samples (open_clip_train's --train-num-samples; 0 for a run not counted in epochs)
 
-    manager = CheckpointManager(run_dir, cfg, world, console)
-    checkpoint = manager.newest()          # before any work; None for a new run
-    manager.has_ended(checkpoint)          # the end marker names this checkpoint's step
-    ... build the model from the base seed, then the other parts ...
-    start = manager.start(checkpoint, weights=Weights(...), shared=[...], per_rank={"data": ..., "metrics": ...},
-                          samples_per_epoch=n)
-    ... open the batch source at the restored cursors; for each step: ...
-    manager.after_step(step, stopping)     # at the interval, on a stop signal, at the end
-    manager.end(model)                     # the open_clip weights, then the end marker
+The per-rank parts are restored only where the checkpoint's data order goes on: on the world
+size that saved them, with the same data.workers (every rank and loader worker reads its own
+share of the shards). Otherwise the data order restarts and the console says so, as it says
+which keys that only change speed (clipscale.config, `on_resume`) differ from the checkpoint's.
 
-Seeds as open_clip sets them: the model is built from the base seed (the same initial weights
-on every rank); `start` then seeds the random generators with seed + rank, so dropout masks
-differ between ranks, or restores every part, generators included. Nothing that runs between
-`start` and the first step draws from the global generators: the data loader draws its worker
-seeds from a generator of its own, and the loader workers seed each sample themselves.
+A whole checkpoint is read by rank 0 alone (clipscale.run_dir), which broadcasts the model and
+optimizer one tensor at a time: the other ranks never hold the file, nor the whole model when
+it is sharded. Either layout loads into a replicated (DDP) or a sharded (FSDP,
+`clipscale.parallel`) model, on any number of processes: DCP reshards.
 """
 
 from __future__ import annotations
@@ -44,19 +38,19 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from clipscale.checkpoint import (CHECKPOINTS, CheckpointError, error_in_one_line, load_latest, replace_folder, save_atomic,
-                                  save_checkpoint, sharded_folder, step_file, temporary_name, write_text_atomic)
-from clipscale.errors import storage_errors
-from clipscale.config import Config
+from clipscale.checkpoint import (CheckpointError, error_in_one_line, replace_folder, save_checkpoint, sharded_folder,
+                                  step_file, temporary_name)
+from clipscale.config import FREE, REDEAL, Config, config_differences, on_resume, steps_per_epoch
 from clipscale.console import Console
 from clipscale.distributed import World, all_gather_objects
-from clipscale.models import OPEN_CLIP_WEIGHTS
+from clipscale.errors import storage_errors
 
-END_MARKER = "ended"  # in the run folder, the step of the run's end, written after the open_clip weights
+SHARED = ("model", "step")  # the parts saved once, at the top level; every other part is saved per rank
 
 
 class Stateful(Protocol):
@@ -67,7 +61,6 @@ class Stateful(Protocol):
 
 # Whole tensors on rank 0's host (an empty dict on the other ranks), gathered from the shards under FSDP.
 GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)
-WHOLE = StateDictOptions(full_state_dict=True)  # loading: every rank holds the whole state and keeps its shards
 
 
 def model_weights(module: torch.nn.Module) -> dict:
@@ -75,17 +68,17 @@ def model_weights(module: torch.nn.Module) -> dict:
     return get_model_state_dict(module, options=GATHERED)
 
 
-class Weights:
+class ModelAndOptimizer:
     """The model's weights and the optimizer's state, saved by every rank.
 
     whole (train.parallel=ddp): in the step file, under "state_dict" and "optimizer" (open_clip's
         keys), gathered on rank 0; the optimizer in torch's own layout, its parameters numbered in
         the order of its groups (DCP names them; the numbers are what
-        `torch.optim.Optimizer.load_state_dict` and open_clip_train read).
+        `torch.optim.Optimizer.load_state_dict` and open_clip_train read). Loaded from rank 0's
+        copy: the other ranks receive it tensor by tensor and keep what they hold of it.
     sharded (train.parallel=fsdp): in a folder of torch.distributed.checkpoint beside the step
         file, each rank writing its own shards (no rank holds the whole model), named in the step
-        file under "sharded".
-    Either loads into a model of either kind, on any number of processes: DCP reshards."""
+        file under "sharded"."""
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World, sharded: bool):
         self.module, self.optimizer, self.world, self.sharded = module, optimizer, world, sharded
@@ -104,10 +97,14 @@ class Weights:
         return {"sharded": name}
 
     def load(self, checkpoint: dict, folder: Path) -> None:
+        """From the step file (rank 0's holds the whole weights, which it gives up here) or the
+        shards it names."""
         if "sharded" not in checkpoint:
-            set_model_state_dict(self.module, checkpoint["state_dict"], options=WHOLE)
-            set_optimizer_state_dict(self.module, self.optimizer, self.named_optimizer_state(checkpoint["optimizer"]),
-                                     options=WHOLE)
+            # Without a process group, this process is the whole world and holds the whole file.
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized())
+            weights, optimizer = checkpoint.pop("state_dict", {}), checkpoint.pop("optimizer", {})
+            set_model_state_dict(self.module, weights, options=options)
+            set_optimizer_state_dict(self.module, self.optimizer, self.named_optimizer_state(optimizer), options=options)
             return
         state = self.sharded_state()
         shards = folder / checkpoint["sharded"]
@@ -115,7 +112,7 @@ class Weights:
             dcp.load(state, checkpoint_id=shards)
         except dcp.CheckpointException as err:  # raised on every rank when any rank's read fails
             # Falling back to the checkpoint before it would take the search over checkpoints here, after
-            # the model is built (load_latest judges step files before that); the line names the way on.
+            # the model is built (the run folder judges step files before that); the line names the way on.
             named_by = folder / step_file(checkpoint["step"])
             rank, (cause, _) = next(iter(err.failures.items()))  # str(err) is every rank's traceback
             raise CheckpointError(f"the shards in {shards} do not load (rank {rank}: {error_in_one_line(cause)}); "
@@ -136,6 +133,9 @@ class Weights:
         return {"state": {number[name]: value for name, value in named["state"].items()}, "param_groups": groups}
 
     def named_optimizer_state(self, numbered: dict) -> dict:
+        """The optimizer state with parameter names for numbers; {} as given (the ranks that receive it)."""
+        if not numbered:
+            return {}
         names = {id(p): name for name, p in self.module.named_parameters()}
         ordered = [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
         groups = [{**group, "params": [ordered[k] for k in group["params"]]} for group in numbered["param_groups"]]
@@ -147,9 +147,6 @@ class RandomState:
 
     def __init__(self, device: torch.device):
         self.device = device
-
-    def seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
 
     def state_dict(self) -> dict:
         state = {"cpu": torch.get_rng_state()}
@@ -164,74 +161,54 @@ class RandomState:
 
 
 class CheckpointManager:
-    """When to save (every train.checkpoint_every steps, on a stop signal, at the last step), what
-    to keep (train.keep_checkpoints, train.keep_every), which checkpoint to resume from (the
-    newest that loads), and the sign that the run has ended."""
+    """Saves the parts every train.checkpoint_every steps, on a stop signal and at the last step,
+    keeping train.keep_checkpoints (and train.keep_every); restores them from a checkpoint."""
 
-    def __init__(self, run_dir: Path, cfg: Config, world: World, console: Console):
-        self.run_dir, self.cfg, self.world, self.console = run_dir, cfg, world, console
-        self.folder = run_dir / CHECKPOINTS
-        self.rng = RandomState(world.device)
-        self.weights: Weights | None = None
-        self.shared: list[Stateful] = []
-        self.per_rank: dict[str, Stateful] = {"rng": self.rng}
-        self.samples_per_epoch = 0
+    def __init__(self, folder: Path, cfg: Config, world: World, console: Console, parts: dict[str, Stateful]):
+        self.folder, self.cfg, self.world, self.console = folder, cfg, world, console
+        self.model: ModelAndOptimizer = parts["model"]
+        self.step = parts["step"]
+        self.per_rank = {name: part for name, part in parts.items() if name not in SHARED}
 
-    def newest(self) -> dict | None:
-        """The newest checkpoint that loads (those that do not are named), or None; says what the run will do."""
-        found = load_latest(self.folder, report=self.console.say)
-        checkpoint = found[1] if found else None
-        step = checkpoint["step"] if checkpoint else 0
-        if step < self.cfg.train.steps:
-            self.console.say(f"resuming {self.run_dir} from step {step}" + ("" if step else " (it has no checkpoint yet)"))
-        elif not self.has_ended(checkpoint):  # the loop trains no step, then ends the run
-            self.console.say(f"{self.run_dir} has trained and checkpointed its {step} steps but stopped before its final "
-                             "evaluation and weights were written; writing them now")
-        return checkpoint
-
-    def has_ended(self, checkpoint: dict | None) -> bool:
-        """Whether the run ended at this checkpoint: its final weights and then the end marker,
-        naming the checkpoint's step, were written (a run killed between the two ends again)."""
-        marker = self.run_dir / END_MARKER
-        return (checkpoint is not None and checkpoint["step"] >= self.cfg.train.steps
-                and (self.run_dir / OPEN_CLIP_WEIGHTS).is_file() and marker.is_file()
-                and marker.read_text().strip() == str(checkpoint["step"]))
-
-    def start(self, checkpoint: dict | None, *, weights: Weights, shared: list[Stateful], per_rank: dict[str, Stateful],
-              samples_per_epoch: int) -> int:
-        """Track the parts; seed the random generators with seed + rank, or restore every part from
-        `checkpoint`. Returns the step the run starts from. The per-rank parts are restored only on
-        the world size that saved them: each rank's data stream depends on the number of ranks."""
-        self.weights, self.shared, self.samples_per_epoch = weights, shared, samples_per_epoch
-        self.per_rank = {**per_rank, "rng": self.rng}
-        saved_on = len(checkpoint["rng"]) if checkpoint is not None else 0  # ranks
-        per_rank_saved = saved_on == self.world.world_size
-        if not per_rank_saved:
-            self.rng.seed(self.cfg.run.seed + self.world.rank)
+    def load(self, checkpoint: dict | None) -> int:
+        """Restore every part from `checkpoint` (None: a new run, nothing to restore); the step the
+        run starts from. Every rank calls it, with rank 0's whole checkpoint or the others' share."""
         if checkpoint is None:
             return 0
-        weights.load(checkpoint, self.folder)
-        for part in shared:
-            part.load_state_dict(checkpoint)
-        if not per_rank_saved:
-            self.console.say(f"resuming on {self.world.world_size} processes from a run on {saved_on}: "
-                             "the data order restarts")
-        for name, part in self.per_rank.items():
-            if per_rank_saved and name in checkpoint:  # "metrics": not in checkpoints from before it
-                part.load_state_dict(checkpoint[name][self.world.rank])
+        self.model.load(checkpoint, self.folder)
+        self.step.load_state_dict(checkpoint)
+        if self.data_order_goes_on(checkpoint):
+            for name, part in self.per_rank.items():
+                if name in checkpoint:  # a part the checkpoint does not hold keeps its fresh state
+                    part.load_state_dict(checkpoint[name][self.world.rank])
         return checkpoint["step"]
 
-    def after_step(self, step: int, stopping: bool) -> None:
-        if stopping or step % self.cfg.train.checkpoint_every == 0 or step == self.cfg.train.steps:
-            self.save(step)
+    def data_order_goes_on(self, checkpoint: dict) -> bool:
+        """Whether the saved per-rank parts apply: the same world size and data.workers. Says in one
+        line what differs from the checkpoint among the keys a resume may change, and what that does
+        to the data order."""
+        saved_on = len(checkpoint["rng"])
+        changed = {key: values for key, values in config_differences(checkpoint["config"], self.cfg.to_dict()).items()
+                   if on_resume(key) in (FREE, REDEAL)}
+        restarts = saved_on != self.world.world_size or any(on_resume(key) == REDEAL for key in changed)
+        said = [f"on {self.world.world_size} processes from a run on {saved_on}"] if saved_on != self.world.world_size else []
+        said += [f"{key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()]
+        if said:
+            effect = "the data order restarts" if restarts else "the data order goes on from the checkpoint"
+            self.console.say(f"resuming {', '.join(said)}: {effect}")
+        return not restarts
 
-    def save(self, step: int) -> None:
-        """Every rank calls it (each contributes its per-rank parts and its shards); rank 0 writes."""
+    def save(self, step: int, stopping: bool = False) -> None:
+        """At the interval, on a stop signal, at the last step; every rank calls it (each contributes
+        its per-rank parts and its shards), rank 0 writes."""
+        if not (stopping or step % self.cfg.train.checkpoint_every == 0 or step == self.cfg.train.steps):
+            return
         per_rank = all_gather_objects({name: part.state_dict() for name, part in self.per_rank.items()})
-        shared = [self.weights.save(self.folder, step), *(part.state_dict() for part in self.shared)]
+        shared = [self.model.save(self.folder, step), self.step.state_dict()]
         if not self.world.is_main:
             return
-        checkpoint = {"name": self.cfg.run.name, "epoch": step * self.cfg.train.batch_size // max(1, self.samples_per_epoch),
+        epoch_steps = steps_per_epoch(self.cfg.train)
+        checkpoint = {"name": self.cfg.run.name, "epoch": step // epoch_steps if epoch_steps else 0,
                       "config": self.cfg.to_dict()}
         for state in shared:
             assert not state.keys() & checkpoint.keys(), f"two parts save {state.keys() & checkpoint.keys()}"
@@ -240,11 +217,3 @@ class CheckpointManager:
         path = save_checkpoint(self.folder, step, checkpoint, keep=self.cfg.train.keep_checkpoints,
                                keep_every=self.cfg.train.keep_every)
         self.console.say(f"step {step}: checkpoint saved to {path}")
-
-    def end(self, module: torch.nn.Module) -> None:
-        """Rank 0: the open_clip weights (open_clip's `local-dir:` loads the run folder), then the
-        end marker. Every rank calls it, after the final checkpoint and evaluation."""
-        weights = model_weights(module)
-        if self.world.is_main:
-            save_atomic(weights, self.run_dir / OPEN_CLIP_WEIGHTS)
-            write_text_atomic(self.run_dir / END_MARKER, f"{self.cfg.train.steps}\n")

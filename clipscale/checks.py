@@ -11,21 +11,32 @@ a model or starts a process group, so `train.py` and the scripts fail in a
 second, naming the key, what was given and what is allowed.
 
     cfg = load_checked_config("configs/digits.yaml", ["loss.name=infcl"])
+    plan = plan_run(cfg, world)   # once the world is known: its checks, then the resolved values
+
+`plan_run` is the last check before work (the batch splits over the processes, the hardware
+JPEG decoder asked for can run) and resolves the configuration once into a `RunPlan`, which
+the components read instead of interpreting the keys again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
 
 import open_clip
+import torch
 from open_clip.model import CLIPTextCfg, CLIPVisionCfg
 
 from clipscale.config import Config, ConfigError, LossConfig, ModelConfig, check_model_section, check_value, load_config
+from clipscale.data.device_decode import JpegEngines
+from clipscale.data.chunks import kept_bytes
+from clipscale.distributed import World
 from clipscale.eval.tasks import eval_task
 from clipscale.losses import CLIP_INPUTS, available_losses, build_loss, loss_contract
 from clipscale.models import open_clip_model_config
+from clipscale.precision import AUTOCAST_DTYPES
 
 
 def check_model(cfg: ModelConfig) -> tuple[str, ...]:
@@ -162,3 +173,51 @@ def load_checked_config(path: Optional[str], overrides: list[str] = ()) -> Confi
     cfg = load_config(path, overrides)
     check_config(cfg)
     return cfg
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The configuration resolved once for the world it runs on."""
+
+    world_size: int
+    per_rank_batch: int  # train.batch_size over the processes
+    chunk: int | Literal["auto"]  # the per-rank encoder sub-batch (train.chunk_size; null: the per-rank batch)
+    image_size: int  # the model's input side (model.force_image_size, or the architecture's)
+    autocast_dtype: torch.dtype | None  # train.precision's (None: full precision)
+    keep_on_device_bytes: int  # data.keep_on_device_gib: what pass-1 chunks may hold on the device for pass 2
+
+
+def check_world(cfg: Config, world_size: int) -> None:
+    if cfg.train.batch_size % world_size:
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} is the global batch and must split evenly over "
+            f"{world_size} processes (it leaves a remainder of {cfg.train.batch_size % world_size})"
+        )
+
+
+def check_device_decoder(cfg: Config, device: torch.device) -> None:
+    """data.device_decoder=nvimgcodec where the GPU decodes (data.decoder device, or auto on a GPU)
+    needs the hardware JPEG engines: started once here to see that they run."""
+    decodes_on_device = cfg.data.decoder == "device" or (cfg.data.decoder == "auto" and device.type == "cuda")
+    if cfg.data.device_decoder != "nvimgcodec" or not decodes_on_device:
+        return
+    engines, why = JpegEngines.create(device)
+    if engines is None:
+        raise ConfigError(f"data.device_decoder=nvimgcodec: {why}")
+
+
+def plan_run(cfg: Config, world: World) -> RunPlan:
+    """The checks that need the world, then the values every component reads."""
+    check_world(cfg, world.world_size)
+    check_device_decoder(cfg, world.device)
+    per_rank = cfg.train.batch_size // world.world_size
+    chunk = cfg.train.chunk_size
+    size = CLIPVisionCfg(**open_clip_model_config(cfg.model)["vision_cfg"]).image_size
+    return RunPlan(
+        world_size=world.world_size,
+        per_rank_batch=per_rank,
+        chunk=chunk if chunk == "auto" else min(chunk or per_rank, per_rank),
+        image_size=size[0] if isinstance(size, (tuple, list)) else size,
+        autocast_dtype=AUTOCAST_DTYPES[cfg.train.precision],
+        keep_on_device_bytes=kept_bytes(cfg.data.keep_on_device_gib, world.device),
+    )

@@ -8,8 +8,13 @@ names the key, the expected type and (for choices) the allowed values.
 
 This module knows the schema and imports none of the components. Checks that need them (an
 open_clip architecture exists, the loss's options and inputs fit it, the evaluation sets resolve,
-clipscale.eval.tasks.eval_task) live in clipscale.checks;
-train.py runs load_config before it imports them, so a mistake here is reported at once.
+clipscale.eval.tasks.eval_task) live in clipscale.checks, which also resolves the configuration
+for the world it runs on (`RunPlan`); train.py runs load_config before it imports them, so a
+mistake here is reported at once.
+
+The schema says which keys a resumed run may change (field metadata `ON_RESUME`, `on_resume`):
+the others change what is trained, and a run folder that holds another value refuses them.
+`schema_help` lists every section and key with its default (`python train.py --help`).
 """
 
 from __future__ import annotations
@@ -32,15 +37,29 @@ class ConfigError(UserError, ValueError):
     """A configuration problem, reported before any work starts."""
 
 
+ON_RESUME = "on_resume"  # field metadata: what a new value of the key does to a resumed run
+RUN_KEY = "run key"  # names the run folder or says what to do with it
+FREE = "free"  # how fast, where or how the run computes, records or evaluates; the data order goes on
+REDEAL = "redeal"  # as FREE, but the shards are dealt to the loader workers anew: the data order restarts
+
+
+def may_change(default=dataclasses.MISSING, *, on_resume: str = FREE, default_factory=dataclasses.MISSING):
+    """A key (or a whole section) that a resumed run may change; `on_resume` says what that does."""
+    return field(default=default, default_factory=default_factory, metadata={ON_RESUME: on_resume})
+
+
 @dataclass
 class RunConfig:
-    name: str = "digits"
-    output_dir: str = "runs"
+    name: str = may_change("digits", on_resume=RUN_KEY)
+    output_dir: str = may_change("runs", on_resume=RUN_KEY)
     seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    resume: bool = True  # continue the run in runs/<name> when its config is this one (clipscale/run_dir.py)
-    overwrite: bool = False  # with resume: false, move an existing runs/<name> aside to runs/<name>.old-<time>
-    extend_steps: bool = False  # resume a run with a different train.steps; the lr schedule is redrawn
+    device: Literal["auto", "cpu", "cuda"] = may_change("auto")
+    # continue the run in runs/<name> when its config is this one (clipscale/run_dir.py)
+    resume: bool = may_change(True, on_resume=RUN_KEY)
+    # with resume: false, move an existing runs/<name> aside to runs/<name>.old-<time>
+    overwrite: bool = may_change(False, on_resume=RUN_KEY)
+    # resume a run with a different train.steps; the lr schedule is redrawn
+    extend_steps: bool = may_change(False, on_resume=RUN_KEY)
 
 
 @dataclass
@@ -69,13 +88,13 @@ class ModelConfig:
     force_image_size: Optional[int] = None
     force_context_length: Optional[int] = None  # text tokens; the tokenizer follows
     # Speed
-    grad_checkpointing: bool = False  # recompute tower activations in the backward: larger chunks fit
+    grad_checkpointing: bool = may_change(False)  # recompute tower activations in the backward: larger chunks fit
     # torch.compile the towers: "auto" on a GPU (off on a CPU, where compiling costs more than it
     # gains). Compiled code is cached in `compile_cache` (null: <run folder>/compile_cache), so a
     # resumed or requeued run does not compile again.
-    compile: bool | Literal["auto"] = "auto"
-    compile_cache: Optional[str] = None
-    channels_last: bool = False  # NHWC image tower: faster convolutions (timm convnets); no gain for ViTs
+    compile: bool | Literal["auto"] = may_change("auto")
+    compile_cache: Optional[str] = may_change(None)
+    channels_last: bool = may_change(False)  # NHWC image tower: faster convolutions (timm convnets); no gain for ViTs
 
 
 @dataclass
@@ -97,23 +116,25 @@ class DataConfig:
     csv_image_key: str = "filepath"  # open_clip's --csv-img-key
     csv_caption_key: str = "title"  # open_clip's --csv-caption-key
     csv_separator: str = "\t"  # open_clip's --csv-separator
-    workers: int = 2
+    # Loader processes per rank; every (rank, worker) pair reads its own share of the shards
+    workers: int = may_change(2, on_resume=REDEAL)
     shuffle_buffer: int = 1000
     # Who decodes training images (clipscale/data/pipeline.py). "loader": the loader workers, with
     # PIL (open_clip_train's way). "device": the workers only read, draw crops and check each JPEG;
     # the GPU decodes each chunk once per step, and the host holds the batch as encoded bytes.
     # "auto": device on a GPU, loader on a CPU.
-    decoder: Literal["auto", "loader", "device"] = "auto"
+    # The decoders give the same samples and crops, their pixels within rounding.
+    decoder: Literal["auto", "loader", "device"] = may_change("auto")
     # With decoder=device: "nvimgcodec" (the GPU's hardware JPEG engines; the optional package
     # nvidia-nvimgcodec-cu13 with nvidia-nvjpeg), "nvjpeg" (torchvision, on the SMs), "auto" (the
     # engines where they can run, else nvjpeg, saying why).
-    device_decoder: Literal["auto", "nvimgcodec", "nvjpeg"] = "auto"
+    device_decoder: Literal["auto", "nvimgcodec", "nvjpeg"] = may_change("auto")
     # GiB of a step's pass-1 chunks (uint8 pixels, tokens) kept on the device for Gradient Cache's
     # pass 2, which then neither decodes nor copies them again; null: a quarter of the GPU's memory.
-    keep_on_device_gib: Optional[float] = None
+    keep_on_device_gib: Optional[float] = may_change(None)
     # train.offload: processes per rank decoding the kept image bytes again for Gradient Cache's
     # second pass (the first pass takes the loader's pixels); null = data.workers
-    decode_workers: Optional[int] = None
+    decode_workers: Optional[int] = may_change(None)
     # An image whose header claims more pixels is skipped and counted before anything is
     # allocated for it (image bombs); the default is PIL's bound, Image.MAX_IMAGE_PIXELS.
     max_image_pixels: int = Image.MAX_IMAGE_PIXELS
@@ -148,8 +169,9 @@ class TrainConfig:
     batch_size: int = 256  # global: the number of negatives each sample sees
     # Per-GPU encoder sub-batch (Gradient Cache); null = the whole per-GPU batch; "auto" = the
     # largest that fits the GPU, from a memory probe of the real model (logged at start).
-    chunk_size: Optional[int | Literal["auto"]] = None
-    offload: bool = False
+    # Gradient Cache gives the same gradients whatever the chunk, offloaded or not.
+    chunk_size: Optional[int | Literal["auto"]] = may_change(None)
+    offload: bool = may_change(False)
     # The run length: steps, or null and one of samples (ceil(samples / batch_size) steps) or epochs of
     # num_samples_per_epoch samples each (open_clip_train's --epochs with --train-num-samples:
     # epochs x ceil(num_samples_per_epoch / batch_size) steps).
@@ -158,18 +180,21 @@ class TrainConfig:
     epochs: Optional[int] = None
     num_samples_per_epoch: Optional[int] = None
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    log_every: int = 10
-    checkpoint_every: int = 100
-    keep_checkpoints: Optional[int] = 3  # the newest N step checkpoints stay; null keeps all (open_clip_train's way)
-    keep_every: Optional[int] = None  # also keep every checkpoint at a multiple of this many steps
-    max_nonfinite_steps: int = 10  # consecutive skipped steps before the run stops
+    log_every: int = may_change(10)
+    checkpoint_every: int = may_change(100)
+    # the newest N step checkpoints stay; null keeps all (open_clip_train's way)
+    keep_checkpoints: Optional[int] = may_change(3)
+    keep_every: Optional[int] = may_change(None)  # also keep every checkpoint at a multiple of this many steps
+    max_nonfinite_steps: int = may_change(10)  # consecutive skipped steps before the run stops
     # ddp: every process holds the whole model; fsdp: parameters, gradients and optimizer state
-    # sharded over the processes (FSDP2, docs/fsdp.md), for towers beyond one GPU's memory.
-    parallel: Literal["ddp", "fsdp"] = "ddp"
+    # sharded over the processes (FSDP2, docs/fsdp.md), for towers beyond one GPU's memory. Both
+    # train the same weights.
+    parallel: Literal["ddp", "fsdp"] = may_change("ddp")
     # fsdp: reduce-scatter the gradients after every Gradient Cache chunk ("chunk": 1/world of a
     # gradient held per process) or once a step ("step": the whole gradient held between chunks).
-    fsdp_reduce: Literal["chunk", "step"] = "chunk"
-    fsdp_offload: bool = False  # fsdp: parameters, gradients and optimizer state on the host (CPUOffloadPolicy)
+    fsdp_reduce: Literal["chunk", "step"] = may_change("chunk")
+    # fsdp: parameters, gradients and optimizer state on the host (CPUOffloadPolicy)
+    fsdp_offload: bool = may_change(False)
 
 
 @dataclass
@@ -206,12 +231,72 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    tensorboard: TensorboardConfig = field(default_factory=TensorboardConfig)
+    eval: EvalConfig = may_change(default_factory=EvalConfig)
+    wandb: WandbConfig = may_change(default_factory=WandbConfig)
+    tensorboard: TensorboardConfig = may_change(default_factory=TensorboardConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def on_resume(key: str) -> str | None:
+    """What a new value of the dotted `key` does to a resumed run (RUN_KEY, FREE, REDEAL), from its
+    section's metadata or its own; None for a key that changes what is trained (and for a value
+    inside a mapping key, such as model.custom.embed_dim: it is its key's)."""
+    section_name, _, rest = key.partition(".")
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section_name not in sections:
+        return None
+    section = sections[section_name]
+    if ON_RESUME in section.metadata:
+        return section.metadata[ON_RESUME]
+    keys = {f.name: f for f in dataclasses.fields(section.default_factory)}
+    found = keys.get(rest.partition(".")[0])
+    return found.metadata.get(ON_RESUME) if found is not None else None
+
+
+UNSET = "(unset)"  # a key one configuration has and the other lacks
+
+
+def config_differences(old: dict, new: dict) -> dict[str, tuple]:
+    """{dotted key: (old value, new value)} for every key whose value differs between two
+    configurations (as `Config.to_dict` gives them). A key the old one lacks (a newer clipscale's)
+    counts at its default value."""
+    old_flat, new_flat = _flatten(old), _flatten(new)
+    defaults = _flatten(Config().to_dict())
+    differences = {}
+    for key in sorted(old_flat.keys() | new_flat.keys()):
+        before = old_flat.get(key, defaults.get(key, UNSET))
+        after = new_flat.get(key, UNSET)
+        if before != after:
+            differences[key] = (before, after)
+    return differences
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def schema_help() -> str:
+    """Every section and key with its default and type, from the schema (train.py --help)."""
+    marks = {RUN_KEY: "", FREE: "  [may change on resume]", REDEAL: "  [may change on resume: the data order restarts]"}
+    lines = ["configuration keys, given as section.key=value after the YAML file (defaults shown):"]
+    for section in dataclasses.fields(Config):
+        cls = section.default_factory
+        hints = typing.get_type_hints(cls)
+        lines.append(f"  {section.name}:" + marks.get(section.metadata.get(ON_RESUME), ""))
+        for key in dataclasses.fields(cls):
+            default = key.default_factory() if key.default is dataclasses.MISSING else key.default
+            mark = marks.get(key.metadata.get(ON_RESUME), "")
+            lines.append(f"    {key.name}: {yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}"
+                         f"  ({_describe(hints[key.name])}){mark}")
+    return "\n".join(lines)
 
 
 def _describe(tp) -> str:
@@ -375,14 +460,17 @@ def resolve_run_length(cfg: TrainConfig) -> None:
         return
     given = (f"train.samples={cfg.samples}" if cfg.samples is not None
              else f"train.epochs={cfg.epochs} of train.num_samples_per_epoch={cfg.num_samples_per_epoch}")
-    if cfg.samples is not None:
-        steps = math.ceil(cfg.samples / cfg.batch_size)
-    else:  # open_clip_train's: a last, partial batch in every epoch
-        steps = cfg.epochs * math.ceil(cfg.num_samples_per_epoch / cfg.batch_size)
+    steps = math.ceil(cfg.samples / cfg.batch_size) if cfg.samples is not None else cfg.epochs * steps_per_epoch(cfg)
     if cfg.steps is not None and cfg.steps != steps:
         raise ConfigError(f"train.steps={cfg.steps} and {given} ({steps} steps of train.batch_size={cfg.batch_size}) "
                           "give two run lengths: set train.steps=null to count in samples or epochs")
     cfg.steps = steps
+
+
+def steps_per_epoch(cfg: TrainConfig) -> int | None:
+    """The steps of an epoch of train.num_samples_per_epoch samples, open_clip_train's way (a last,
+    partial batch in every epoch); None for a run not counted in epochs."""
+    return math.ceil(cfg.num_samples_per_epoch / cfg.batch_size) if cfg.num_samples_per_epoch else None
 
 
 def check_data_section(cfg: DataConfig) -> None:
@@ -468,14 +556,6 @@ def check_parallel(train: TrainConfig) -> None:
     if train.chunk_size == "auto":
         raise ConfigError("train.chunk_size: 'auto' probes the whole model on one device; with train.parallel=fsdp give "
                           "the chunk as a number")
-
-
-def check_world(cfg: Config, world_size: int) -> None:
-    if cfg.train.batch_size % world_size:
-        raise ConfigError(
-            f"train.batch_size={cfg.train.batch_size} is the global batch and must split evenly over "
-            f"{world_size} processes (it leaves a remainder of {cfg.train.batch_size % world_size})"
-        )
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:

@@ -147,6 +147,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def broadcast_object(obj):
+    """Rank 0's `obj` on every rank (pickled: small objects only)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def all_gather_objects(obj) -> list:
     if not dist.is_initialized():
         return [obj]

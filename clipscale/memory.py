@@ -16,14 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from clipscale.config import Config
+from clipscale.checks import RunPlan
 from clipscale.console import Console
-from clipscale.data.chunks import kept_bytes
 from clipscale.distributed import World, all_reduce_max
 from clipscale.gradcache import encode
-from clipscale.models import image_size
 from clipscale.parallel import ParallelModel
-from clipscale.precision import AUTOCAST_DTYPES, autocast_factory
+from clipscale.precision import autocast_factory
 
 HEADROOM = 0.85  # of the device's memory: fragmentation, the allocator's rounding, cuBLAS/NCCL workspaces
 PROBE_CHUNKS = (8, 16)
@@ -42,16 +40,14 @@ def _measure(fn, device: torch.device) -> int:
     return _peak_above(baseline, device)
 
 
-def chunk_size(cfg: Config, model: ParallelModel, loss_fn, world: World, console: Console) -> int:
-    """train.chunk_size as the step uses it: this rank's whole batch when null, the probe's choice
-    for "auto" (the smallest over the ranks, said on the console), else the configured chunk."""
-    per_rank = cfg.train.batch_size // world.world_size
-    if cfg.train.chunk_size != "auto":
-        return min(cfg.train.chunk_size or per_rank, per_rank)
-    module = model.module
-    chunk, probe = largest_chunk(module, loss_fn, batch_size=per_rank, precision_dtype=AUTOCAST_DTYPES[cfg.train.precision],
-                                 image_size=image_size(module), context_length=module.context_length,
-                                 vocab_size=module.vocab_size, reserved=kept_bytes(cfg.data.keep_on_device_gib, world.device))
+def chunk_size(plan: RunPlan, model: ParallelModel, loss_fn, world: World, console: Console) -> int:
+    """The plan's chunk, or for "auto" the probe's choice (the smallest over the ranks, said on the console)."""
+    if plan.chunk != "auto":
+        return plan.chunk
+    per_rank, module = plan.per_rank_batch, model.module
+    chunk, probe = largest_chunk(module, loss_fn, batch_size=per_rank, precision_dtype=plan.autocast_dtype,
+                                 image_size=plan.image_size, context_length=module.context_length,
+                                 vocab_size=module.vocab_size, reserved=plan.keep_on_device_bytes)
     chunk = int(min(all_reduce_max(-chunk, world.device) * -1, per_rank))  # the smallest over ranks
     shown = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in probe.items())
     console.say(f"train.chunk_size=auto: {chunk} samples per encoder pass ({shown})")

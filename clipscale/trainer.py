@@ -13,9 +13,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from clipscale.checkpoint_manager import CheckpointManager, Weights
+from clipscale.checkpoint import CHECKPOINTS
+from clipscale.checkpoint_manager import CheckpointManager, ModelAndOptimizer, RandomState
+from clipscale.checks import RunPlan, plan_run
 from clipscale.compile import compile_enabled, compile_towers, seconds_compiling
-from clipscale.config import Config, check_world
+from clipscale.config import Config
 from clipscale.console import Console, figures
 from clipscale.data.pipeline import TrainingBatches
 from clipscale.distributed import World, barrier, init_distributed, shutdown_distributed
@@ -27,8 +29,7 @@ from clipscale.metrics import MetricsLogger, RecordWindow
 from clipscale.models import build_model, image_size, train_mode, write_open_clip_folder
 from clipscale.optim import build_optimizer, learning_rate
 from clipscale.parallel import ParallelModel, gathered, parallelize
-from clipscale.precision import AUTOCAST_DTYPES
-from clipscale.run_dir import RunPlan, plan_run
+from clipscale.run_dir import RunFolder, open_run_folder
 from clipscale.signals import StopRequest
 from clipscale.step import StepResult, TrainStep
 from clipscale.utilization import peak_bf16_flops, train_flops_per_sample
@@ -43,15 +44,14 @@ def train(cfg: Config, *, loss_fn: torch.nn.Module | None = None) -> dict:
     preemption = StopRequest()
     run = None
     try:
-        check_world(cfg, world.world_size)
-        plan = plan_run(cfg)
-        checkpoints = CheckpointManager(plan.run_dir, cfg, world, console)
-        checkpoint = checkpoints.newest() if plan.action == "resume" else None
-        if checkpoints.has_ended(checkpoint):
-            console.say(f"{plan.run_dir} has already trained its {checkpoint['step']} steps; to train on, raise "
+        plan = plan_run(cfg, world)
+        folder = open_run_folder(cfg)
+        checkpoint = folder.newest_checkpoint(world, console)
+        if folder.has_ended(checkpoint):
+            console.say(f"{folder.run_dir} has already trained its {checkpoint['step']} steps; to train on, raise "
                         "train.steps with run.extend_steps=true, or choose a new run.name")
             return {}
-        run = Run.assemble(cfg, world, console, plan, checkpoints, checkpoint, loss_fn)
+        run = Run.assemble(cfg, plan, world, console, folder, checkpoint, loss_fn)
         return run.fit(preemption)
     finally:
         if run is not None:
@@ -60,12 +60,12 @@ def train(cfg: Config, *, loss_fn: torch.nn.Module | None = None) -> dict:
         shutdown_distributed()
 
 
-def claim_run_dir(plan: RunPlan, world: World, console: Console) -> None:
+def claim_run_dir(folder: RunFolder, world: World, console: Console) -> None:
     """Create (or move aside and create) runs/<name> and record the configuration, once every
-    rank has read the folder (plan_run) and everything that can fail before training has passed."""
+    rank has read the folder (open_run_folder) and everything that can fail before training has passed."""
     barrier()
     if world.is_main:
-        for line in plan.apply():
+        for line in folder.apply():
             console.say(line)
     barrier()
 
@@ -77,7 +77,7 @@ class Run:
     cfg: Config
     world: World
     console: Console
-    run_dir: Path
+    folder: RunFolder
     model: ParallelModel  # DDP-wrapped or sharded by FSDP under several processes
     step: TrainStep
     start_step: int
@@ -93,7 +93,7 @@ class Run:
     warned_about_data: bool = False
 
     @classmethod
-    def assemble(cls, cfg: Config, world: World, console: Console, plan: RunPlan, checkpoints: CheckpointManager,
+    def assemble(cls, cfg: Config, plan: RunPlan, world: World, console: Console, folder: RunFolder,
                  checkpoint: dict | None, loss_fn: torch.nn.Module | None = None) -> "Run":
         """`checkpoint`: the one the run resumes from, or None. Nothing is written to the run
         folder before every part is built: a mistake found here leaves it as it was."""
@@ -103,35 +103,36 @@ class Run:
         model = parallelize(towers.model, world, parallel=train.parallel, precision=train.precision,
                             reduce=train.fsdp_reduce, offload=train.fsdp_offload)
         with gathered(model.module):
-            flops = train_flops_per_sample(model.module, image_size(model.module), model.module.context_length,
+            flops = train_flops_per_sample(model.module, plan.image_size, model.module.context_length,
                                            world.device, *trainable_towers(model.module))
         loss_fn = loss_fn if loss_fn is not None else build_loss(cfg.loss.name, **cfg.loss.options)
         optimizer = build_optimizer(model.module, cfg.optim, fused=world.device.type == "cuda" and not train.fsdp_offload)
-        chunk = chunk_size(cfg, model, loss_fn, world, console)
+        chunk = chunk_size(plan, model, loss_fn, world, console)
         step = TrainStep(model, loss_fn, optimizer, chunk_size=chunk, precision=train.precision,
                          grad_clip=cfg.optim.grad_clip, max_nonfinite_steps=train.max_nonfinite_steps)
         batches = TrainingBatches(cfg, world, towers.train_transform, towers.tokenizer, chunk)
         try:
             window = RecordWindow(cfg.train.batch_size, world.device)
-            weights = Weights(model.module, optimizer, world, sharded=train.parallel == "fsdp")
-            start_step = checkpoints.start(checkpoint, weights=weights, shared=[step],
-                                           per_rank={"data": batches, "metrics": window},
-                                           samples_per_epoch=batches.samples_per_epoch)
-            evaluator = Evaluator(cfg, towers, world, AUTOCAST_DTYPES[cfg.train.precision])
-            claim_run_dir(plan, world, console)
+            parts = {"model": ModelAndOptimizer(model.module, optimizer, world, sharded=train.parallel == "fsdp"),
+                     "step": step, "data": batches, "metrics": window, "rng": RandomState(world.device)}
+            checkpoints = CheckpointManager(folder.run_dir / CHECKPOINTS, cfg, world, console, parts)
+            torch.manual_seed(cfg.run.seed + world.rank)  # dropout masks differ between ranks; a checkpoint's replace them
+            start_step = checkpoints.load(checkpoint)
+            evaluator = Evaluator(cfg, towers, world, plan.autocast_dtype)
+            claim_run_dir(folder, world, console)
             for line in batches.path.notes:
                 console.say(line)
             compiled = compile_enabled(cfg.model.compile, world.device)
             if compiled:  # its cache lives in the run folder, so only once the folder is claimed
                 for unit in model.compiled_units:
-                    compile_towers(unit, Path(cfg.model.compile_cache or plan.run_dir / "compile_cache"))
+                    compile_towers(unit, Path(cfg.model.compile_cache or folder.run_dir / "compile_cache"))
             if world.is_main:
-                write_open_clip_folder(plan.run_dir, towers)  # with the final weights, open_clip's `local-dir:` loads the run
-            logger = MetricsLogger(plan.run_dir, cfg, enabled=world.is_main, resume_step=start_step)
+                write_open_clip_folder(folder.run_dir, towers)  # with the final weights, open_clip's `local-dir:` loads the run
+            logger = MetricsLogger(folder.run_dir, cfg, enabled=world.is_main, resume_step=start_step)
         except BaseException:
             batches.close()
             raise
-        return cls(cfg, world, console, plan.run_dir, model, step, start_step, batches, evaluator, window, logger,
+        return cls(cfg, world, console, folder, model, step, start_step, batches, evaluator, window, logger,
                    checkpoints, flops, compiled)
 
     def fit(self, preemption: StopRequest) -> dict:
@@ -148,12 +149,12 @@ class Run:
             self.log_metrics(done, result, lr)
             self.evaluate_on_schedule(done)
             signum = preemption.requested(self.world.device)
-            self.checkpoints.after_step(done, stopping=bool(signum))
+            self.checkpoints.save(done, stopping=bool(signum))
             if signum:
                 return self.stop(signum, done)
         self.progress.close()
         results = self.final_evaluation()
-        self.checkpoints.end(self.model.module)  # last: the weights and the end marker say that the run has ended
+        self.folder.end(self.model.module, self.world)  # last: the weights and the end marker say that the run has ended
         return results
 
     def log_metrics(self, step_number: int, result: StepResult, lr: float) -> None:
@@ -228,7 +229,7 @@ class Run:
         return self.evaluate(steps)
 
     def evaluation_path(self, step_number: int) -> Path:
-        return self.run_dir / "eval" / f"step_{step_number:08d}.json"
+        return self.folder.run_dir / "eval" / f"step_{step_number:08d}.json"
 
     def close(self) -> None:
         self.batches.close()

@@ -1,8 +1,9 @@
 """Checkpoints under train.parallel=fsdp, through real train.py runs: every rank writes its shards
 into a folder of torch.distributed.checkpoint beside the step file; a run stopped on 2 processes
 under FSDP resumes on 3 under FSDP and on 2 under DDP, and one stopped on 2 under DDP resumes
-under FSDP on one process (a world of one: FSDP's device mesh of one), each on the uninterrupted
-one-process curve; the run's final weights are one open_clip file.
+under FSDP on one process (a world of one: FSDP's device mesh of one) and on two, each on the
+uninterrupted one-process curve; the run's final weights are one open_clip file. A whole (DDP)
+checkpoint is read by rank 0 alone, which broadcasts the weights to the other ranks' shards.
 
 As in test_trainer_distributed.py, the shards hold flat-colour images read in file order, so
 every world size trains on the same global batches, and the stop falls on an epoch boundary
@@ -21,6 +22,7 @@ import torch
 from clipscale.checkpoint import load_latest, remove_partial_saves, save_checkpoint, sharded_folder, temporary_name
 from clipscale.models import OPEN_CLIP_WEIGHTS
 from trainer_harness import checked, launch, load, max_difference, newest_checkpoint, shard_run, step_checkpoints, training_records, write_shards
+from trainer_plugins import READS_TO
 
 STEPS, BATCH = 6, 24
 
@@ -51,7 +53,12 @@ def runs(module_tmp):
     checked(launch(_overrides(shards, root, "fsdp", "fsdp", **faults), nproc=3, timeout=300))
     checked(launch(_overrides(shards, root, "fsdp_then_ddp", "ddp", **faults), nproc=2, timeout=300))
     faults = _stopped_at_step_4(shards, root, "ddp_then_fsdp", "ddp", nproc=2)
+    shutil.copytree(root / "ddp_then_fsdp", root / "ddp_then_fsdp_on_2")
     checked(launch(_overrides(shards, root, "ddp_then_fsdp", "fsdp", **faults), nproc=1, timeout=300))
+    (root / "reads").mkdir()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(READS_TO, str(root / "reads"))
+        checked(launch(_overrides(shards, root, "ddp_then_fsdp_on_2", "fsdp", **faults), nproc=2, timeout=300))
     return root
 
 
@@ -73,10 +80,18 @@ def test_every_rank_writes_its_shards_and_the_step_file_names_them(runs):
 def test_resumed_runs_continue_the_uninterrupted_curve(runs):
     single_losses = [m["loss"] for m in training_records(runs / "single")]
     single = newest_checkpoint(runs / "single")["state_dict"]
-    for name in ("fsdp", "fsdp_then_ddp", "ddp_then_fsdp"):
+    for name in ("fsdp", "fsdp_then_ddp", "ddp_then_fsdp", "ddp_then_fsdp_on_2"):
         assert [m["loss"] for m in training_records(runs / name)] == pytest.approx(single_losses, rel=1e-4), name
         final = torch.load(runs / name / OPEN_CLIP_WEIGHTS, map_location="cpu", weights_only=True)
         assert max_difference(final, single) < 4e-5, name
+
+
+@pytest.mark.slow
+def test_a_whole_checkpoint_resumed_under_fsdp_is_read_by_rank_0_alone(runs):
+    """Rank 0 reads the step file and broadcasts the weights: no other process holds the whole
+    file (for ViT-bigG some 30 GB of host memory a process)."""
+    reads = {path.name: path.read_text().split() for path in (runs / "reads").iterdir()}
+    assert reads == {"rank0": ["step_00000004.pt"]}, reads
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from clipscale.config import ConfigError, load_config
-from clipscale.run_dir import CONFIG_FILE, LAUNCHED_BY, plan_run
+from clipscale.run_dir import CONFIG_FILE, LAUNCHED_BY, open_run_folder
 
 from tiny_runs import DIGITS_YAML
 
@@ -25,7 +25,7 @@ def _config(tmp_path, *overrides):
 
 def _started(tmp_path, *overrides, steps_done: int = 100):
     """A run folder as a run leaves it: its config, a checkpoint (only its name is read here), a metrics file."""
-    plan = plan_run(_config(tmp_path, *overrides))
+    plan = open_run_folder(_config(tmp_path, *overrides))
     assert plan.action == "new" and plan.apply() == []
     (plan.run_dir / "checkpoints").mkdir()
     (plan.run_dir / "checkpoints" / f"step_{steps_done:08d}.pt").write_bytes(b"")
@@ -34,17 +34,17 @@ def _started(tmp_path, *overrides, steps_done: int = 100):
 
 
 def test_a_new_run_creates_its_folder_and_remembers_its_config(tmp_path):
-    plan = plan_run(_config(tmp_path, "loss.name=infcl"))
+    plan = open_run_folder(_config(tmp_path, "loss.name=infcl"))
     assert plan.action == "new" and not plan.run_dir.exists()
     plan.apply()
     assert yaml.safe_load((plan.run_dir / CONFIG_FILE).read_text())["loss"]["name"] == "infcl"
-    assert plan_run(_config(tmp_path / "empty")).action == "new"
+    assert open_run_folder(_config(tmp_path / "empty")).action == "new"
 
 
 def test_the_same_config_resumes_and_settings_that_do_not_change_the_run_may_differ(tmp_path):
     run_dir = _started(tmp_path)
-    plan = plan_run(_config(tmp_path, "eval.every_n_steps=50", "data.decode_workers=2", "train.log_every=5",
-                            "train.chunk_size=64", "run.device=cpu"))
+    plan = open_run_folder(_config(tmp_path, "eval.every_n_steps=50", "data.decode_workers=2", "train.log_every=5",
+                                   "train.chunk_size=64", "run.device=cpu", "data.workers=3", "model.compile=false"))
     assert plan.action == "resume" and plan.apply() == []
     assert yaml.safe_load((run_dir / CONFIG_FILE).read_text())["eval"]["every_n_steps"] == 50
 
@@ -53,7 +53,7 @@ def test_a_different_config_stops_with_the_keys_that_differ_and_the_ways_on(tmp_
     run_dir = _started(tmp_path)
     before = (run_dir / CONFIG_FILE).read_text()
     with pytest.raises(ConfigError) as raised:
-        plan_run(_config(tmp_path, "loss.name=infcl", "optim.lr=5e-4", "model.custom.embed_dim=32"))
+        open_run_folder(_config(tmp_path, "loss.name=infcl", "optim.lr=5e-4", "model.custom.embed_dim=32"))
     message = str(raised.value)
     assert f"{run_dir} holds a run with another configuration (loss.name: 'vanilla' -> 'infcl'; "\
            "model.custom.embed_dim: 64 -> 32; optim.lr: 0.002 -> 0.0005)" in message
@@ -64,10 +64,10 @@ def test_a_different_config_stops_with_the_keys_that_differ_and_the_ways_on(tmp_
 def test_resume_false_on_an_existing_run_needs_overwrite_which_moves_it_aside(tmp_path):
     run_dir = _started(tmp_path)
     with pytest.raises(ConfigError, match=r"run.resume=false, but .*tiny already holds a run \(at step 100\)"):
-        plan_run(_config(tmp_path, "run.resume=false"))
+        open_run_folder(_config(tmp_path, "run.resume=false"))
     with pytest.raises(ConfigError, match="run.overwrite=true starts the run afresh: set run.resume=false with it"):
         _config(tmp_path, "run.overwrite=true")
-    plan = plan_run(_config(tmp_path, "run.resume=false", "run.overwrite=true", "loss.name=infcl"))
+    plan = open_run_folder(_config(tmp_path, "run.resume=false", "run.overwrite=true", "loss.name=infcl"))
     assert plan.action == "overwrite"
     [moved] = plan.apply()
     [aside] = tmp_path.glob("tiny.old-*")
@@ -86,13 +86,13 @@ def test_an_overwriting_job_started_again_by_its_launcher_resumes_its_own_run(tm
     overwrite = ("run.resume=false", "run.overwrite=true")
     for name, value in job.items():
         monkeypatch.setenv(name, value)
-    first = plan_run(_config(tmp_path, *overwrite))
+    first = open_run_folder(_config(tmp_path, *overwrite))
     assert first.action == "overwrite"
     first.apply()
     (first.run_dir / "checkpoints").mkdir()
     (first.run_dir / "checkpoints" / "step_00000005.pt").write_bytes(b"")
 
-    again = plan_run(_config(tmp_path, *overwrite))
+    again = open_run_folder(_config(tmp_path, *overwrite))
     assert again.action == "resume"
     [notice] = again.apply()
     assert notice.startswith(f"run.overwrite=true, but {first.run_dir} was started by this same ") and "resuming it" in notice
@@ -100,33 +100,33 @@ def test_an_overwriting_job_started_again_by_its_launcher_resumes_its_own_run(tm
 
     for name, value in other_job.items():
         monkeypatch.setenv(name, value)
-    assert plan_run(_config(tmp_path, *overwrite)).action == "overwrite"  # another job's overwrite moves it aside
+    assert open_run_folder(_config(tmp_path, *overwrite)).action == "overwrite"  # another job's overwrite moves it aside
 
 
 def test_torchruns_default_run_id_names_no_job(tmp_path, monkeypatch):
     """Without --rdzv-id or --standalone every torchrun command has the run id "none": two such
     commands are two jobs, and the second's overwrite moves the first's run aside."""
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
-    plan_run(_config(tmp_path)).apply()
+    open_run_folder(_config(tmp_path)).apply()
     assert not (tmp_path / "tiny" / LAUNCHED_BY).exists()
-    assert plan_run(_config(tmp_path, "run.resume=false", "run.overwrite=true")).action == "overwrite"
+    assert open_run_folder(_config(tmp_path, "run.resume=false", "run.overwrite=true")).action == "overwrite"
 
 
 def test_more_steps_need_an_explicit_extension_whose_effect_on_the_lr_is_stated(tmp_path):
     run_dir = _started(tmp_path, steps_done=200)  # digits: 200 steps, lr 2e-3, warmup 20: the lr has decayed to 0
     with pytest.raises(ConfigError) as raised:
-        plan_run(_config(tmp_path, "train.steps=400"))
+        open_run_folder(_config(tmp_path, "train.steps=400"))
     assert "train.steps: 200 -> 400" in str(raised.value)
     assert "or, to train on to 400 steps, add run.extend_steps=true (the cosine learning-rate schedule is redrawn "\
            "over 400 steps, so at step 200 the lr goes from 0 to 0.00108" in str(raised.value)
-    plan = plan_run(_config(tmp_path, "train.steps=400", "run.extend_steps=true"))
+    plan = open_run_folder(_config(tmp_path, "train.steps=400", "run.extend_steps=true"))
     assert plan.action == "resume" and plan.notices == [
         f"extending {run_dir} from 200 to 400 steps: the cosine learning-rate schedule is redrawn over 400 steps, "
         "so at step 200 the lr goes from 0 to 0.00108 and then decays to 0 at step 400"]
     with pytest.raises(ConfigError, match="train.steps=150: .* is already at step 200"):
-        plan_run(_config(tmp_path, "train.steps=150", "run.extend_steps=true"))
+        open_run_folder(_config(tmp_path, "train.steps=150", "run.extend_steps=true"))
     with pytest.raises(ConfigError, match="loss.name: 'vanilla' -> 'infcl'; train.steps: 200 -> 400"):
-        plan_run(_config(tmp_path, "train.steps=400", "run.extend_steps=true", "loss.name=infcl"))
+        open_run_folder(_config(tmp_path, "train.steps=400", "run.extend_steps=true", "loss.name=infcl"))
 
 
 @pytest.mark.parametrize("schedule, said", [
@@ -140,7 +140,7 @@ def test_more_steps_need_an_explicit_extension_whose_effect_on_the_lr_is_stated(
 def test_an_extension_states_the_configured_schedule(tmp_path, schedule, said):
     """The extension's notice names optim.lr_scheduler's schedule and its rates, not the cosine's."""
     run_dir = _started(tmp_path, *schedule, steps_done=200)
-    plan = plan_run(_config(tmp_path, *schedule, "train.steps=400", "run.extend_steps=true"))
+    plan = open_run_folder(_config(tmp_path, *schedule, "train.steps=400", "run.extend_steps=true"))
     assert plan.notices == [f"extending {run_dir} from 200 to 400 steps: {said}"]
 
 
@@ -148,9 +148,9 @@ def test_a_folder_that_is_not_a_run_and_a_config_from_before_new_keys(tmp_path):
     (tmp_path / "tiny").mkdir()
     (tmp_path / "tiny" / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match="is not empty and has no config.yaml, so it is not a clipscale run"):
-        plan_run(_config(tmp_path))
+        open_run_folder(_config(tmp_path))
     older = _config(tmp_path / "older").to_dict()
     del older["train"]["keep_checkpoints"]  # written by a clipscale without this key: it counts at its default
     (tmp_path / "older" / "tiny").mkdir(parents=True)
     (tmp_path / "older" / "tiny" / CONFIG_FILE).write_text(yaml.safe_dump(older))
-    assert plan_run(_config(tmp_path / "older")).action == "resume"
+    assert open_run_folder(_config(tmp_path / "older")).action == "resume"

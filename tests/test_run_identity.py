@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from clipscale.config import ConfigError, load_config
-from clipscale.run_dir import plan_run
+from clipscale.run_dir import open_run_folder
 
 from tiny_runs import DIGITS_YAML
 
@@ -29,9 +29,9 @@ def _config(tmp_path, options: str):
     ("{}", "{exact: true}", "loss.options.exact: (unset) -> True"),
 ], ids=["exact", "tile_size", "added"])
 def test_a_resume_with_another_loss_option_is_refused_naming_the_key(tmp_path, started, resumed, difference):
-    plan_run(_config(tmp_path, started)).apply()
-    assert plan_run(_config(tmp_path, started)).action == "resume"
+    open_run_folder(_config(tmp_path, started)).apply()
+    assert open_run_folder(_config(tmp_path, started)).action == "resume"
     with pytest.raises(ConfigError) as raised:
-        plan_run(_config(tmp_path, resumed))
+        open_run_folder(_config(tmp_path, resumed))
     assert "holds a run with another configuration (" in str(raised.value)
     assert difference in str(raised.value)

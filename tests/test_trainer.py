@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from clipscale.checkpoint import latest_checkpoint
-from clipscale.checks import load_checked_config
-from clipscale.config import ConfigError, check_world, load_config
+from clipscale.checks import check_world, load_checked_config
+from clipscale.config import ConfigError, load_config
 from clipscale.data.digits import CAPTION_TEMPLATES, ZEROSHOT_TEMPLATES
 from clipscale.data.shards import ShardStream, StreamState
 from clipscale.metrics import read_metrics

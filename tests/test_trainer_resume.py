@@ -54,7 +54,13 @@ def runs(module_tmp):
         if call is not None:
             checked(launch(_overrides(shards, root, name, call)))
         out[name] = (first.returncode, root / name, stopped_at, first.stderr)
+    launch(_overrides(shards, root, "faster", RUNS["on_window"]))
+    faster = checked(launch([*_overrides(shards, root, "faster", RUNS["on_window"]), *SPEED_ONLY]))
+    out["faster"] = (faster.returncode, root / "faster", None, faster.stdout)
     return out
+
+
+SPEED_ONLY = ["train.checkpoint_every=4", "model.compile=false"]  # what the resume of run "faster" changes
 
 
 def test_sigusr1_finishes_the_step_writes_a_checkpoint_and_exits_138(runs):
@@ -86,6 +92,13 @@ def test_a_resumed_run_with_dropout_draws_the_uninterrupted_runs_masks(runs):
     """open_clip's patch dropout draws from the global RNG: the checkpoint's RNG state must
     be the one the next step starts from, or every loss after the resume changes."""
     _check_same_curve_and_weights(runs["reference"][1], runs["off_window"][1])
+
+
+def test_a_resume_that_changes_only_speed_goes_on_the_same_curve_and_says_so(runs):
+    _, run_dir, _, stdout = runs["faster"]
+    assert ("resuming model.compile: 'auto' -> False, train.checkpoint_every: 100 -> 4: the data order goes on "
+            "from the checkpoint") in stdout
+    _check_same_curve_and_weights(runs["reference"][1], run_dir)
 
 
 def _counts(run_dir):

@@ -1,8 +1,10 @@
-"""Losses registered for trainer tests: a real loss with faults scripted per call; and kill points.
+"""Losses registered for trainer tests: a real loss with faults scripted per call; kill points;
+a record of the checkpoint files each process reads.
 
 Imported by tests that train in-process and by `train_with_plugins.py`, which runs the
 real `train.py` with these losses registered (train.py has no plugin option of its own)
-and, when the environment names one (KILL_AT), a kill point (`install_kill_point`).
+and, when the environment names one (KILL_AT), a kill point (`install_kill_point`), and
+(READS_TO) the record of reads (`record_checkpoint_reads`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from clipscale.losses import build_loss, register_loss
 
 KILL_AT = "CLIPSCALE_TEST_KILL_AT"  # "<when>:<file name prefix>" or "metrics_line", see install_kill_point
+READS_TO = "CLIPSCALE_TEST_READS_TO"  # a folder: see record_checkpoint_reads
 
 
 class _InfGradient(torch.autograd.Function):
@@ -119,5 +122,20 @@ def install_kill_point(spec: str) -> None:
     os.replace, os.open = killing_replace, killing_open
 
 
+def record_checkpoint_reads(folder: str) -> None:
+    """Each process appends the name of every .pt file it torch.loads to <folder>/rank<RANK>."""
+    load = torch.load
+
+    def recording_load(f, *args, **kwargs):
+        if isinstance(f, (str, Path)) and Path(f).suffix == ".pt":
+            with open(Path(folder) / f"rank{os.environ.get('RANK', '0')}", "a") as record:
+                record.write(Path(f).name + "\n")
+        return load(f, *args, **kwargs)
+
+    torch.load = recording_load
+
+
 if os.environ.get(KILL_AT):
     install_kill_point(os.environ[KILL_AT])
+if os.environ.get(READS_TO):
+    record_checkpoint_reads(os.environ[READS_TO])
