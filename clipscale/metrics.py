@@ -172,14 +172,14 @@ class StepReport:
       `threshold` of its time, so one slow piece among fast ones says nothing. The advice names
       only what would help on this machine and what a resume accepts (`resume_accepts`).
 
-        report = StepReport(cfg, batches.path, compiled, world)
+        report = StepReport(cfg, batches.path, compiled, gpu=world.device.type == "cuda")
         for line in report.after_step(batch.data_wait_s): console.say(line)
     """
 
-    def __init__(self, cfg: Config, path, compiled: bool, gpu: bool, local_processes: int = 1,
-                 window: int = 20, threshold: float = 0.1):
+    def __init__(self, cfg: Config, path, compiled: bool, gpu: bool, window: int = 20, threshold: float = 0.1):
         self.cfg, self.path, self.compiled, self.gpu = cfg, path, compiled, gpu
-        self.cores = max(1, (os.cpu_count() or 1) // local_processes)  # this process's share of the machine
+        # this process's share of the machine's cores (torchrun says how many processes share it)
+        self.cores = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.window, self.threshold = window, threshold
         self.steps = 0
         self.last = time.perf_counter()
