@@ -1,6 +1,10 @@
 """Where numbers go: runs/<name>/metrics.jsonl, wandb and TensorBoard (when enabled) and the console.
 
-`RecordWindow` builds a training step's record; `MetricsLogger` writes records.
+`RecordWindow` builds a training step's record; `MetricsLogger` writes records. Two reports turn
+the steps into console lines, called after every step whatever train.log_every is:
+`StepReport` (how long compiling took; whether the steps wait for their data, judged over a
+window of steps after the loader's start, with advice that names only knobs this machine has and
+a resume accepts) and `DataProblems` (skipped samples and shards cut short, rate-limited).
 Only rank 0 writes. On resume, lines past the checkpoint's step are dropped so
 the file always reads as one clean curve, and so is a last line cut short by a
 crash or a full disk (with a warning naming the file); that rewrite, like every
@@ -27,7 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from clipscale.checkpoint import write_text_atomic
-from clipscale.config import Config
+from clipscale.compile import seconds_compiling
+from clipscale.config import Config, on_resume
 from clipscale.errors import UserError, storage_errors
 
 if TYPE_CHECKING:
@@ -150,6 +155,91 @@ class RecordWindow:
 
     def load_state_dict(self, state: dict) -> None:
         self.logged_data_errors = state["logged_data_errors"]
+
+
+class StepReport:
+    """Console lines about the steps, from every step (not only the logged ones):
+
+    - after the first step of this process, how long compiling the towers took (when compiled);
+    - once a run, when the steps waited for their data: judged over the first `window` steps after
+      the first (whose wait is the loader starting), and only when the median step waited over
+      `threshold` of its time, so one slow piece among fast ones says nothing. The advice names
+      only what would help on this machine and what a resume accepts (the schema's `on_resume`).
+
+        report = StepReport(cfg, batches.path, compiled, gpu=world.device.type == "cuda")
+        for line in report.after_step(batch.data_wait_s): console.say(line)
+    """
+
+    def __init__(self, cfg: Config, path, compiled: bool, gpu: bool, window: int = 20, threshold: float = 0.1):
+        self.cfg, self.path, self.compiled, self.gpu = cfg, path, compiled, gpu
+        # this process's share of the machine's cores (torchrun says how many processes share it)
+        self.cores = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        self.window, self.threshold = window, threshold
+        self.steps = 0
+        self.last = time.perf_counter()
+        self.shares: list[float] = []  # each judged step's wait / its time
+        self.waited = self.elapsed = 0.0
+
+    def after_step(self, data_wait_s: float) -> list[str]:
+        now, self.steps = time.perf_counter(), self.steps + 1
+        elapsed, self.last = now - self.last, now
+        if self.steps == 1:
+            return [f"compiling the towers took {seconds_compiling():.0f} s of the first step ({self.path.describe()})"
+                    ] if self.compiled else []
+        if len(self.shares) >= self.window:
+            return []
+        self.shares.append(min(1.0, data_wait_s / max(elapsed, 1e-9)))
+        self.waited, self.elapsed = self.waited + data_wait_s, self.elapsed + elapsed
+        if len(self.shares) < self.window or sorted(self.shares)[len(self.shares) // 2] <= self.threshold:
+            return []
+        return [f"steps 2-{self.window + 1} waited for their data {100 * self.waited / self.elapsed:.0f}% of the time "
+                f"({self.path.describe()}): {self.advice()}"]
+
+    def advice(self) -> str:
+        data = self.cfg.data
+        knobs = []
+        if data.workers < self.cores and on_resume("data.workers") is not None:
+            knobs.append(f"more data.workers (now {data.workers}, with {self.cores} cores for this process)")
+        if self.gpu and self.path.decoder != "device" and on_resume("data.decoder") is not None:
+            knobs.append("data.decoder=device to decode on the GPU")
+        if knobs:
+            return "a resume accepts " + ", or ".join(knobs)
+        if data.workers >= self.cores:
+            return f"data.workers={data.workers} already uses this process's {self.cores} cores: the machine's cores are the limit"
+        return "data.workers sets the loader's processes, and a resume of this run does not accept a change; a new run may"
+
+
+class DataProblems:
+    """Console lines for data problems: samples skipped (undecodable, missing a member) and shards
+    cut short, each line saying how many since the previous line, in which shard, and the totals
+    so far; at most one line every `interval_s` seconds (what happens meanwhile is summed into the
+    next line). `after_step` takes the run's totals over all ranks and the shards the problems
+    were last seen in (the pieces' records), and returns the line when one is due."""
+
+    def __init__(self, interval_s: float = 60.0, totals: tuple[int, int] = (0, 0)):
+        self.interval_s = interval_s
+        self.said = totals  # (skipped samples, shard errors) at the previous line (a resume: the checkpoint's)
+        self.shards: list[str] = []
+        self.next_at = 0.0
+
+    def after_step(self, skipped_total: int, shard_errors_total: int, shards: list[str] = ()) -> list[str]:
+        self.shards += [shard for shard in shards if shard not in self.shards]
+        skipped, cut = skipped_total - self.said[0], shard_errors_total - self.said[1]
+        if not (skipped or cut) or time.monotonic() < self.next_at:
+            return []
+        self.next_at = time.monotonic() + self.interval_s
+        news = [text for count, text in ((skipped, _count(skipped, "sample") + " skipped"),
+                                         (cut, _count(cut, "shard") + " cut short")) if count]
+        where = ""
+        if self.shards:
+            where = f" in {self.shards[-1]}" + (f" and {len(self.shards) - 1} other shards" if len(self.shards) > 1 else "")
+        self.said, self.shards = (skipped_total, shard_errors_total), []
+        return [f"data: {' and '.join(news)}{where}; so far {_count(skipped_total, 'sample')} skipped and "
+                f"{_count(shard_errors_total, 'shard')} cut short (metrics.jsonl: skipped_samples, shard_errors)"]
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 def peak_memory_gib(device: torch.device) -> float:

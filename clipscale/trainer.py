@@ -16,16 +16,16 @@ from tqdm import tqdm
 from clipscale.checkpoint import CHECKPOINTS
 from clipscale.checkpoint_manager import CheckpointManager, ModelAndOptimizer, RandomState
 from clipscale.checks import RunPlan, plan_run
-from clipscale.compile import compile_enabled, compile_towers, seconds_compiling
+from clipscale.compile import compile_enabled, compile_towers
 from clipscale.config import Config
-from clipscale.console import Console, figures
+from clipscale.console import Console, figures, quiet_library_noise, weights_line
 from clipscale.data.pipeline import TrainingBatches
 from clipscale.distributed import World, barrier, init_distributed, shutdown_distributed
 from clipscale.eval.during_training import Evaluator
 from clipscale.gradcache import trainable_towers
 from clipscale.losses import build_loss
 from clipscale.memory import chunk_size
-from clipscale.metrics import MetricsLogger, RecordWindow
+from clipscale.metrics import DataProblems, MetricsLogger, RecordWindow, StepReport
 from clipscale.models import build_model, image_size, train_mode, write_open_clip_folder
 from clipscale.optim import build_optimizer, learning_rate
 from clipscale.parallel import ParallelModel, gathered, parallelize
@@ -39,6 +39,7 @@ def train(cfg: Config, *, loss_fn: torch.nn.Module | None = None) -> dict:
     """Run (or resume) the configured job. Returns the last evaluation's results, or
     {"preempted_by": signal number} when a signal stopped it after a checkpoint.
     `loss_fn`: a loss built by the caller, in place of cfg.loss's."""
+    quiet_library_noise()  # open_clip's "initialized randomly": the run says what it loads (weights_line)
     world = init_distributed(cfg.run.device, group_of_one=cfg.train.parallel == "fsdp")
     console = Console(world.is_main)
     preemption = StopRequest()
@@ -88,9 +89,10 @@ class Run:
     checkpoints: CheckpointManager
     flops_per_sample: int  # model FLOPs of a training sample (clipscale.utilization), for `mfu`
     compiled: bool
+    step_report: StepReport
     progress: tqdm | None = None
+    data_problems: DataProblems | None = None
     data_wait_s: float = 0.0  # since the last metrics record
-    warned_about_data: bool = False
 
     @classmethod
     def assemble(cls, cfg: Config, plan: RunPlan, world: World, console: Console, folder: RunFolder,
@@ -118,6 +120,8 @@ class Run:
             checkpoints = CheckpointManager(folder.run_dir / CHECKPOINTS, cfg, world, console, parts)
             torch.manual_seed(cfg.run.seed + world.rank)  # dropout masks differ between ranks; a checkpoint's replace them
             start_step = checkpoints.load(checkpoint)
+            console.say(weights_line(cfg.model.pretrained, f"the checkpoint of step {start_step}" if checkpoint else None,
+                                     cfg.run.seed))
             evaluator = Evaluator(cfg, towers, world, plan.autocast_dtype)
             claim_run_dir(folder, world, console)
             for line in batches.path.notes:
@@ -132,19 +136,23 @@ class Run:
         except BaseException:
             batches.close()
             raise
+        step_report = StepReport(cfg, batches.path, compiled, gpu=world.device.type == "cuda")
         return cls(cfg, world, console, folder, model, step, start_step, batches, evaluator, window, logger,
-                   checkpoints, flops, compiled)
+                   checkpoints, flops, compiled, step_report)
 
     def fit(self, preemption: StopRequest) -> dict:
         cfg = self.cfg
         self.enter_train_mode()
         self.progress = self.console.progress_bar(cfg.train.steps, self.start_step, cfg.run.name)
-        self.window.open(self.batches.error_totals())
+        totals = self.batches.error_totals()
+        self.window.open(totals)
+        self.data_problems = DataProblems(totals=tuple(totals))
         for step_number in range(self.start_step, cfg.train.steps):
             lr = learning_rate(step_number, cfg.optim, cfg.train.steps)
             with self.batches.next() as batch:  # its pieces still arriving; used once the step returns
                 result = self.step(batch.images, batch.texts, lr)
             self.data_wait_s += batch.data_wait_s
+            self.report(batch.data_wait_s)
             done = step_number + 1
             self.log_metrics(done, result, lr)
             self.evaluate_on_schedule(done)
@@ -171,26 +179,13 @@ class Run:
             record["mfu"] = self.flops_per_sample * record["samples_per_s"] / self.world.world_size / peak
         self.logger.log(step_number, record)
         self.progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}")
-        self.report_the_data_path(step_number, record["step_s"] * steps)
         self.data_wait_s = 0.0
 
-    def report_the_data_path(self, step_number: int, elapsed: float) -> None:
-        """After the first step, how long compiling took; once a run, a line when the steps waited
-        for their data over 10% of the time (not counting the first step: the loader starting)."""
-        path = self.batches.path
-        if step_number == self.start_step + 1:
-            if self.compiled:
-                self.console.say(f"compiling the towers took {seconds_compiling():.0f} s of the first step "
-                                 f"({path.describe()})")
-            return
-        if self.data_wait_s <= 0.1 * elapsed or self.warned_about_data:
-            return
-        self.warned_about_data = True
-        workers = self.cfg.data.workers
-        knob = (f"data.workers (now {workers}) read, check and tokenize for the GPU's decoder" if path.decoder == "device"
-                else f"more data.workers (now {workers}), or data.decoder=device to decode on the GPU")
-        self.console.say(f"the steps waited for their data {100 * self.data_wait_s / elapsed:.0f}% of the time "
-                         f"({path.describe()}): {knob}")
+    def report(self, data_wait_s: float) -> None:
+        """Console lines from every step: the compile time, steps waiting for data, data problems."""
+        problems = self.data_problems.after_step(*self.batches.error_totals(), self.batches.take_problem_shards())
+        for line in [*self.step_report.after_step(data_wait_s), *problems]:
+            self.console.say(line)
 
     def stop(self, signum: int, step_number: int) -> dict:
         # No rank leaves before rank 0 has written the checkpoint: srun --kill-on-bad-exit

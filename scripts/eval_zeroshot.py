@@ -1,7 +1,21 @@
 """Zero-shot classification or retrieval of a checkpoint, written as CLIP_benchmark-style JSON.
 
-    python scripts/eval_zeroshot.py --checkpoint runs/digits \
-        --task imagefolder --data /data/digits-val --output results.json
+After the README's first command (which writes runs/digits and data/digits), from the clone's root:
+
+    python scripts/eval_zeroshot.py --checkpoint runs/digits --task digits --data data/digits
+    python scripts/eval_zeroshot.py --checkpoint runs/digits --task wds --data 'data/digits/val-{0000..0001}.tar' \
+        --classnames data/digits/classnames.txt --templates data/digits/templates.txt --output digits.json
+
+A CSV table as training reads it (data.kind: csv; open_clip's columns filepath and title, split at
+a tab; image paths relative to the table's folder): retrieval, the rows of one image its captions;
+or classification, with a label column (class names, or indices into --classnames):
+
+    python scripts/eval_zeroshot.py --checkpoint runs/digits --task csv-retrieval --data held_out.tsv
+    python scripts/eval_zeroshot.py --checkpoint runs/digits --task csv --data labelled.csv \
+        --csv-separator , --csv-label-key label --templates data/digits/templates.txt
+
+With your own checkpoints and sets:
+
     python scripts/eval_zeroshot.py --checkpoint ViT-B-32-laion2b.pt --model ViT-B-32 \
         --task imagenet --data /data/imagenet/val
     torchrun --nproc-per-node 8 scripts/eval_zeroshot.py ...   # each GPU evaluates its part
@@ -14,12 +28,14 @@ model comes from the checkpoint's own config (clipscale checkpoints) or from
 through open_clip, which reads both open_clip's and clipscale's layout
 ("state_dict", "module." prefixes).
 --task is a built-in set (see clipscale.eval.tasks) or a YAML/JSON task file;
-the options below override its fields.
+the options below override its fields. Every path is checked before the model
+is built; a bad one is one `error:` line naming its flag.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -31,7 +47,8 @@ from clipscale.checks import check_model
 from clipscale.config import PREPROCESS_KEYS, ModelConfig
 from clipscale.distributed import init_distributed, shutdown_distributed
 from clipscale.errors import UserError, run_main
-from clipscale.eval.tasks import resolve_task, run_task
+from clipscale.console import quiet_library_noise
+from clipscale.eval.tasks import TaskError, check_data, resolve_task, run_task
 from clipscale.models import OPEN_CLIP_CONFIG, build_model
 
 
@@ -41,13 +58,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", help="open_clip model name, model-config JSON, run folder or its open_clip_config.json; "
                                    "default: the checkpoint's config")
     p.add_argument("--task", required=True, help="built-in task name or a YAML/JSON task file")
-    p.add_argument("--data", help="image folder, shard pattern or caption JSON")
+    p.add_argument("--data", help="image folder, shard pattern, caption JSON or CSV table")
     p.add_argument("--image-root", help="coco: folder the caption JSON's image paths are relative to")
     p.add_argument("--split", help="coco: split of a Karpathy JSON (default test)")
     p.add_argument("--classnames", help="'imagenet', 'folders' or a file of class names")
     p.add_argument("--templates", help="'openai', 'simple' or a file of '{c}' templates")
     p.add_argument("--class-subset", help="file of class-name indices the data's labels refer to")
     p.add_argument("--folder-names", help="JSON {folder: class name}; only these folders are used")
+    p.add_argument("--csv-image-key", help="csv: the column of image paths (default filepath, as data.csv_image_key)")
+    p.add_argument("--csv-caption-key", help="csv-retrieval: the column of captions (default title)")
+    p.add_argument("--csv-separator", help="csv: the column separator (default a tab)")
+    p.add_argument("--csv-label-key", help="csv: the column of labels, class names or indices (default label)")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -55,6 +76,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output", help="write the results JSON here")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
+
+
+# The task's fields that are options of this script (--class-subset for class_subset, ...)
+TASK_FLAGS = ("data", "image_root", "split", "classnames", "templates", "class_subset", "folder_names",
+              "csv_image_key", "csv_caption_key", "csv_separator", "csv_label_key")
+
+
+@contextlib.contextmanager
+def flags_named(args: argparse.Namespace):
+    """A TaskError as the user's error line: the flag that sets the field and the value given
+    (a field no flag sets is one of the --task file's)."""
+    try:
+        yield
+    except TaskError as err:
+        if err.field in TASK_FLAGS or err.field == "task":
+            value = err.value if err.value is not None else getattr(args, err.field)
+            where = f"--{err.field.replace('_', '-')}" + ("" if value is None else f" {value}")
+        else:
+            where = f"--task {args.task}: {err.field}" + ("" if err.value is None else f" {err.value}")
+        raise UserError(f"{where}: {err.reason}" + ("" if err.field == "task" else f" (task {err.task})")) from None
 
 
 def model_config(checkpoint: str, model: str | None) -> ModelConfig:
@@ -79,35 +120,30 @@ def model_config(checkpoint: str, model: str | None) -> ModelConfig:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    quiet_library_noise()
     args.checkpoint = str(resolve_checkpoint(args.checkpoint))
     model_cfg = model_config(args.checkpoint, args.model)
     check_model(model_cfg)  # the same model checks as a training run, before any work
+    with flags_named(args):
+        task = resolve_task(args.task, **{field: getattr(args, field) for field in TASK_FLAGS})
+        check_data(task)
     world = init_distributed(args.device)
-    task = resolve_task(
-        args.task,
-        data=args.data,
-        image_root=args.image_root,
-        split=args.split,
-        classnames=args.classnames,
-        templates=args.templates,
-        class_subset=args.class_subset,
-        folder_names=args.folder_names,
-    )
     towers = build_model(model_cfg)
     model = towers.model.to(world.device)
     bf16 = args.precision == "bf16" or (args.precision == "auto" and world.device.type == "cuda")
     autocast = torch.bfloat16 if bf16 else None  # entered as clipscale.precision.autocast_factory does
-    metrics = run_task(
-        task,
-        model,
-        towers.tokenizer,
-        towers.val_transform,
-        world.device,
-        batch_size=args.batch_size,
-        workers=args.workers,
-        autocast=autocast,
-        progress=not args.no_progress,
-    )
+    with flags_named(args):
+        metrics = run_task(
+            task,
+            model,
+            towers.tokenizer,
+            towers.val_transform,
+            world.device,
+            batch_size=args.batch_size,
+            workers=args.workers,
+            autocast=autocast,
+            progress=not args.no_progress,
+        )
     result = {
         "dataset": task.name,
         "model": args.model or "checkpoint config",

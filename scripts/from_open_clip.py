@@ -13,7 +13,8 @@ open_clip counts the batch per GPU; clipscale's train.batch_size is the global b
 x GPUs x --accum-freq, the negatives each sample sees), so the number of GPUs is read from a torchrun
 command line (--nproc_per_node x --nnodes) or given as --gpus. Epoch-based flags (--epochs,
 --epochs-cooldown, --save-frequency, --zeroshot-frequency, --val-frequency) become steps through
---train-num-samples. A flag clipscale does not support stops the conversion with a list of them and
+the samples in an epoch: --train-num-samples for webdataset, the table's rows for a CSV (as
+open_clip_train, which ignores --train-num-samples there; the table is read here). A flag clipscale does not support stops the conversion with a list of them and
 why; a flag that does not change the run (logging paths, debugging) is noted on stderr and dropped.
 """
 
@@ -52,8 +53,7 @@ NAFLEX = unsupported("NaFlex (variable-resolution) towers are not supported")
 LAYER_DECAY = unsupported("layer-wise lr decay is not supported: one lr for every parameter group")
 COCA = unsupported("CoCa is not supported (its captioning loss is not implemented; CoCa models are refused)")
 DISTILL = unsupported("distillation is not supported (no teacher model or distillation loss)")
-FSDP = unsupported("FSDP is not supported: clipscale replicates the model (DDP) and scales the batch instead")
-EPOCHS = "(epochs x steps per epoch, from --train-num-samples)"
+EPOCHS = "(epochs x steps per epoch: --train-num-samples, or a CSV's rows)"
 
 # Every flag of open_clip_train/params.py (the main branch, and the 3.3 release's --horovod,
 # --torchscript and --trace), in its order.
@@ -61,7 +61,8 @@ FLAGS: dict[str, Flag] = {
     "--train-data": mapped("`data.train_shards` (with `data.kind`; sources joined with `::` as in open_clip)"),
     "--train-data-upsampling-factors": mapped("`data.upsampling_factors`"),
     "--val-data": mapped("`eval.val_data`"),
-    "--train-num-samples": mapped("`train.num_samples_per_epoch`"),
+    "--train-num-samples": mapped("`train.num_samples_per_epoch` (webdataset; a CSV's epoch is its rows, counted "
+                                  "by the script, as open_clip_train ignores the flag there)"),
     "--val-num-samples": ignored("the validation set is read whole"),
     "--dataset-type": mapped("`data.kind` (`webdataset` or `csv`; `auto` by the extension, as open_clip; `synthetic` is not supported)"),
     "--audio-ext": AUDIO, "--pretrained-audio": AUDIO, "--audio-fill": AUDIO, "--audio-trunc": AUDIO,
@@ -149,7 +150,12 @@ FLAGS: dict[str, Flag] = {
     "--debug": ignored("no debug logging mode"),
     "--copy-codebase": ignored("the run folder keeps the configuration, not the code"),
     "--ddp-static-graph": ignored("a DDP speed option; clipscale's steps run their own backward passes"),
-    "--fsdp": FSDP, "--fsdp-no-reshard-after-forward": FSDP, "--fsdp-offload-cpu": FSDP, "--fsdp-checkpoint": FSDP,
+    "--fsdp": mapped("`train.parallel: fsdp` (FSDP2; with `amp` refused: use `amp_bf16`; docs/fsdp.md)"),
+    "--fsdp-no-reshard-after-forward": ignored("clipscale's FSDP reshards every block after its forward (memory "
+                                               "before speed); there is no key for it"),
+    "--fsdp-offload-cpu": mapped("`train.fsdp_offload: true` (with --fsdp)"),
+    "--fsdp-checkpoint": ignored("under FSDP the step checkpoints are sharded `torch.distributed.checkpoint` folders "
+                                 "and the final weights one open_clip file (docs/fsdp.md)"),
     "--no-set-device-rank": ignored("each process takes the GPU of its local rank"),
     "--seed": mapped("`run.seed`"),
     "--grad-clip-norm": mapped("`optim.grad_clip` (open_clip's default, no clipping, is written as null)"),
@@ -257,11 +263,11 @@ def to_config(tokens: list[str], gpus: int | None = None) -> tuple[dict, list[st
     def switch(flag) -> bool:
         return flag in given
 
+    precision = one("--precision", "amp_bf16")
     model_name = one("--model", "RN50")
     vit = "vit" in model_name.lower()  # open_clip_train's get_default_params
     if model_name.lower().startswith("coca"):
         refused.append(f"--model {model_name}: {COCA.text}")
-    precision = one("--precision", "amp_bf16")
     precisions = {"amp": "fp16", "amp_bf16": "bf16", "amp_bfloat16": "bf16", "fp32": "fp32"}
     if precision not in precisions:
         refused.append(f"--precision {precision}: pure low-precision weights are not supported (amp, amp_bf16 or fp32)")
@@ -281,6 +287,9 @@ def to_config(tokens: list[str], gpus: int | None = None) -> tuple[dict, list[st
     reports = [r for r in ",".join(given.get("--report-to", [])).split(",") if r]
     if "trackio" in reports:
         refused.append("--report-to trackio: wandb and tensorboard only")
+    if switch("--fsdp") and precision == "amp":
+        refused.append("--fsdp with --precision amp: fp16 under FSDP is refused (each process would judge an overflow "
+                       "from its own gradient shards); use amp_bf16")
     if refused:
         raise ConversionError("open_clip_train flags that clipscale does not support: " + "; ".join(refused))
 
@@ -288,6 +297,18 @@ def to_config(tokens: list[str], gpus: int | None = None) -> tuple[dict, list[st
     per_gpu = one("--batch-size", 64, int)
     batch_size = per_gpu * gpus * accum
     num_samples = one("--train-num-samples", None, int)
+    train_data = one("--train-data")
+    dataset_type = one("--dataset-type", "auto")
+    if dataset_type == "auto" and train_data is not None:
+        dataset_type = "csv" if train_data.split("::")[0].lower().endswith((".csv", ".tsv")) else "webdataset"
+    if dataset_type == "csv" and train_data is not None:
+        rows = csv_rows(train_data, one("--csv-img-key", "filepath"), one("--csv-caption-key", "title"),
+                        one("--csv-separator", "\t"), num_samples)
+        if rows is not None:
+            if num_samples is not None and num_samples != rows:
+                notes.append(f"dropped --train-num-samples {num_samples}: an epoch of a CSV is its {rows} rows "
+                             "(open_clip_train ignores the flag for a CSV)")
+            num_samples = rows
 
     def epochs_in_steps(flag, epochs):
         if num_samples is None:
@@ -330,11 +351,7 @@ def to_config(tokens: list[str], gpus: int | None = None) -> tuple[dict, list[st
         model["force_context_length"] = one("--force-context-length", kind=int)
 
     data: dict = {}
-    if switch("--train-data"):
-        train_data = one("--train-data")
-        dataset_type = one("--dataset-type", "auto")
-        if dataset_type == "auto":
-            dataset_type = "csv" if train_data.split("::")[0].endswith((".csv", ".tsv")) else "webdataset"
+    if train_data is not None:
         data.update(kind=dataset_type, train_shards=train_data)
     for flag, key in (("--csv-img-key", "csv_image_key"), ("--csv-caption-key", "csv_caption_key"),
                       ("--csv-separator", "csv_separator"), ("--image-key", "image_key"), ("--text-key", "caption_key"),
@@ -377,6 +394,12 @@ def to_config(tokens: list[str], gpus: int | None = None) -> tuple[dict, list[st
                               "of train.num_samples_per_epoch), as open_clip_train does for webdataset")
     train.update(steps=None, epochs=one("--epochs", 32, int), num_samples_per_epoch=num_samples)
     train["precision"] = precisions[precision]
+    if switch("--fsdp"):
+        train["parallel"] = "fsdp"
+        if switch("--fsdp-offload-cpu"):
+            train["fsdp_offload"] = True
+    elif switch("--fsdp-offload-cpu"):
+        notes.append("dropped --fsdp-offload-cpu: without --fsdp there is nothing to offload (as in open_clip_train)")
     if switch("--log-every-n-steps"):
         train["log_every"] = one("--log-every-n-steps", kind=int)
     train["checkpoint_every"] = epochs_in_steps("--save-frequency", one("--save-frequency", 1, int))
@@ -402,6 +425,21 @@ def to_config(tokens: list[str], gpus: int | None = None) -> tuple[dict, list[st
     if "tensorboard" in reports or "all" in reports:
         config["tensorboard"] = {"enabled": True}
     return config, notes
+
+
+def csv_rows(train_data: str, image_key: str, caption_key: str, separator: str, num_samples: int | None) -> int | None:
+    """The rows of the CSV table(s) `train_data` names, read as clipscale's data.kind=csv reads them;
+    None when they cannot be read here and --train-num-samples says how many there are."""
+    from clipscale.config import ConfigError
+    from clipscale.data.csv_table import read_rows
+
+    try:
+        return sum(len(read_rows(path, image_key, caption_key, separator, "--train-data")) for path in train_data.split("::"))
+    except ConfigError as err:
+        if num_samples is not None:
+            return None
+        raise ConversionError(f"{err} (an epoch of a CSV is its rows: run this where the table is, or give "
+                              "--train-num-samples with its row count)") from None
 
 
 def markdown_table() -> str:

@@ -205,6 +205,18 @@ MUTATIONS = [
              "clipscale/parallel.py", "    if not isinstance(model, FSDPModule):\n        yield\n        return\n    modules",
              "    if True:\n        yield\n        return\n    modules",
              ("tests/test_fsdp.py::test_an_evaluation_may_run_a_different_number_of_batches_on_each_rank",)),
+    Mutation("data_wait_is_the_steps_time", "data_wait_s measured as the whole step's time",
+             "clipscale/trainer.py", 'extra = {"data_wait_s": self.data_wait_s / steps}',
+             'extra = {"data_wait_s": (__import__("time").perf_counter() - self.window.start) / steps}',
+             ("tests/test_console_reports.py::test_data_wait_is_the_time_the_step_waited_for_its_batch_not_the_steps_time",)),
+    Mutation("validation_in_train_mode", "the validation loss (eval.val_data) computed with the model in train mode",
+             "clipscale/eval/validation.py", "with evaluating(model) as inner:\n            for batch in self._batches():",
+             "with evaluating(model) as inner:\n            inner.train()\n            for batch in self._batches():",
+             ("tests/test_eval_mode.py::test_the_validation_loss_is_computed_in_eval_mode",)),
+    Mutation("csv_upsampling_factors_ignored", "upsampling factors ignored for CSV sources",
+             "clipscale/data/__init__.py", "return CsvTable(tables, factors=factors, **sampling)",
+             "return CsvTable(tables, **sampling)",
+             ("tests/test_own_data.py::test_csv_sources_are_drawn_by_their_upsampling_factors",)),
 ]
 
 

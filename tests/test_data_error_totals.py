@@ -30,7 +30,8 @@ def broken_run(module_tmp) -> Path:
         path.write_bytes(whole[: int(len(whole) * kept) + 700])
     overrides = shard_run(pattern, root, "broken", f"train.steps={STEPS}", f"train.batch_size={BATCH}",
                           "train.log_every=1", "train.checkpoint_every=100", "data.workers=1", "data.shuffle_buffer=4")
-    checked(run_train(overrides, nproc=2, timeout=240))
+    done = checked(run_train(overrides, nproc=2, timeout=240))
+    (root / "console.txt").write_text(done.stdout + done.stderr)
     return root / "broken"
 
 
@@ -44,3 +45,13 @@ def test_two_processes_log_the_sum_over_ranks_of_skipped_samples_and_shard_error
         assert all(per_rank), (key, per_rank)  # both ranks hit damage
         assert records[-1][f"{key}_total"] == sum(per_rank), (key, per_rank)
         assert sum(r[key] for r in records) == sum(per_rank)
+
+
+def test_the_console_says_what_was_skipped_and_where_without_raw_warnings(broken_run):
+    """The console's data lines (metrics.DataProblems, rate-limited: the first comes after the first
+    step that met damage) name a damaged shard and the totals; no Python warning reaches it."""
+    console = (broken_run.parent / "console.txt").read_text()
+    lines = [line for line in console.replace("\r", "\n").splitlines() if line.startswith("data: ")]
+    assert lines, console[-3000:]
+    assert " skipped" in lines[0] and "/shards/part-000" in lines[0] and "; so far " in lines[0], lines
+    assert "Warning" not in console, console[-3000:]

@@ -115,8 +115,64 @@ def test_class_subset_maps_labels_onto_a_longer_name_list(tmp_path, templates):
     assert evaluate(task, model)["acc1"] == 1.0
 
 
+def test_csv_classification_labels_are_class_names_or_indices(tmp_path, colour_model, templates):
+    """A CSV table with a label column: class names (the distinct labels, sorted, as folders are) or,
+    given --classnames, indices into them; paths relative to the table's folder."""
+    rows = [(f"images/{folder}-{i}.png", colour, folder) for folder, colours in FOLDER_IMAGES.items()
+            for i, colour in enumerate(colours)]
+    for path, colour, _ in rows:
+        picture(tmp_path / path, colour)
+    named = tmp_path / "named.csv"
+    named.write_text("image,label\n" + "".join(f"{path},{label}\n" for path, _, label in rows))
+    task = resolve_task("csv", data=str(named), csv_image_key="image", csv_separator=",", templates=templates)
+    check_folder_metrics(evaluate(task, colour_model))
+
+    numbered = tmp_path / "numbered.tsv"
+    order = ["blue", "green", "red"]
+    numbered.write_text("filepath\tlabel\n" + "".join(f"{path}\t{order.index(label)}\n" for path, _, label in rows))
+    classnames = write_lines(tmp_path / "classes.txt", order)
+    task = resolve_task("csv", data=str(numbered), classnames=classnames, templates=templates)
+    check_folder_metrics(evaluate(task, colour_model))
+
+
+def test_csv_retrieval_makes_an_images_rows_its_captions(tmp_path):
+    """Training's CSV keys (filepath, title, a tab: open_clip's); the rows of one image, wherever they
+    are in the table, are its captions, in their order; images in the order of their first row."""
+    rows = []
+    for i, (colour, captions) in enumerate(zip(RETRIEVAL_COLOURS, RETRIEVAL_CAPTIONS)):
+        picture(tmp_path / "images" / f"{i}.png", colour)
+        rows.append([(f"images/{i}.png", caption) for caption in captions])
+    interleaved = [rows[0][0], rows[1][0], rows[0][1], *rows[1][1:], *rows[2], *rows[3]]
+    table = tmp_path / "held_out.tsv"
+    table.write_text("filepath\ttitle\n" + "".join(f"{path}\t{caption}\n" for path, caption in interleaved))
+    assert evaluate(resolve_task("csv-retrieval", data=str(table)), caption_model()) == EXPECTED_RETRIEVAL
+
+
+@pytest.mark.parametrize("task, fields, flag, message", [
+    ("imagefolder", {"data": "{tmp}/nowhere"}, "data", "no such folder"),
+    ("imagefolder", {"data": "{tmp}/table.csv"}, "data", "a CSV table is the task csv"),
+    ("wds", {"data": "{tmp}/val-{{0..1}}.tar"}, "data", "no such file"),
+    ("wds-retrieval", {"data": "{tmp}/table.csv"}, "data", "a CSV table, not webdataset shards: use the task csv-retrieval"),
+    ("coco", {"data": "{tmp}/table.csv"}, "data", "not a caption JSON"),
+    ("csv-retrieval", {"data": "{tmp}/table.csv"}, "csv_image_key", "has no such column"),
+    ("csv-retrieval", {"data": "{tmp}/table.csv", "csv_separator": ",", "csv_image_key": "image"}, "csv_caption_key",
+     "has no such column"),
+    ("csv", {"data": "{tmp}/table.csv", "csv_separator": ",", "csv_image_key": "image"}, "csv_label_key", "has no such column"),
+    ("imagefolder", {"data": "{tmp}", "templates": "{tmp}/none.txt"}, "templates", "no such file, nor one of openai"),
+])
+def test_a_task_that_cannot_be_read_names_the_field_before_any_model(tmp_path, task, fields, flag, message):
+    from clipscale.eval.tasks import TaskError, check_data
+
+    (tmp_path / "table.csv").write_text("image,text\nimages/0.png,a red thing\n")
+    (tmp_path / "classes").mkdir()
+    resolved = resolve_task(task, **{key: value.format(tmp=tmp_path) for key, value in fields.items()})
+    with pytest.raises(TaskError, match=message) as raised:
+        check_data(resolved)
+    assert raised.value.field == flag
+
+
 def test_builtin_variants_say_what_they_need():
-    with pytest.raises(ValueError, match="needs class_subset"):
+    with pytest.raises(ValueError, match="class_subset: needed"):
         resolve_task("imagenet-r", data="somewhere")
     with pytest.raises(ValueError, match="unknown keys"):
         resolve_task({"name": "x", "data": "d", "clasnames": "folders"})
@@ -215,7 +271,7 @@ def test_digits_held_out_set_is_a_wds_task_read_from_the_manifest(digits_root):
 def test_digits_task_without_its_manifest_names_the_file(tmp_path):
     with pytest.raises(ValueError, match="manifest.json"):
         resolve_task("digits", data=str(tmp_path))
-    with pytest.raises(ValueError, match="needs data"):
+    with pytest.raises(ValueError, match="data: needed"):
         resolve_task("digits")
 
 

@@ -53,3 +53,20 @@ def test_evaluation_under_two_seeds_gives_the_same_metrics_and_leaves_train_mode
         assert all(module.training for module in model.modules()), "evaluation must restore train mode"
     assert results[0]["zeroshot_num_samples"] > 100
     assert results[0] == results[1]
+
+
+def test_the_validation_loss_is_computed_in_eval_mode(digits_root):
+    """eval.val_data's loss and retrieval (open_clip's --val-data) on a model with dropout, left in train
+    mode: the same under two seeds, so no dropout mask was drawn."""
+    cfg = load_config(DIGITS_YAML, [MODEL, f"data.root={digits_root}", "eval.batch_size=64", "eval.zeroshot=false",
+                                    f"eval.val_data={digits_root}/train-0000.tar"])
+    towers = build_model(cfg.model)
+    model = with_dropout(towers.model)
+    evaluator = Evaluator(cfg, towers, World(), autocast=None)
+    results = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        results.append(evaluator(model))
+        assert all(module.training for module in model.modules()), "evaluation must restore train mode"
+    assert set(results[0]) >= {"val_loss", "val_image_retrieval_recall@1"}
+    assert results[0] == results[1]

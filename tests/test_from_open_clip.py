@@ -130,3 +130,94 @@ def test_lock_text_without_frozen_norms_is_what_open_clip_asks():
     config, _ = from_open_clip.to_config(["--model", "ViT-B-32", "--train-num-samples", "10", "--lock-text"])
     assert config["model"]["lock_text_freeze_layer_norm"] is False
     assert yaml.safe_load(yaml.safe_dump(config)) == config
+
+
+def test_a_csv_command_needs_no_train_num_samples_its_epoch_is_the_tables_rows(tmp_path):
+    table = tmp_path / "train.csv"
+    table.write_text("filepath\ttitle\n" + "".join(f"images/{i}.jpg\tcaption {i}\n" for i in range(1500)))
+    config, notes = from_open_clip.to_config(["--model", "ViT-B-32", "--train-data", str(table), "--batch-size", "64",
+                                              "--epochs", "2", "--save-frequency", "1"])
+    assert config["train"]["num_samples_per_epoch"] == 1500 and notes == []
+    assert config["train"]["checkpoint_every"] == 24  # ceil(1500 / 64) steps an epoch
+    path = tmp_path / "csv.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert load_config(str(path)).train.steps == 48
+
+    # open_clip_train ignores --train-num-samples for a CSV: said, and the rows used
+    config, notes = from_open_clip.to_config(["--model", "ViT-B-32", "--train-data", str(table), "--train-num-samples", "10"])
+    assert config["train"]["num_samples_per_epoch"] == 1500
+    assert notes == ["dropped --train-num-samples 10: an epoch of a CSV is its 1500 rows (open_clip_train ignores the "
+                     "flag for a CSV)"]
+    # a table that is not here: its count from --train-num-samples, else an error naming it
+    config, _ = from_open_clip.to_config(["--model", "ViT-B-32", "--train-data", "/elsewhere/t.csv", "--train-num-samples", "10"])
+    assert config["train"]["num_samples_per_epoch"] == 10
+    with pytest.raises(from_open_clip.ConversionError, match="--train-data: no CSV file at '/elsewhere/t.csv'"):
+        from_open_clip.to_config(["--model", "ViT-B-32", "--train-data", "/elsewhere/t.csv"])
+
+
+def test_fsdp_is_train_parallel_fsdp():
+    config, notes = from_open_clip.to_config(["--model", "ViT-B-32", "--train-num-samples", "10", "--fsdp",
+                                              "--fsdp-offload-cpu", "--fsdp-checkpoint", "sharded"])
+    assert config["train"]["parallel"] == "fsdp" and config["train"]["fsdp_offload"] is True
+    assert notes == [f"dropped --fsdp-checkpoint: {from_open_clip.FLAGS['--fsdp-checkpoint'].text}"]
+    with pytest.raises(from_open_clip.ConversionError, match="--fsdp with --precision amp: .* use amp_bf16"):
+        from_open_clip.to_config(["--model", "ViT-B-32", "--train-num-samples", "10", "--fsdp", "--precision", "amp"])
+
+
+# Each mapped flag's values, and the flags open_clip_train needs beside it for it to act.
+MAPPED_EXAMPLES = {
+    "--train-data": ("/data/{0..9}.tar",), "--val-data": ("/data/val.tar",), "--train-num-samples": ("1000",),
+    "--train-data-upsampling-factors": ("1::2", "|", "--train-data", "a.tar::b.tar", "--dataset-resampled"),
+    "--dataset-type": ("webdataset", "|", "--train-data", "a.csv"), "--dataset-resampled": (),
+    "--csv-separator": (",",), "--csv-img-key": ("path",), "--csv-caption-key": ("text",), "--image-key": ("png",),
+    "--max-image-pixels": ("1000",), "--text-key": ("caption",), "--imagenet-val": ("/data/imagenet/val",),
+    "--imagenet-v2": ("/data/v2",), "--logs": ("/tmp/logs",), "--name": ("x",), "--workers": ("3",),
+    "--batch-size": ("32",), "--epochs": ("3",), "--epochs-cooldown": ("2", "|", "--lr-scheduler", "const-cooldown"),
+    "--lr": ("0.1",), "--beta1": ("0.8",), "--beta2": ("0.9",), "--eps": ("1e-7",), "--wd": ("0.3",), "--warmup": ("7",),
+    "--opt": ("adamw",), "--skip-scheduler": (), "--lr-scheduler": ("const",),
+    "--lr-cooldown-end": ("1e-6", "|", "--lr-scheduler", "const-cooldown", "--epochs-cooldown", "1"),
+    "--lr-cooldown-power": ("2", "|", "--lr-scheduler", "const-cooldown", "--epochs-cooldown", "1"),
+    "--save-frequency": ("2",), "--zeroshot-frequency": ("2",), "--val-frequency": ("2",), "--resume": ("latest",),
+    "--precision": ("fp32",), "--model": ("ViT-B-16",), "--pretrained": ("{tmp}/b32.pt",), "--lock-image": (),
+    "--lock-image-unlocked-groups": ("1", "|", "--lock-image"), "--lock-image-freeze-bn-stats": ("|", "--lock-image"),
+    "--image-mean": ("0.5", "0.5", "0.5"), "--image-std": ("0.2", "0.2", "0.2"), "--image-interpolation": ("bilinear",),
+    "--image-resize-mode": ("squash",), "--grad-checkpointing": (), "--force-context-length": ("32",),
+    "--force-image-size": ("160",), "--force-quick-gelu": (), "--force-patch-dropout": ("0.5",), "--torchcompile": (),
+    "--accum-freq": ("2",), "--device": ("cpu",), "--report-to": ("wandb,tensorboard",),
+    "--wandb-project-name": ("p", "|", "--report-to", "wandb"), "--fsdp": (), "--fsdp-offload-cpu": ("|", "--fsdp"),
+    "--seed": ("5",), "--grad-clip-norm": ("2.0",), "--lock-text": ("|", "--lock-text-freeze-layer-norm"),
+    "--lock-text-unlocked-layers": ("1", "|", "--lock-text", "--lock-text-freeze-layer-norm"),
+    "--lock-text-freeze-layer-norm": ("|", "--lock-text"), "--log-every-n-steps": ("5",), "--delete-previous-checkpoint": (),
+    "--siglip": ("|", "--model", "ViT-B-16-SigLIP"),
+}
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    return {k: v for key, value in tree.items()
+            for k, v in (_flat(value, f"{prefix}{key}.").items() if isinstance(value, dict) else [(prefix + key, value)])}
+
+
+@pytest.mark.parametrize("flag", [flag for flag, entry in from_open_clip.FLAGS.items() if entry.kind == "mapped"])
+def test_every_mapped_row_of_the_doc_sets_the_keys_it_names(tmp_path, flag):
+    """Each row that names clipscale keys: a command line with the flag writes those keys, differently
+    from the same command without it, and the configuration loads."""
+    base = {"--model": ["--train-num-samples", "1000"], "--train-num-samples": ["--model", "ViT-B-32"]}.get(
+        flag, ["--model", "ViT-B-32", "--train-num-samples", "1000"])
+    example = " ".join(MAPPED_EXAMPLES[flag]).replace("{tmp}", str(tmp_path)).split("|")
+    value, context = example[0].split(), (example[1].split() if len(example) > 1 else [])
+    (tmp_path / "b32.pt").write_bytes(b"")
+    with_flag, _ = from_open_clip.to_config([*base, *context, flag, *value])
+    # the keys the row names outside its parentheses (those say more), each in the configuration
+    keys = re.findall(r"`([a-z_]+\.[a-z_0-9.]+)", re.sub(r"\([^)]*\)", "", from_open_clip.FLAGS[flag].text))
+    flat = _flat(with_flag)
+    for key in keys:
+        assert any(k == key or k.startswith(key + ".") for k in flat), (flag, key, flat)
+    try:
+        without, _ = from_open_clip.to_config([*base, *context])
+    except from_open_clip.ConversionError:  # the command needs the flag
+        without = None
+    if flag != "--opt":  # adamw, the one optimizer, is also the default
+        assert with_flag != without, flag
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(with_flag))
+    load_checked_config(str(path), [f"run.output_dir={tmp_path}"])

@@ -62,7 +62,7 @@ class StreamedBatch:
     arrivals: Arrivals
     slot: int
     stream: "BatchStream"
-    records: list = field(default_factory=list)  # (cursor, skipped, shard errors) of each piece, in order
+    records: list = field(default_factory=list)  # (cursor, skipped, shard errors, problem shards) of each piece, in order
     handed_out_after_s: float = 0.0  # how long `BatchStream.next` waited for this batch to start
 
     @property
@@ -119,6 +119,7 @@ class BatchStream:
             self.free.put(slot)
         self.ready: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
+        self.problem_shards: list[str] = []  # shards where the used batches met skipped samples or a cut (for the console)
         self.thread = None
 
     def start(self) -> None:
@@ -153,6 +154,7 @@ class BatchStream:
             batch.arrivals.wait_for(len(batch))
             for record in batch.records:
                 self.state.update(record)
+                self.problem_shards += [shard for shard in record["problem_shards"] if shard not in self.problem_shards]
             self.state.batches += 1
         batch.images.release()
         batch.texts.release()
@@ -215,7 +217,7 @@ class BatchStream:
                     raise RuntimeError(f"a loader piece has {len(piece['texts'])} samples, expected {self.piece_size}")
                 images.put(rows, piece)
                 texts.put(rows, piece)
-                batch.records.append({key: piece[key] for key in ("cursor", "skipped_samples", "shard_errors")})
+                batch.records.append({key: piece[key] for key in ("cursor", "skipped_samples", "shard_errors", "problem_shards")})
                 arrivals.add(self.piece_size)
         except BaseException as error:
             arrivals.fail(error)

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
+from clipscale.console import native_noise_filtered
 from clipscale.data.chunks import Arrivals, ChunkSource, DeviceTransform, KeepBudget
 from clipscale.data.encoded import EncodedBatch, EncodedImages, is_whole_jpeg
 from clipscale.data.transforms import SplitTransform
@@ -72,15 +73,16 @@ class JpegEngines:
         """The engines' decoder, or None and the reason it cannot run here."""
         if device.type != "cuda":
             return None, "no GPU"
-        try:
-            from nvidia import nvimgcodec
-        except ImportError:
-            return None, "nvImageCodec is not installed (pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg)"
-        try:
-            engines = cls(device, nvimgcodec)
-            probe = engines.decoder.decode([nvimgcodec.CodeStream(TINY_JPEG)], params=engines.params)
-        except Exception as error:  # noqa: BLE001 - any failure to start means: not on this machine
-            return None, f"nvImageCodec's hardware decoder did not start ({error})"
+        with native_noise_filtered():  # its extensions for formats we never read (nvTIFF) complain at start
+            try:
+                from nvidia import nvimgcodec
+            except ImportError:
+                return None, "nvImageCodec is not installed (pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg)"
+            try:
+                engines = cls(device, nvimgcodec)
+                probe = engines.decoder.decode([nvimgcodec.CodeStream(TINY_JPEG)], params=engines.params)
+            except Exception as error:  # noqa: BLE001 - any failure to start means: not on this machine
+                return None, f"nvImageCodec's hardware decoder did not start ({error})"
         if probe[0] is None:
             return None, "this GPU has no hardware JPEG decoder nvImageCodec can use"
         return engines, ""

@@ -133,6 +133,11 @@ class TrainingBatches:
         """[skipped samples, shard errors] over all ranks since the run began (every rank calls it)."""
         return all_reduce_sum_list([self.state.skipped_samples, self.state.shard_errors], self.world.device)
 
+    def take_problem_shards(self) -> list[str]:
+        """The shards (this rank's) where the batches used since the last call met skipped samples or a cut."""
+        shards, self.stream.problem_shards = self.stream.problem_shards, []
+        return shards
+
     def state_dict(self) -> dict:
         return self.state.state_dict()
 

@@ -13,7 +13,6 @@ docs/architecture.md tells the order and how a resumed stream finds its place.
 from __future__ import annotations
 
 import random
-import warnings
 import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
@@ -54,25 +53,28 @@ class StreamState:
 
 
 class ShardErrors:
-    """webdataset error handler that warns, counts and carries on with the next shard.
+    """webdataset error handler that counts the shards cut short, names them, and carries on with
+    the next shard (the trainer's console says so, `metrics.DataProblems`).
 
     It counts shards, not exceptions: webdataset reports a tar file cut short
     once or twice (from the member read and again from the archive iterator)."""
 
     def __init__(self):
         self.count = 0
+        self.shards: list[str] = []  # those cut short since the last piece
+        self.current_shard = ""
         self.current_shard_failed = False
 
     def __call__(self, exn: Exception) -> bool:
         if not self.current_shard_failed:
             self.count += 1
+            self.shards.append(self.current_shard)
             self.current_shard_failed = True
-            warnings.warn(f"skipping the rest of a shard: {exn!r}")
         return True
 
     def read(self, url: str):
         """The samples of one shard, up to the first error."""
-        self.current_shard_failed = False
+        self.current_shard, self.current_shard_failed = str(url), False
         yield from wds.tarfile_to_samples(handler=self)(iter([{"url": url}]))
 
 
@@ -172,13 +174,14 @@ class ShardStream(torch.utils.data.IterableDataset):
         return ShuffledEpoch(self.source, self._plan(epoch, consumer, consumers), self.shuffle_buffer,
                              f"{self.seed}/{epoch}/{consumer}", errors)
 
-    def _piece(self, samples: list[tuple], cursor: tuple, skipped: int, shard_errors: int) -> dict:
+    def _piece(self, samples: list[tuple], cursor: tuple, skipped: int, errors: ShardErrors, problem_shards: list) -> dict:
         pixels, encoded, captions = zip(*samples)
         piece = {
             "texts": self.tokenizer(list(captions)),
             "cursor": cursor,
             "skipped_samples": skipped,
-            "shard_errors": shard_errors,
+            "shard_errors": errors.count,
+            "problem_shards": [shard for shard in dict.fromkeys(problem_shards + errors.shards) if shard],  # where skips and cuts were met
         }
         if self.decode:
             piece["images"] = torch.stack(pixels)
@@ -193,7 +196,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         consumer = self.rank * self.num_workers + worker
         consumers = self.world_size * self.num_workers
         epoch, *position = self.state.cursors.get(worker, (0,))
-        samples, skipped, errors = [], 0, ShardErrors()
+        samples, skipped, errors, problem_shards = [], 0, ShardErrors(), []
         epochs_without_a_sample = 0
         while True:
             usable = 0
@@ -210,12 +213,13 @@ class ShardStream(torch.utils.data.IterableDataset):
                                                                    self.keep_encoded, self.decode, self.max_image_pixels)
                 if sample is None:
                     skipped += 1
+                    problem_shards.append((raw or {}).get("__url__") or errors.current_shard)
                     continue
                 usable += 1
                 samples.append(sample)
                 if len(samples) == self.piece_size:
-                    yield self._piece(samples, (worker, epoch, *shuffled.position()), skipped, errors.count)
-                    samples, skipped, errors.count = [], 0, 0
+                    yield self._piece(samples, (worker, epoch, *shuffled.position()), skipped, errors, problem_shards)
+                    samples, skipped, errors.count, errors.shards, problem_shards = [], 0, 0, [], []
             if shuffled.draws == 0:
                 raise RuntimeError(f"consumer {consumer} found no samples in its shards: {self.source.shards}")
             # Shards move between consumers every epoch, so one bad pass can be bad luck;

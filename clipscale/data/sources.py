@@ -63,7 +63,7 @@ class ShardSource:
             yield self.select(raw)
 
     def select(self, raw: dict) -> dict:
-        sample = {"__key__": raw.get("__key__")}
+        sample = {"__key__": raw.get("__key__"), "__url__": raw.get("__url__")}
         image = next((k for k in self.image_keys if k in raw), None)
         caption = next((k for k in self.caption_keys if k in raw), None)
         if image is not None:

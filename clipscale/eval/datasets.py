@@ -1,4 +1,4 @@
-"""Evaluation data: ImageFolder directories, webdataset shards, COCO-style caption JSON.
+"""Evaluation data: ImageFolder directories, webdataset shards, COCO-style caption JSON, CSV tables.
 
 Classification sets yield (image, label); retrieval sets yield
 (image, [caption, ...]) and batch with `collate_captions`, which keeps the
@@ -60,7 +60,22 @@ class LabelledFolder(torchvision.datasets.ImageFolder):
         return list(mapping), mapping
 
 
-class CaptionedImages(torch.utils.data.Dataset):
+class ListedImages(torch.utils.data.Dataset):
+    """(transformed image, target) of a list of (image path, target): a CSV table's rows, a caption JSON's images."""
+
+    def __init__(self, items: list[tuple[str, object]], transform: Callable):
+        self.items = items
+        self.transform = transform
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, index):
+        path, target = self.items[index]
+        return self.transform(load_image_file(path)), target
+
+
+class CaptionedImages(ListedImages):
     """COCO/Flickr Karpathy-style retrieval set: images with several captions each.
 
     Reads either Karpathy's own file ({"images": [{"filepath", "filename",
@@ -73,24 +88,16 @@ class CaptionedImages(torch.utils.data.Dataset):
         with open(annotations) as f:
             data = json.load(f)
         if isinstance(data, dict):
-            self.items = [
+            items = [
                 (os.path.join(entry.get("filepath", ""), entry["filename"]), [s["raw"].strip() for s in entry["sentences"]])
                 for entry in data["images"]
                 if entry.get("split") == split
             ]
         else:
-            self.items = [(entry["image"], _caption_list(entry["caption"])) for entry in data]
-        if not self.items:
+            items = [(entry["image"], _caption_list(entry["caption"])) for entry in data]
+        if not items:
             raise ValueError(f"{annotations}: no images" + (f" in split {split!r}" if isinstance(data, dict) else ""))
-        self.image_root = Path(image_root)
-        self.transform = transform
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, index):
-        path, captions = self.items[index]
-        return self.transform(load_image_file(self.image_root / path)), captions
+        super().__init__([(str(Path(image_root) / path), captions) for path, captions in items], transform)
 
 
 def load_image_file(path) -> Image.Image:

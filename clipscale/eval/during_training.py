@@ -10,7 +10,7 @@ from __future__ import annotations
 from clipscale.config import Config
 from clipscale.distributed import World
 from clipscale.distributed import unwrap
-from clipscale.eval.tasks import digits_task, eval_task, run_task
+from clipscale.eval.tasks import check_data, digits_task, eval_task, run_task
 from clipscale.eval.validation import Validation
 from clipscale.precision import Autocast
 
@@ -24,6 +24,8 @@ class Evaluator:
         self.cfg, self.towers, self.world, self.autocast = cfg, towers, world, autocast
         held_out = [digits_task(cfg.data.root, HELD_OUT_DIGITS)] if cfg.eval.zeroshot and cfg.data.kind == "digits" else []
         self.tasks = held_out + [eval_task(entry) for entry in cfg.eval.sets]
+        for task in self.tasks:  # every path there before training starts: a TaskError names the set, field and path
+            check_data(task)
         self.validation = Validation(cfg, towers, world, autocast) if cfg.eval.val_data else None
 
     def __call__(self, model) -> dict:

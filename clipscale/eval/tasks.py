@@ -17,22 +17,35 @@ WordNet-ID folders), "folders" (the folder names, or the values of
 them to the classes the data has, in its label order: ImageNet-R and -A use
 200 of the 1,000.
 
+"csv" and "csv-retrieval" read a table of image paths (relative to its folder), as training's
+`data.kind: csv` does, with the same keys: `csv_image_key`, `csv_caption_key`, `csv_separator`
+(open_clip's `filepath`, `title`, a tab). Retrieval groups the rows of one image into its captions;
+classification reads a label column (`csv_label_key`): class names (then "folders" means the
+distinct labels, sorted) or indices into the class names.
+
 "digits" is the held-out split that clipscale.data.digits writes: its `data` is the data root,
 whose manifest lists the shards; the class names and templates are the files written beside it.
 `eval.zeroshot: true` with `data.kind: digits` evaluates it under the name "zeroshot".
+
+A task that cannot be read is a `TaskError` naming the field (and so the command-line flag) and
+the path: `check_data` looks at every path before a model is built.
 """
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
+import webdataset as wds
 import yaml
 from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES
 
+from clipscale.config import ConfigError
 from clipscale.eval import datasets
 from clipscale.eval.inference import Autocast
 from clipscale.eval.retrieval import evaluate_retrieval
@@ -42,12 +55,26 @@ NAMED_CLASSNAMES = {"imagenet": IMAGENET_CLASSNAMES}
 NAMED_TEMPLATES = {"openai": OPENAI_IMAGENET_TEMPLATES, "simple": SIMPLE_IMAGENET_TEMPLATES}
 
 
+class TaskError(ConfigError):
+    """A field of an eval task that does not say what the task needs: `field` names it (the
+    script's flag is --field-with-dashes), `value` is what it holds."""
+
+    def __init__(self, task: str, field: str, value, reason: str):
+        self.task, self.field, self.value, self.reason = task, field, value, reason
+        super().__init__(f"eval task {task!r}: {field}" + ("" if value is None else f" {value}") + f": {reason}")
+
+
+FORMATS = ("imagefolder", "wds", "coco", "csv")
+CSV_SUFFIXES = (".csv", ".tsv")
+NAMED_FILES = {"classnames": ("folders", *NAMED_CLASSNAMES), "templates": tuple(NAMED_TEMPLATES)}
+
+
 @dataclass
 class EvalTask:
     name: str
     kind: Literal["classification", "retrieval"] = "classification"
-    format: Literal["imagefolder", "wds", "coco"] = "imagefolder"
-    data: Optional[str] = None  # folder, shard pattern ("val-{000..009}.tar") or caption JSON
+    format: Literal["imagefolder", "wds", "coco", "csv"] = "imagefolder"
+    data: Optional[str] = None  # folder, shard pattern ("val-{000..009}.tar"), caption JSON or CSV table
     image_root: Optional[str] = None  # coco: folder the JSON's image paths are relative to (default: the JSON's folder)
     split: str = "test"  # coco: which split of a Karpathy file
     classnames: str = "folders"  # "imagenet", "folders" or a file
@@ -55,15 +82,22 @@ class EvalTask:
     class_subset: Optional[str] = None  # file of indices into the class names, in label order
     folder_names: Optional[str] = None  # JSON {folder: class name}: only these folders, labelled in this order
     numeric_folders: bool = False  # folder names are the labels (ImageNet-V2's "0".."999")
+    # csv: training's data.csv_* keys, and the column of a classification table's labels
+    csv_image_key: str = "filepath"
+    csv_caption_key: str = "title"
+    csv_separator: str = "\t"
+    csv_label_key: str = "label"
 
     def __post_init__(self):
-        for field, allowed in (("kind", ("classification", "retrieval")), ("format", ("imagefolder", "wds", "coco"))):
+        for field, allowed in (("kind", ("classification", "retrieval")), ("format", FORMATS)):
             if getattr(self, field) not in allowed:
-                raise ValueError(f"eval task {self.name!r}: {field} must be one of {allowed}, got {getattr(self, field)!r}")
+                raise TaskError(self.name, field, repr(getattr(self, field)), f"must be one of {', '.join(allowed)}")
         if self.format == "coco" and self.kind != "retrieval":
-            raise ValueError(f"eval task {self.name!r}: format 'coco' is a retrieval format")
+            raise TaskError(self.name, "format", "'coco'", "is a retrieval format")
         if self.kind == "retrieval" and self.format == "imagefolder":
-            raise ValueError(f"eval task {self.name!r}: retrieval needs format 'coco' or 'wds'")
+            raise TaskError(self.name, "format", "'imagefolder'", "retrieval needs format coco, wds or csv")
+        if len(self.csv_separator) != 1:
+            raise TaskError(self.name, "csv_separator", repr(self.csv_separator), "must be one character")
 
 
 BUILTIN_TASKS = {
@@ -78,6 +112,8 @@ BUILTIN_TASKS = {
         EvalTask("wds", format="wds"),  # needs classnames: wds shards carry only label numbers
         EvalTask("coco", kind="retrieval", format="coco"),
         EvalTask("wds-retrieval", kind="retrieval", format="wds"),
+        EvalTask("csv", format="csv"),  # classification: a label column (csv_label_key)
+        EvalTask("csv-retrieval", kind="retrieval", format="csv"),
     )
 }
 DIGITS = "digits"  # a built-in whose fields come from the data root's manifest (digits_task)
@@ -101,18 +137,89 @@ def resolve_task(task, **overrides) -> EvalTask:
     elif Path(task).is_file():
         base = {"name": Path(task).stem, **yaml.safe_load(Path(task).read_text())}  # YAML also reads JSON
     else:
-        raise ValueError(f"unknown eval task {task!r}: not a file and not one of {', '.join([*BUILTIN_TASKS, DIGITS])}")
+        raise TaskError(str(task), "task", None, f"no such file, nor one of {', '.join([*BUILTIN_TASKS, DIGITS])}")
     allowed = {f.name for f in dataclasses.fields(EvalTask)}
     unknown = sorted(set(base) - allowed)
     if unknown:
-        raise ValueError(f"eval task {base.get('name', task)!r}: unknown keys {unknown}; allowed: {sorted(allowed)}")
+        raise TaskError(base.get("name", task), "task", None, f"unknown keys {unknown}; allowed: {sorted(allowed)}")
     resolved = EvalTask(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
     required = REQUIRED_FIELDS.get(resolved.name)
     if required and getattr(resolved, required) is None:
-        raise ValueError(f"eval task {resolved.name!r} needs {required} (see clipscale.eval.tasks)")
+        raise TaskError(resolved.name, required, None, "needed by this task (see clipscale.eval.tasks)")
     if resolved.data is None:
-        raise ValueError(f"eval task {resolved.name!r} needs data (a folder, shard pattern or caption JSON)")
+        raise TaskError(resolved.name, "data", None, "needed: a folder, shard pattern, caption JSON or CSV table")
     return resolved
+
+
+def check_data(task: EvalTask) -> None:
+    """Every path `task` names is there and holds what its format reads: a TaskError naming the
+    field and the path otherwise. Looks at files, reads no image."""
+    data = task.data
+    local = Path(data)
+    if task.format == "wds":
+        shards = wds.shardlists.expand_urls(data)
+        files = [s for s in shards if "://" not in s and not s.startswith("pipe:")]
+        missing = [s for s in files if not Path(s).is_file()]
+        if missing:
+            which = "no such file" if len(missing) == len(shards) else f"{len(missing)} of its {len(shards)} files are missing"
+            raise TaskError(task.name, "data", data, f"{which} (first: {missing[0]})")
+        if files and files[0].lower().endswith(CSV_SUFFIXES):
+            csv_task = "csv-retrieval" if task.kind == "retrieval" else "csv"
+            raise TaskError(task.name, "data", data, f"a CSV table, not webdataset shards: use the task {csv_task}")
+        if files and files[0].lower().endswith(".json"):
+            raise TaskError(task.name, "data", data, "a JSON file, not webdataset shards: caption JSON is the task coco")
+        if files and not tarfile.is_tarfile(files[0]):
+            raise TaskError(task.name, "data", data, f"{files[0]} is not a tar file (webdataset shards are)")
+        if task.kind == "classification" and task.classnames == "folders":
+            raise TaskError(task.name, "classnames", None, "needed: webdataset shards carry label numbers, not class "
+                            "names; give a file of class names (one a line, in label order)")
+    elif task.format == "imagefolder":
+        if not local.is_dir():
+            what = "a file, not a folder of class folders" if local.exists() else "no such folder"
+            raise TaskError(task.name, "data", data, what + _csv_hint(data))
+        if not any(entry.is_dir() for entry in local.iterdir()):
+            raise TaskError(task.name, "data", data, "has no class folders (one folder of images per class)")
+    else:  # coco, csv: one file
+        if not local.is_file():
+            reads = "a caption JSON" if task.format == "coco" else "a CSV table"
+            raise TaskError(task.name, "data", data, f"{'a folder' if local.is_dir() else 'no such file'}; {task.name} reads {reads}")
+        if task.format == "csv":
+            read_table(task)
+        else:
+            try:
+                datasets.CaptionedImages(data, task.image_root or str(local.parent), None, task.split)
+            except (ValueError, KeyError, TypeError) as err:  # json's JSONDecodeError is a ValueError
+                reason = f"no entry {err}" if isinstance(err, KeyError) else str(err).removeprefix(f"{data}: ")
+                raise TaskError(task.name, "data", data, f"not a caption JSON that coco reads ({reason}){_csv_hint(data)}") from None
+    if task.image_root is not None and not Path(task.image_root).is_dir():
+        raise TaskError(task.name, "image_root", task.image_root, "no such folder")
+    for field in ("classnames", "templates", "class_subset", "folder_names"):
+        value = getattr(task, field)
+        if value is not None and value not in NAMED_FILES.get(field, ()) and not Path(value).is_file():
+            named = NAMED_FILES.get(field)
+            raise TaskError(task.name, field, value, "no such file" + (f", nor one of {', '.join(named)}" if named else ""))
+
+
+def _csv_hint(data: str) -> str:
+    return ": a CSV table is the task csv (with a label column) or csv-retrieval" if data.lower().endswith(CSV_SUFFIXES) else ""
+
+
+def read_table(task: EvalTask) -> list[tuple[str, str]]:
+    """(image path made relative to the table's folder, caption or label) of every row of a csv task."""
+    column = task.csv_caption_key if task.kind == "retrieval" else task.csv_label_key
+    key = "csv_caption_key" if task.kind == "retrieval" else "csv_label_key"
+    table = Path(task.data)
+    with table.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f, delimiter=task.csv_separator)
+        columns = reader.fieldnames or []
+        for field, name in (("csv_image_key", task.csv_image_key), (key, column)):
+            if name not in columns:
+                raise TaskError(task.name, field, repr(name), f"{task.data} has no such column (its columns, split at "
+                                f"{task.csv_separator!r}: {', '.join(map(repr, columns))}; csv_separator sets the split)")
+        rows = [(str(table.parent / row[task.csv_image_key]), (row[column] or "").strip()) for row in reader]
+    if not rows:
+        raise TaskError(task.name, "data", task.data, "the table has no rows")
+    return rows
 
 
 def eval_task(entry) -> EvalTask:
@@ -126,11 +233,12 @@ def eval_task(entry) -> EvalTask:
 def digits_task(root: Optional[str], name: str = DIGITS) -> EvalTask:
     """The digits held-out split under `root`, read from the manifest clipscale.data.digits writes last."""
     if root is None:
-        raise ValueError(f"eval task {DIGITS!r} needs data (the digits data root, which holds manifest.json)")
+        raise TaskError(DIGITS, "data", None, "needed: the digits data root, which holds manifest.json "
+                        "(data/digits after the README's first command)")
     folder = Path(root)
     manifest_path = folder / "manifest.json"
     if not manifest_path.is_file():
-        raise ValueError(f"eval task {DIGITS!r}: no {manifest_path} (the digits data root, written by a digits run)")
+        raise TaskError(DIGITS, "data", root, f"no {manifest_path} (the digits data root, written by a digits run)")
     manifest = _read_json(str(manifest_path))
     return EvalTask(name, format="wds", data="::".join(str(folder / shard) for shard in manifest["val_shards"]),
                     classnames=str(folder / "classnames.txt"), templates=str(folder / "templates.txt"))
@@ -153,6 +261,8 @@ def run_task(
         if task.format == "coco":
             image_root = task.image_root or str(Path(task.data).parent)
             dataset = datasets.rank_shard(datasets.CaptionedImages(task.data, image_root, transform, task.split))
+        elif task.format == "csv":
+            dataset = datasets.rank_shard(datasets.ListedImages(captioned_rows(read_table(task)), transform))
         else:
             dataset = datasets.shard_retrieval(task.data, transform)
         loader = datasets.make_loader(dataset, batch_size, workers, collate_fn=datasets.collate_captions)
@@ -161,13 +271,26 @@ def run_task(
     folder_names = _read_json(task.folder_names) if task.folder_names else None  # {folder: class name}
     if task.format == "wds":
         dataset, folders = datasets.shard_classification(task.data, transform), None
+    elif task.format == "csv":
+        rows = read_table(task)
+        numbered = all(label.isdigit() for _, label in rows)
+        folders = None if numbered else sorted({label for _, label in rows})  # "folders": the distinct labels
     else:
         folder_labels = {folder: label for label, folder in enumerate(folder_names)} if folder_names else None
         folder_set = datasets.LabelledFolder(task.data, transform, folder_labels, task.numeric_folders)
         dataset, folders = datasets.rank_shard(folder_set), folder_set.classes
     classnames = class_names(task, folders, folder_names)
-    if folders is not None and not task.numeric_folders and len(folders) != len(classnames):
-        raise ValueError(f"eval task {task.name!r}: {len(folders)} class folders but {len(classnames)} class names")
+    if task.format == "imagefolder" and not task.numeric_folders and len(folders) != len(classnames):
+        raise TaskError(task.name, "classnames", task.classnames, f"{len(classnames)} class names, but {task.data} "
+                        f"has {len(folders)} class folders")
+    if task.format == "csv":
+        named = folders if task.classnames == "folders" else classnames
+        labels = [int(label) if numbered else _label_of(task, label, named) for _, label in rows]
+        if max(labels) >= len(classnames):
+            raise TaskError(task.name, "classnames", task.classnames, f"{len(classnames)} class names, but {task.data} "
+                            f"has the label {max(labels)} (a number is an index into the class names)")
+        dataset = datasets.rank_shard(datasets.ListedImages([(path, label) for (path, _), label in zip(rows, labels)],
+                                                            transform))
     classifier = zeroshot_classifier(
         model, tokenizer, classnames, prompt_templates(task), device, batch_size=batch_size, autocast=autocast
     )
@@ -180,13 +303,28 @@ def class_names(task: EvalTask, folders: Optional[list], folder_names: Optional[
         names = list(NAMED_CLASSNAMES[task.classnames])
     elif task.classnames == "folders":
         if folders is None:
-            raise ValueError(f"eval task {task.name!r}: shards have no folder names; give classnames (a file)")
+            raise TaskError(task.name, "classnames", None, f"needed: {task.data} has label numbers, not class names; "
+                            "give a file of class names (one a line, in label order)")
         names = list(folder_names.values()) if folder_names else [f.replace("_", " ") for f in folders]
     else:
         names = _read_list(task.classnames)
     if task.class_subset is not None:
         names = [names[int(i)] for i in _read_list(task.class_subset)]
     return names
+
+
+def captioned_rows(rows: list[tuple[str, str]]) -> list[tuple[str, list[str]]]:
+    """(image, its captions) from (image, caption) rows: one image per path, in the order of its first row."""
+    captions: dict[str, list[str]] = {}
+    for path, caption in rows:
+        captions.setdefault(path, []).append(caption)
+    return list(captions.items())
+
+
+def _label_of(task: EvalTask, label: str, names: list[str]) -> int:
+    if label not in names:
+        raise TaskError(task.name, "classnames", task.classnames, f"has no class {label!r}, a label of {task.data}")
+    return names.index(label)
 
 
 def prompt_templates(task: EvalTask) -> list:
