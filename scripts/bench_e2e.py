@@ -223,6 +223,8 @@ def ceiling_case(case: dict, result: dict, args) -> dict:
                    steps=case.get("ceiling_steps", 3), text=case.get("ceiling_text", "full"))
     if str(case.get("chunk", "")).isdigit():
         ceiling["chunk"] = case["chunk"]
+    elif case.get("chunk") == "none":  # the whole batch of a process in one chunk
+        ceiling["chunk"] = str(ceiling["batch"])
     elif result.get("auto_chunk"):
         ceiling["chunk"] = re.match(r"train.chunk_size=auto: (\d+)", result["auto_chunk"]).group(1)
     logged = [n for n in result.get("text_positions_per_sample", []) if n is not None]

@@ -65,6 +65,7 @@ def test_the_ceiling_follows_the_runs_text_positions_chunk_and_per_process_batch
     auto = {**case, "chunk": "auto", "nproc": "2", "ceiling_text": "cut"}
     ceiling = bench_e2e.ceiling_case(auto, {"auto_chunk": "train.chunk_size=auto: 24 samples per encoder pass (...)"}, args)
     assert (ceiling["chunk"], ceiling["batch"], ceiling["text"]) == ("24", 32, "cut")
+    assert bench_e2e.ceiling_case({**case, "chunk": "none"}, ran_full, args)["chunk"] == "64"
 
 
 def test_the_ceilings_captions_are_the_shards_own(shards):

@@ -26,6 +26,7 @@ from clipscale.losses import build_loss
 from clipscale.losses.infcl import ntxent_loss
 from clipscale.models import build_model
 from tests.gloo_world import run_in_gloo_world
+from tests.test_gradcache import grads_of, relative_error
 from tests.test_models import hf_folder, timm_hf_config  # noqa: F401 - hf_folder: a fixture
 
 pytestmark = pytest.mark.timeout(180)
@@ -83,17 +84,6 @@ def sorted_and_cut(model, images, tokens) -> tuple[torch.Tensor, TextChunks]:
     lengths = caption_lengths(model, tokens)
     order = length_order(lengths)
     return images[order], TextChunks(tokens[order], lengths[order], context_length(model))
-
-
-def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    model = getattr(model, "module", model)
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
-def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    """Worst over parameters of max|got - want| / max|want|; the same parameters must have gradients."""
-    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))[:5]
-    return max(float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)) for n in want)
 
 
 def step(model, loss_fn, images, texts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
