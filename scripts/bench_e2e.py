@@ -366,9 +366,10 @@ def main(argv=None) -> None:
         if case["runner"] == "clipscale" and case.get("ceiling") != "0" and "samples_per_s" in result:
             left = deadline - time.monotonic()
             result["ceiling"] = run_case(ceiling_case(case, result, args), args, left) if left >= 30 else {"not_run": "time budget"}
+            report(f"{spec} ceiling:", result["ceiling"])
             if "samples_per_s" in result["ceiling"]:
                 result["of_ceiling"] = result["samples_per_s"] / (int(case.get("nproc", 1)) * result["ceiling"]["samples_per_s"])
-            report(f"{spec} ceiling, {result.get('of_ceiling', 0):.1%} reached:", result["ceiling"])
+                print(f"{spec} of_ceiling: {result['of_ceiling']:.3f}", flush=True)
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")  # after each case: a kill keeps what ran
 
 
