@@ -229,10 +229,12 @@ def test_compiled_cut_tower_runs_one_graph_per_bucket(tmp_path):
     compile_towers(model, tmp_path, backend="aot_eager")
     tokens = make_tokens(LENGTHS, seed=0)
     want = reference(None, tokens)["text_features"]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for length in (16, 32, 16):
         fits = [row for row, n in enumerate(LENGTHS) if n <= length][:2]
         got = model(None, tokens[fits, :length])["text_features"]
         assert torch.allclose(got, want[fits], atol=1e-5, rtol=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2
 
 
 @pytest.mark.parametrize("loss_name", LOSSES)
