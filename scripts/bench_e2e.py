@@ -6,7 +6,18 @@ process tree's peak host memory (PSS, loader workers included, sampled every 0.5
 the GPU's peak memory (train.py's allocator peak; for both, the device's used memory as
 nvidia-smi reports it).
 
-    python scripts/make_synthetic_shards.py --out /tmp/shards --shards 160 --size 224 --processes 16
+Beside each clipscale case, in the same command, its ceiling: the same model, loss, precision,
+chunk and batch in clipscale's own TrainStep (Gradient Cache, compile_towers, the loss, fused
+AdamW) on tensors already on the GPU (one chunk of random pixels handed out for every chunk, and
+the shards' own captions, tokenized), so nothing waits for data. Each clipscale case reports
+`of_ceiling`, its samples/s over the ceiling's (per GPU: over nproc ceilings). The ceiling cuts the text padding
+(clipscale.caption_length: length-sorted chunks, each cut to its bucket, the causal kernel)
+when the run did (its metrics.jsonl logs text_positions_per_sample below the context length),
+else it computes every caption at full length, as the run did. Every row reports data_wait_s,
+mfu (counting the text positions computed, where the run logs them) and
+text_positions_per_sample, each per step, where there are such numbers.
+
+    python scripts/make_synthetic_shards.py --out /tmp/shards --shards 160 --size 224 --processes 16 --captions web
     python scripts/bench_e2e.py --shards '/tmp/shards/synthetic-{0000..0159}.tar' --workers 14 \\
         --case runner=openclip,model=ViT-B-16,batch=256,steps=30 \\
         --case runner=clipscale,model=ViT-B-16,batch=32768,chunk=512,steps=3 --out results/bench_e2e.json
@@ -19,8 +30,12 @@ model.compile_cache folder, so a second case reuses what the first compiled), re
 (clipscale: 1 draws shards with replacement, so a batch may be larger than the shards), parallel
 (clipscale: ddp or fsdp), fsdp_offload and grad_checkpointing (clipscale: 0/1), nproc (torchrun
 processes, default 1; openclip too), accum (openclip: --accum-freq; batch stays the global batch),
-local_loss (openclip: 1 adds --local-loss --gather-with-grad), pythonpath (prepended for this case only: open_clip_train needs
-webdataset 0.2.x). Cases past --budget seconds are recorded as not run.
+local_loss (openclip: 1 adds --local-loss --gather-with-grad), pythonpath (prepended for this case
+only: open_clip_train needs webdataset 0.2.x), ceiling (clipscale: 0 skips its ceiling), ceiling_batch
+(default the case's batch over nproc), ceiling_steps (default 3, the first dropped as the compiling
+one) and ceiling_text (cut or full: the ceiling's text positions, instead of the run's). --set
+KEY=VALUE adds a config override to every clipscale case and its ceiling (a tiny model.custom for a
+CPU smoke run, say). Cases past --budget seconds are recorded as not run.
 """
 
 from __future__ import annotations
@@ -34,15 +49,30 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+import open_clip
+import torch
+import webdataset as wds
+
+from clipscale.caption_length import TextChunks, caption_lengths, cut_padding, length_order, use_causal_kernel
+from clipscale.compile import compile_enabled, compile_towers
+from clipscale.config import load_config
+from clipscale.gradcache import trainable_towers
+from clipscale.losses import build_loss
+from clipscale.models import build_model, open_clip_model_config
+from clipscale.optim import build_optimizer
 from clipscale.provenance import provenance
+from clipscale.step import TrainStep
+from clipscale.utilization import forward_flops, peak_bf16_flops
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
+CEILING_CAPTIONS = 65_536  # the ceiling tokenizes at most this many of the shards' captions, repeated to its batch
 
 
 def process_tree(root: int) -> list[int]:
@@ -103,18 +133,21 @@ class Sampler(threading.Thread):
             self.gpu = max(self.gpu, gpu_used_bytes() or 0)
 
 
-def clipscale_command(case: dict, shards: str, workers: int, out_dir: Path) -> list[str]:
-    optional = {"chunk": "train.chunk_size", "decoder": "data.decoder", "device_decoder": "data.device_decoder",
-                "compile": "model.compile", "cache": "model.compile_cache", "resampled": "data.resampled",
-                "parallel": "train.parallel", "fsdp_offload": "train.fsdp_offload", "grad_checkpointing": "model.grad_checkpointing"}
+CONFIG = REPO / "configs" / "vit_b16_infcl.yaml"
+OPTIONAL = {"chunk": "train.chunk_size", "decoder": "data.decoder", "device_decoder": "data.device_decoder",
+            "compile": "model.compile", "cache": "model.compile_cache", "resampled": "data.resampled",
+            "parallel": "train.parallel", "fsdp_offload": "train.fsdp_offload", "grad_checkpointing": "model.grad_checkpointing"}
+
+
+def config_overrides(case: dict, shards: str, workers: int, out_dir: Path, extra: list[str]) -> list[str]:
+    """train.py's overrides of CONFIG for a clipscale case (and for its ceiling, which reads the same config)."""
     chosen = [f"{key}={ {'none': 'null', '0': 'false', '1': 'true'}.get(case[name], case[name]) }"
-              for name, key in optional.items() if name in case]
-    return [*launcher(case), str(REPO / "train.py"), "--config", str(REPO / "configs" / "vit_b16_infcl.yaml"),
-            f"model.name={case['model']}", "data.kind=webdataset", f"data.train_shards={shards}", f"data.workers={workers}",
-            f"train.batch_size={case['batch']}", *chosen,
+              for name, key in OPTIONAL.items() if name in case]
+    return [*([f"model.name={case['model']}"] if "model" in case else []), "data.kind=webdataset",
+            f"data.train_shards={shards}", f"data.workers={workers}", f"train.batch_size={case['batch']}", *chosen,
             f"train.steps={case['steps']}", f"train.offload={'true' if int(case.get('offload', 0)) else 'false'}",
             f"loss.name={case.get('loss', 'infcl')}", "train.log_every=1", "train.checkpoint_every=1000000",
-            "optim.warmup_steps=1", "eval.zeroshot=false", "run.name=bench", f"run.output_dir={out_dir}"]
+            "optim.warmup_steps=1", "eval.zeroshot=false", "run.name=bench", f"run.output_dir={out_dir}", *extra]
 
 
 def launcher(case: dict) -> list[str]:
@@ -124,7 +157,17 @@ def launcher(case: dict) -> list[str]:
         else [sys.executable]
 
 
-def openclip_command(case: dict, shards: str, workers: int, out_dir: Path) -> list[str]:
+def clipscale_command(case: dict, shards: str, workers: int, out_dir: Path, extra: list[str]) -> list[str]:
+    return [*launcher(case), str(REPO / "train.py"), "--config", str(CONFIG), *config_overrides(case, shards, workers, out_dir, extra)]
+
+
+def ceiling_command(case: dict, shards: str, workers: int, out_dir: Path, extra: list[str]) -> list[str]:
+    """This script, measuring the ceiling of `case` in a process of its own (`measure_ceiling`)."""
+    return [sys.executable, str(Path(__file__).resolve()), "--measure-ceiling", json.dumps(case), "--shards", shards,
+            "--out", str(out_dir / "ceiling.jsonl"), *[f"--set={override}" for override in extra]]
+
+
+def openclip_command(case: dict, shards: str, workers: int, out_dir: Path, extra: list[str]) -> list[str]:
     """open_clip_train's --batch-size is per GPU and per accumulation step: the global batch over both."""
     accum, nproc = int(case.get("accum", 1)), int(case.get("nproc", 1))
     return [*launcher(case), "-m", "open_clip_train.main", "--train-data", shards, "--dataset-type", "webdataset",
@@ -141,20 +184,21 @@ OPENCLIP_STEP = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/.*?Batch \(t\): [\d.]+,
 
 
 def steps_of(case: dict, out_dir: Path, log: str) -> list[dict]:
-    """Per step: samples and seconds."""
+    """Per step: samples and seconds, and what clipscale's metrics (or the ceiling's) say of it."""
     batch = int(case["batch"])
     if case["runner"] == "openclip":
         return [{"samples": batch, "step_s": batch / float(rate)} for _, rate in OPENCLIP_STEP.findall(log)]
-    metrics = out_dir / "bench" / "metrics.jsonl"
+    metrics = out_dir / ("ceiling.jsonl" if case["runner"] == "ceiling" else "bench/metrics.jsonl")
     lines = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.exists() else []
     return [{"samples": batch, "step_s": m["step_s"], "peak_gpu_allocated_gib": m["peak_memory_gib"], "loss": m["loss"],
-             "data_wait_s": m.get("data_wait_s"), "mfu": m.get("mfu")} for m in lines if "step_s" in m]
+             "data_wait_s": m.get("data_wait_s"), "mfu": m.get("mfu"),
+             "text_positions_per_sample": m.get("text_positions_per_sample")} for m in lines if "step_s" in m]
 
 
 def run_case(case: dict, args, timeout: float) -> dict:
     out_dir = Path(tempfile.mkdtemp(prefix="bench_e2e_"))
-    build = clipscale_command if case["runner"] == "clipscale" else openclip_command
-    command = build(case, args.shards, args.workers, out_dir)
+    build = {"clipscale": clipscale_command, "openclip": openclip_command, "ceiling": ceiling_command}[case["runner"]]
+    command = build(case, args.shards, args.workers, out_dir, args.set)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
     if case.get("pythonpath"):
         env["PYTHONPATH"] = case["pythonpath"] + os.pathsep + env.get("PYTHONPATH", "")
@@ -183,8 +227,8 @@ def run_case(case: dict, args, timeout: float) -> dict:
         if "peak_gpu_allocated_gib" in steps[-1]:
             result["peak_gpu_allocated_gib"] = steps[-1]["peak_gpu_allocated_gib"]
             result["losses"] = [s["loss"] for s in steps]
-            result["data_wait_s"] = [s["data_wait_s"] for s in steps]
-            result["mfu"] = [s["mfu"] for s in steps]
+            for key in ("data_wait_s", "mfu", "text_positions_per_sample"):
+                result[key] = [s[key] for s in steps]
             if None in result["losses"]:  # metrics.jsonl writes a non-finite loss as null
                 result["void"] = ("a loss was not finite: the trainer skipped that step after its first pass, "
                                   "so the times are not those of training steps")
@@ -195,35 +239,168 @@ def run_case(case: dict, args, timeout: float) -> dict:
         result["auto_chunk"] = chosen.group(0)
     if case["runner"] == "clipscale":  # what the run said of its data path and compilation
         result["console"] = re.findall(r"^(?:compiling the towers.*|data\.\w+.*|the steps waited.*)$", log, re.M)
+    if case["runner"] == "ceiling":  # what it said of its text tower
+        result["console"] = re.findall(r"^text: .*$", log, re.M)
     return result
+
+
+def ceiling_case(case: dict, result: dict, args) -> dict:
+    """The ceiling of a clipscale case that ran: its model, loss, compile settings, one process's
+    batch, the chunk it used (auto's choice read from its console), its text positions (all of
+    them, unless its metrics logged fewer)."""
+    nproc = int(case.get("nproc", 1))
+    ceiling = {key: case[key] for key in ("model", "loss", "compile", "cache", "grad_checkpointing") if key in case}
+    ceiling.update(runner="ceiling", batch=case.get("ceiling_batch", int(case["batch"]) // nproc),
+                   steps=case.get("ceiling_steps", 3), text=case.get("ceiling_text", "full"))
+    if str(case.get("chunk", "")).isdigit():
+        ceiling["chunk"] = case["chunk"]
+    elif case.get("chunk") == "none":  # the whole batch of a process in one chunk
+        ceiling["chunk"] = str(ceiling["batch"])
+    elif result.get("auto_chunk"):
+        ceiling["chunk"] = re.match(r"train.chunk_size=auto: (\d+)", result["auto_chunk"]).group(1)
+    logged = [n for n in result.get("text_positions_per_sample", []) if n is not None]
+    if "ceiling_text" not in case and logged and min(logged) < text_context(ceiling, args):
+        ceiling["text"] = "cut"
+    return ceiling
+
+
+def text_context(case: dict, args) -> int:
+    """The text tower's context length of the case's model, from its open_clip config (no model built)."""
+    cfg = load_config(str(CONFIG), config_overrides({**case, "steps": 1}, args.shards, 1, Path("."), args.set))
+    return ((open_clip_model_config(cfg.model) or {}).get("text_cfg") or {}).get("context_length", 77)
+
+
+class RepeatedChunk:
+    """One device chunk handed out as every chunk of a batch of `size` (Gradient Cache's chunk
+    source interface): the towers' inputs cost nothing to prepare."""
+
+    def __init__(self, chunk, size: int):
+        self.chunk, self.size = chunk, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def chunks(self, bounds, device, pass_number, keep=()):
+        for start, stop in bounds:
+            yield self.chunk[: stop - start]
+
+
+def shard_captions(pattern: str, suffixes: set[str], count: int) -> list[str]:
+    """The first `count` captions of the shards (members whose suffix is a caption key), in order."""
+    found = []
+    for shard in (shard for source in pattern.split("::") for shard in wds.shardlists.expand_urls(source)):
+        with tarfile.open(shard) as tar:
+            for member in tar:
+                if member.isfile() and member.name.rpartition(".")[2] in suffixes:
+                    found.append(tar.extractfile(member).read().decode())
+                    if len(found) == count:
+                        return found
+    return found
+
+
+def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> None:
+    """The towers' ceiling for `case` (see the module docstring), one JSON line per step in `out`."""
+    cfg = load_config(str(CONFIG), config_overrides(case, shards, 1, out.parent, extra))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    towers = build_model(cfg.model)
+    model = towers.model.to(device).train()
+    batch = int(case["batch"])
+    chunk = int(case.get("chunk") or cfg.train.chunk_size or batch)
+    texts = shard_captions(shards, set(cfg.data.caption_key.split(";")), min(batch, CEILING_CAPTIONS))
+    if not texts:
+        raise SystemExit(f"no captions in {shards} (data.caption_key {cfg.data.caption_key})")
+    tokens = towers.tokenizer(texts).repeat(-(-batch // len(texts)), 1)[:batch]
+    context = tokens.shape[1]
+    refusal = cut_padding(model) if case.get("text", "cut") == "cut" else "the run computed every caption at full length"
+    if refusal is None:
+        print(f"text: padding cut; causal kernel: {use_causal_kernel(model) or 'yes'}", flush=True)
+        lengths = caption_lengths(model, tokens)
+        order = length_order(lengths)
+        text_column = TextChunks(tokens[order].to(device), lengths[order], context)
+    else:
+        print(f"text: {context} positions for every caption: {refusal}", flush=True)
+        text_column = tokens.to(device)
+    bounds = [(start, min(start + chunk, batch)) for start in range(0, batch, chunk)]
+    positions = [text_column.positions(*b) if refusal is None else context for b in bounds]
+    size = open_clip.get_model_preprocess_cfg(model)["size"]
+    size = (size, size) if isinstance(size, int) else tuple(size)
+    images = RepeatedChunk(torch.randn(chunk, 3, *size, device=device), batch)
+
+    # Model FLOPs of the step, counting the text positions computed (before compiling: eager counts).
+    train_image, train_text = trainable_towers(model)
+    text_flops = {n: forward_flops(model, size[0], n, device)[1] for n in set(positions)}
+    image_flops = forward_flops(model, size[0], context, device)[0]
+    step_flops = sum((stop - start) * ((3 if train_image else 1) * image_flops + (3 if train_text else 1) * text_flops[n])
+                     for (start, stop), n in zip(bounds, positions))
+    peak = peak_bf16_flops(device)
+
+    if compile_enabled(cfg.model.compile, device):
+        compile_towers(model, Path(cfg.model.compile_cache or out.parent / "compile_cache"))
+    optimizer = build_optimizer(model, cfg.optim, fused=device.type == "cuda")
+    step = TrainStep(model, build_loss(cfg.loss.name, **cfg.loss.options), optimizer, chunk_size=chunk,
+                     precision=cfg.train.precision, grad_clip=cfg.optim.grad_clip)
+    with out.open("w") as log:
+        for _ in range(int(case["steps"])):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            started = time.perf_counter()
+            loss = float(step(images, text_column, cfg.optim.lr).loss)  # waits for the step
+            seconds = time.perf_counter() - started
+            log.write(json.dumps({
+                "step_s": seconds, "loss": loss, "data_wait_s": 0.0, "mfu": step_flops / seconds / peak if peak else None,
+                "text_positions_per_sample": sum((stop - start) * n for (start, stop), n in zip(bounds, positions)) / batch,
+                "peak_memory_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
+            }) + "\n")
+            log.flush()
+
+
+SHOWN = ("steps_done", "samples_per_s", "first_step_s", "steady_step_s", "peak_host_gib", "peak_gpu_allocated_gib",
+         "peak_gpu_used_gib", "exit_code", "auto_chunk", "mfu", "data_wait_s", "text_positions_per_sample",
+         "of_ceiling", "console", "losses")
+
+
+def report(name: str, result: dict) -> None:
+    print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items() if k in SHOWN}, flush=True)
+    if "log_tail" in result:
+        print(result["log_tail"][-1500:], flush=True)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shards", required=True, help="brace pattern of webdataset shards")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
-    parser.add_argument("--case", action="append", required=True, help="key=value,... (see above)")
+    parser.add_argument("--case", action="append", default=[], help="key=value,... (see above)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every clipscale case and its ceiling")
     parser.add_argument("--budget", type=float, default=540, help="seconds for all cases")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--measure-ceiling", metavar="CASE_JSON", help=argparse.SUPPRESS)  # the ceiling's own process
     args = parser.parse_args(argv)
+    if args.measure_ceiling:
+        measure_ceiling(json.loads(args.measure_ceiling), args.shards, args.set, Path(args.out))
+        return
+    cases = [dict(item.split("=", 1) for item in spec.split(",")) for spec in args.case]
+    if not cases or any(case.get("runner") not in ("clipscale", "openclip") for case in cases):
+        parser.error("give cases with --case runner=clipscale|openclip,...")
 
     record = {**provenance(argv), "shards": args.shards, "workers": args.workers, "cases": []}
     deadline = time.monotonic() + args.budget
-    for spec in args.case:
-        case = dict(item.split("=", 1) for item in spec.split(","))
+    for spec, case in zip(args.case, cases):
         left = deadline - time.monotonic()
         if left < 30:
             record["cases"].append({"case": case, "not_run": "time budget"})
             continue
         result = run_case(case, args, left)
         record["cases"].append(result)
-        shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()
-                 if k in ("steps_done", "samples_per_s", "first_step_s", "steady_step_s", "peak_host_gib",
-                          "peak_gpu_allocated_gib", "peak_gpu_used_gib", "exit_code", "auto_chunk", "mfu",
-                          "data_wait_s", "console", "losses")}
-        print(spec, shown, flush=True)
-        if "log_tail" in result:
-            print(result["log_tail"][-1500:], flush=True)
+        report(spec, result)
+        if case["runner"] == "clipscale" and case.get("ceiling") != "0" and "samples_per_s" in result:
+            left = deadline - time.monotonic()
+            result["ceiling"] = run_case(ceiling_case(case, result, args), args, left) if left >= 30 else {"not_run": "time budget"}
+            report(f"{spec} ceiling:", result["ceiling"])
+            if "samples_per_s" in result["ceiling"]:
+                result["of_ceiling"] = result["samples_per_s"] / (int(case.get("nproc", 1)) * result["ceiling"]["samples_per_s"])
+                print(f"{spec} of_ceiling: {result['of_ceiling']:.3f}", flush=True)
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")  # after each case: a kill keeps what ran
 
 
