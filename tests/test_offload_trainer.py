@@ -111,7 +111,7 @@ class _CountedPieces:
         while True:
             self.taken += 1
             yield {"images": torch.zeros(2, 3, 4, 4, dtype=torch.uint8), "texts": torch.full((2, 1), self.taken),
-                   "cursor": (0, 0, self.taken), "skipped_samples": 1, "shard_errors": 0}
+                   "cursor": (0, 0, self.taken), "skipped_samples": 1, "shard_errors": 0, "problem_shards": []}
 
 
 def test_a_batch_moves_the_stream_on_when_its_step_is_done_and_not_when_the_step_fails():

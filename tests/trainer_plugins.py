@@ -1,5 +1,6 @@
 """Losses registered for trainer tests: a real loss with faults scripted per call; kill points;
-a record of the checkpoint files each process reads.
+a record of the checkpoint files each process reads; a loss that records which GPUs its
+process holds a context on.
 
 Imported by tests that train in-process and by `train_with_plugins.py`, which runs the
 real `train.py` with these losses registered (train.py has no plugin option of its own)
@@ -76,6 +77,31 @@ class ScriptedFaults(torch.nn.Module):
                 return False
             marker.write_text("signalled\n")
         return True
+
+
+@register_loss("gpus_in_use")
+class GpusInUse(torch.nn.Module):
+    """`inner`, which also writes, at its `at_call`-th call, the indices of the GPUs on which this
+    process holds a CUDA context (NVML's compute processes) to `folder`/rank<RANK>.json. By then
+    the step's data threads (batch gathering, decoding ahead) have done their CUDA work."""
+
+    def __init__(self, folder, inner="vanilla", at_call=2):
+        super().__init__()
+        self.inner, self.folder, self.at_call, self.calls = build_loss(inner), Path(folder), at_call, 0
+
+    def forward(self, image, text, *scalars):
+        self.calls += 1
+        if self.calls == self.at_call:
+            import json
+
+            import pynvml
+
+            pynvml.nvmlInit()
+            held = [index for index in range(pynvml.nvmlDeviceGetCount())
+                    if os.getpid() in {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(
+                        pynvml.nvmlDeviceGetHandleByIndex(index))}]
+            (self.folder / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(held))
+        return self.inner(image, text, *scalars)
 
 
 def install_kill_point(spec: str) -> None:

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Protocol
 
 import torch
 
-from clipscale.data.chunks import Arrivals, ChunkSource, DeviceTransform, KeepBudget, PinnedRows
+from clipscale.data.chunks import Arrivals, ChunkSource, DeviceTransform, KeepBudget, PinnedRows, on_the_callers_device
 from clipscale.data.shards import StreamState
 
 # A worker decodes a piece before handing it over: large pieces delay the first step and
@@ -83,7 +83,7 @@ class StreamedBatch:
 class BatchStream:
     """Gathers the loader's pieces into per-step batches in a background thread, one batch ahead.
 
-    loader:     an iterable of pieces (dicts of "images", "texts", "cursor", "skipped_samples",
+    loader:     an iterable of pieces (dicts of "images", "texts", "cursor", "skipped_samples", "problem_shards",
                 "shard_errors", and "encoded" for a decoder), typically a DataLoader over `ShardStream`.
     batch_size: this rank's samples per step, a multiple of piece_size.
     state:      where the stream stands (`StreamState`, the one the loader's `ShardStream` reads
@@ -127,7 +127,7 @@ class BatchStream:
         are in it by then, whenever they were restored), and the gathering thread starts."""
         self.loader = iter(self.loader_iterable)
         if self.in_thread:
-            self.thread = threading.Thread(target=self._gather, args=(self.steps - self.state.batches,),
+            self.thread = threading.Thread(target=on_the_callers_device(self._gather), args=(self.steps - self.state.batches,),
                                            name="clipscale-batches", daemon=True)
             self.thread.start()
 

@@ -47,6 +47,21 @@ def copy_to_device(host: torch.Tensor, device: torch.device, copy_stream) -> tor
     return moved
 
 
+def on_the_callers_device(target: Callable) -> Callable:
+    """`target` for a new thread, run with the CUDA device current where this is called: a new
+    thread starts on device 0, where rank 1 of a node would create a context of its own (the
+    pinned-memory registration and the JPEG decoder do) beside rank 0's training."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return target
+    device = torch.cuda.current_device()
+
+    def on_device(*args, **kwargs):
+        torch.cuda.set_device(device)
+        return target(*args, **kwargs)
+
+    return on_device
+
+
 def kept_bytes(keep_on_device_gib: float | None, device: torch.device) -> int:
     """data.keep_on_device_gib in bytes on `device`: the `KeepBudget`'s limit."""
     if keep_on_device_gib is not None:
@@ -269,7 +284,7 @@ class ChunkSource:
         """Prepare pass 1's chunks of `chunk_size` rows (`row_bytes` each on the device) in order, in a
         thread of their own: each as soon as its rows have arrived and the budget has room (so mostly
         during the previous step), until pass 1 asks for it itself or the batch is released."""
-        threading.Thread(target=self._prepare_ahead, args=(chunk_size, row_bytes, arrivals),
+        threading.Thread(target=on_the_callers_device(self._prepare_ahead), args=(chunk_size, row_bytes, arrivals),
                          name="clipscale-ahead", daemon=True).start()
 
     def _prepare_ahead(self, chunk_size: int, row_bytes: int, arrivals: Arrivals) -> None:

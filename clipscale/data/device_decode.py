@@ -173,7 +173,9 @@ class DeviceDecoder:
         self.split, self.device, self.chunk_size = split, device, chunk_size
         self.jpeg = jpeg or TorchvisionJpeg(device)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix="clipscale-decode")
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="clipscale-decode",
+                                         initializer=torch.cuda.set_device if device.type == "cuda" else None,
+                                         initargs=(device,) if device.type == "cuda" else ())
         self.images_decoded = 0
 
     def column(self, batch_size: int, arrivals: Arrivals, device_transform: DeviceTransform | None,
