@@ -266,3 +266,43 @@ class TextChunks:
         """Text positions computed per sample, in chunks of `chunk_size` (the run's metric)."""
         bounds = [(start, min(start + chunk_size, len(self))) for start in range(0, len(self), chunk_size)]
         return sum((stop - start) * self.positions(start, stop) for start, stop in bounds) / len(self)
+
+
+class LengthSortedTexts:
+    """Gradient Cache's `text_order` for a model whose padding is cut (`cut_padding`): a batch's
+    tokens sorted by caption length, in chunks each cut to its bucket, and the permutation."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.context = model, context_length(model)
+
+    def __call__(self, tokens: torch.Tensor) -> tuple[TextChunks, torch.Tensor]:
+        lengths = caption_lengths(self.model, tokens)
+        order = length_order(lengths)
+        return TextChunks(tokens[order], lengths[order], self.context), order
+
+
+def text_lengths_for_run(model: nn.Module, cut: bool, causal: bool) -> tuple[LengthSortedTexts | None, list[str]]:
+    """What a run asks of the text tower (model.cut_text_padding, model.causal_text_attention),
+    applied to `model` before it is compiled and wrapped: Gradient Cache's text order (None: every
+    caption at the context length) and, for the console, why what was asked cannot be done."""
+    notes = []
+    refusal = cut_padding(model) if cut else None
+    if refusal is not None:
+        notes.append(f"text: {context_length_or_none(model)} positions for every caption (model.cut_text_padding): {refusal}")
+    causal_refusal = use_causal_kernel(model) if causal else None
+    if causal_refusal is not None:
+        notes.append(f"text: attention with its mask, not the causal kernel (model.causal_text_attention): {causal_refusal}")
+    return (LengthSortedTexts(model) if cut and refusal is None else None), notes
+
+
+def context_length_or_none(model: nn.Module) -> str:
+    tower = text_tower(model)
+    return "all" if isinstance(tower, str) else str(tower.context_length)
+
+
+def text_lengths_computed(text_order: LengthSortedTexts | None, context: int) -> tuple[int, ...]:
+    """The text lengths a run's chunks may have: the buckets below the context length and the
+    context length itself when cutting, else the context length alone."""
+    if text_order is None:
+        return (context,)
+    return (*(bucket for bucket in POSITION_BUCKETS if bucket < context), context)

@@ -95,6 +95,11 @@ class ModelConfig:
     compile: bool | Literal["auto"] = may_change("auto")
     compile_cache: Optional[str] = may_change(None)
     channels_last: bool = may_change(False)  # NHWC image tower: faster convolutions (timm convnets); no gain for ViTs
+    # The text tower at its captions' own length (clipscale.caption_length): each step encodes its
+    # texts in length order, each chunk only up to its longest caption, where that gives the same
+    # features (open_clip's causal towers pooled at the end-of-text token; the run says why not).
+    cut_text_padding: bool = may_change(True)
+    causal_text_attention: bool = may_change(True)  # the causal flag instead of the mask: flash kernels
 
 
 @dataclass

@@ -4,7 +4,10 @@
 features, and re-encodes each chunk under its saved RNG state to backpropagate it: the parameter
 gradients of one forward and backward over the whole batch (docs/architecture.md, steps 4 to 6).
 Its inputs are tensors or chunk sources (`clipscale.data.chunks.ChunkSource`); its model says
-when the backwards reduce their gradients (`clipscale.parallel.ParallelModel`).
+when the backwards reduce their gradients (`clipscale.parallel.ParallelModel`). Given a
+`text_order` (`clipscale.caption_length.LengthSortedTexts`), it encodes the texts in chunks of
+neighbouring caption lengths, each only as long as its longest caption, and puts their features
+and gradients back in the pairs' order: the loss never sees the reordering.
 
     step = GradCache(model, loss_fn, chunk_size=512, autocast=torch.bfloat16)
     loss = step(images, texts)   # gradients accumulated into model parameters
@@ -24,6 +27,7 @@ from clipscale.parallel import ParallelModel
 from clipscale.precision import autocast_factory
 
 if TYPE_CHECKING:  # only named: Gradient Cache does not know where its chunks come from
+    from clipscale.caption_length import TextChunks
     from clipscale.data.chunks import ChunkSource
 
 Bounds = Sequence[tuple[int, int]]
@@ -46,6 +50,22 @@ class RandomState:
             if self.cuda is not None:
                 torch.cuda.set_rng_state(self.cuda, self.device)
             yield
+
+
+class LazyOrder:
+    """The texts in their encoding order (`GradCache.text_order`), found when pass 1 first asks for a
+    text chunk, not before: all of the batch's tokens are there by then. `source` and `rows` (the
+    permutation) are set from then on."""
+
+    def __init__(self, text_order: Callable, texts: torch.Tensor | ChunkSource):
+        self.text_order, self.texts = text_order, texts
+        self.source: TextChunks | None = None
+        self.rows: torch.Tensor | None = None
+
+    def chunks(self, bounds: Bounds, device: torch.device) -> Iterator[torch.Tensor]:
+        tokens = self.texts if isinstance(self.texts, torch.Tensor) else self.texts.whole()
+        self.source, self.rows = self.text_order(tokens)
+        yield from self.source.chunks(bounds, device, 1)
 
 
 @dataclass
@@ -92,6 +112,7 @@ class FirstPass:
     image_states: list[RandomState]
     text_states: list[RandomState]
     last_chunk: Encoded | None
+    text_positions: list[int]  # each text chunk's positions (its tokens' width)
 
 
 @dataclass
@@ -105,14 +126,19 @@ class CachedGradients:
     train_image: bool
     train_text: bool
 
+    text_rows: torch.Tensor | None = None  # the batch rows of the texts' encoding order, when reordered
+
     def backward(self, out: Encoded, start: int, stop: int, with_scalars: bool = False) -> None:
         """Backpropagate the gradients of samples [start, stop) through `out`, that chunk's
-        encoding. The scalars' gradient is a whole-batch quantity: added with one chunk only."""
+        encoding (for the texts, rows [start, stop) of their encoding order). The scalars'
+        gradient is a whole-batch quantity: added with one chunk only."""
+        text_grad = self.text[start:stop] if self.text_rows is None else self.text[self.text_rows[start:stop]]
         outputs, grads = [], []
-        for features, grad, trained in ((out.image, self.image, self.train_image), (out.text, self.text, self.train_text)):
+        for features, grad, trained in ((out.image, self.image[start:stop], self.train_image),
+                                        (out.text, text_grad, self.train_text)):
             if trained:
                 outputs.append(features)
-                grads.append(grad[start:stop])
+                grads.append(grad)
         if with_scalars:
             for scalar, grad in zip(out.scalars, self.scalars):
                 if scalar.requires_grad:
@@ -139,6 +165,11 @@ class GradCache:
                 chunks costs 1.5 forwards instead of 2). Its activations are then held while
                 the loss runs: turn it off where the loss's own memory is the limit (the
                 b x b losses at their largest batches).
+    text_order: None, or a callable taking the batch's tokens [b, context] on the host and
+                returning (a chunk source of the tokens in encoding order, cut per chunk; the
+                permutation it applied), as `LengthSortedTexts`. Pass 1 then encodes every
+                image chunk before the first text chunk, which needs all of the batch's tokens.
+    After each call, `text_chunks` holds (samples, positions) of each text chunk encoded in pass 1.
     """
 
     def __init__(
@@ -149,6 +180,7 @@ class GradCache:
         autocast=None,
         scaler: torch.amp.GradScaler | None = None,
         reuse_last_chunk: bool = True,
+        text_order: Callable[[torch.Tensor], tuple[TextChunks, torch.Tensor]] | None = None,
     ):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -159,7 +191,9 @@ class GradCache:
         self.autocast = autocast_factory(autocast, self.device)
         self.scaler = scaler
         self.reuse_last_chunk = reuse_last_chunk
+        self.text_order = text_order
         self.sync = self.model.sync
+        self.text_chunks: list[tuple[int, int]] = []
 
     def __call__(self, images: torch.Tensor | ChunkSource, texts: torch.Tensor | ChunkSource) -> torch.Tensor:
         loss = self.accumulate_gradients(images, texts)
@@ -174,15 +208,28 @@ class GradCache:
             raise ValueError("empty batch")
         bounds = [(s, min(s + self.chunk_size, len(images))) for s in range(0, len(images), self.chunk_size)]
         if len(bounds) == 1:  # the batch is one chunk: a plain step, no second forward needed
-            return self.plain_step(next(self.chunks(images, bounds, 1)), next(self.chunks(texts, bounds, 1)))
+            text = next(self.chunks(texts, bounds, 1))
+            self.text_chunks = [(len(text), text.shape[1])]
+            return self.plain_step(next(self.chunks(images, bounds, 1)), text)
         train_image, train_text = trainable_towers(self.model.module)
         # With reuse_last_chunk, pass 1 encodes the last chunk with its graph and pass 2
         # re-encodes only the chunks before it: the chunks of a trained tower that pass 2 asks for again.
         reencoded = bounds[:-1] if self.reuse_last_chunk else bounds
 
-        first = self.first_pass(self.chunks(images, bounds, 1, reencoded if train_image else ()),
-                                self.chunks(texts, bounds, 1, reencoded if train_text else ()), len(bounds))
+        image_chunks = self.chunks(images, bounds, 1, reencoded if train_image else ())
+        text_rows = None
+        if self.text_order is None:
+            text_chunks = self.chunks(texts, bounds, 1, reencoded if train_text else ())
+        else:  # the texts in their own order: asked for once every image chunk of pass 1 is encoded
+            ordered = LazyOrder(self.text_order, texts)
+            text_chunks, text_rows = ordered.chunks(bounds, self.device), ordered
+        first = self.first_pass(image_chunks, text_chunks, len(bounds), texts_after_images=text_rows is not None)
+        if text_rows is not None:
+            texts, text_rows = text_rows.source, text_rows.rows
+            first.text_features = first.text_features[torch.argsort(text_rows.to(self.device))]  # the pairs' order
+        self.text_chunks = [(stop - start, positions) for (start, stop), positions in zip(bounds, first.text_positions)]
         loss, grads = self.loss_and_feature_grads(first, train_image, train_text)
+        grads.text_rows = None if text_rows is None else text_rows.to(self.device)
         if first.last_chunk is not None:  # its graph is still there: backpropagate it first, then free it
             with self.sync.deferred():
                 grads.backward(first.last_chunk, *bounds[-1])
@@ -228,30 +275,51 @@ class GradCache:
             return (batch[start:stop].to(self.device, non_blocking=True) for start, stop in bounds)
         return batch.chunks(bounds, self.device, pass_number, keep)
 
-    def first_pass(self, image_chunks: Iterator[torch.Tensor], text_chunks: Iterator[torch.Tensor], count: int) -> FirstPass:
+    def first_pass(self, image_chunks: Iterator[torch.Tensor], text_chunks: Iterator[torch.Tensor], count: int,
+                   texts_after_images: bool = False) -> FirstPass:
         """Every chunk's features, and the RNG state before each tower's call. The towers run
         separately so that each has its own RNG state: a locked tower is skipped in pass 2,
         and the other must still replay its own masks. With reuse_last_chunk the last chunk
-        runs with its graph (through DDP, unsynchronised)."""
-        image_features, text_features, image_states, text_states = [], [], [], []
-        last_chunk = None
-        for k, (image, text) in enumerate(zip(image_chunks, text_chunks)):
+        runs with its graph (through DDP, unsynchronised). Chunk by chunk, image then text;
+        `texts_after_images`: every image chunk, then every text chunk."""
+        image_features, text_features, image_states, text_states, text_positions = [], [], [], [], []
+        last = {}  # the last chunk's output of each tower, with its graph
+
+        def encode_chunk(k: int, image: torch.Tensor | None, text: torch.Tensor | None) -> None:
+            if text is not None:
+                text_positions.append(text.shape[1])
             if k == count - 1 and self.reuse_last_chunk:
                 with self.sync.deferred():  # each tower alone, as pass 2 calls them: no graph of both to compile
-                    out = last_chunk = self.reencode(image, text, None, None)
-                image_features.append(out.image.detach())
-                text_features.append(out.text.detach())
-                break
+                    out = self.reencode(image, text, None, None)
+                for tower, features in (("image", image_features), ("text", text_features)):
+                    if getattr(out, tower) is not None:
+                        last[tower] = getattr(out, tower)
+                        features.append(last[tower].detach())
+                last["scalars"] = out.scalars
+                return
             with torch.no_grad():
-                image_states.append(RandomState(self.device))
-                with self.autocast():
-                    image_features.append(encode(self.model.module, image, None).image)
-                text_states.append(RandomState(self.device))
-                with self.autocast():
-                    out = encode(self.model.module, None, text)
-                text_features.append(out.text)
-        return FirstPass(torch.cat(image_features), torch.cat(text_features), tuple(s.detach() for s in out.scalars),
-                         image_states, text_states, last_chunk)
+                if image is not None:
+                    image_states.append(RandomState(self.device))
+                    with self.autocast():
+                        image_features.append(encode(self.model.module, image, None).image)
+                if text is not None:
+                    text_states.append(RandomState(self.device))
+                    with self.autocast():
+                        out = encode(self.model.module, None, text)
+                    text_features.append(out.text)
+                    last.setdefault("scalars", out.scalars)
+
+        if texts_after_images:
+            for k, image in enumerate(image_chunks):
+                encode_chunk(k, image, None)
+            for k, text in enumerate(text_chunks):
+                encode_chunk(k, None, text)
+        else:
+            for k, (image, text) in enumerate(zip(image_chunks, text_chunks)):
+                encode_chunk(k, image, text)
+        last_chunk = Encoded(last["image"], last["text"], last["scalars"]) if "text" in last else None
+        return FirstPass(torch.cat(image_features), torch.cat(text_features), tuple(s.detach() for s in last["scalars"]),
+                         image_states, text_states, last_chunk, text_positions)
 
     def loss_and_feature_grads(self, first: FirstPass, train_image: bool, train_text: bool):
         """Pass 1's loss on detached features: its gradient w.r.t. features and scalars."""

@@ -33,6 +33,7 @@ class StepResult:
     grad_norm: torch.Tensor
     applied: bool  # False: non-finite, the weights were not touched
     logit_scale: torch.Tensor  # the exponentiated scale after the update, on the device
+    text_chunks: list[tuple[int, int]]  # (samples, text positions computed) of each text chunk of pass 1
 
 
 def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float, device: torch.device) -> torch.Tensor:
@@ -66,18 +67,19 @@ class TrainStep:
                 `state_dict`).
     grad_clip:  max global gradient norm, or None.
     max_nonfinite_steps: consecutive skipped steps before NonFiniteStepsError.
+    text_order: Gradient Cache's (`clipscale.caption_length.LengthSortedTexts`), or None.
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer, *, chunk_size: int,
                  precision: str = "fp32", grad_clip: float | None = 1.0, max_nonfinite_steps: int = 10,
-                 reuse_last_chunk: bool = True):
+                 reuse_last_chunk: bool = True, text_order=None):
         self.model = ParallelModel.of(model)
         self.optimizer = optimizer
         self.grad_clip = grad_clip if grad_clip is not None else math.inf
         self.max_nonfinite_steps = max_nonfinite_steps
         self.scaler = torch.amp.GradScaler(self.model.device.type) if precision == "fp16" else None
         self.gradcache = GradCache(self.model, loss_fn, chunk_size, autocast=AUTOCAST_DTYPES[precision], scaler=self.scaler,
-                                   reuse_last_chunk=reuse_last_chunk)
+                                   reuse_last_chunk=reuse_last_chunk, text_order=text_order)
         self.nonfinite_total = 0
         self.nonfinite_in_a_row = 0
         self.steps = 0
@@ -109,7 +111,7 @@ class TrainStep:
             logit_scale.clamp_(0, MAX_LOGIT_SCALE)
         self.steps += 1
         self._count(applied)
-        return StepResult(loss, grad_norm, applied, logit_scale.detach().exp())
+        return StepResult(loss, grad_norm, applied, logit_scale.detach().exp(), self.gradcache.text_chunks)
 
     def _count(self, applied: bool) -> None:
         if applied:

@@ -7,12 +7,13 @@ then metrics, evaluation and the checkpoint. The loop does not know how the loss
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from clipscale.caption_length import text_lengths_computed, text_lengths_for_run
 from clipscale.checkpoint import CHECKPOINTS
 from clipscale.checkpoint_manager import CheckpointManager, ModelAndOptimizer, RandomState
 from clipscale.checks import RunPlan, plan_run
@@ -87,12 +88,13 @@ class Run:
     window: RecordWindow
     logger: MetricsLogger
     checkpoints: CheckpointManager
-    flops_per_sample: int  # model FLOPs of a training sample (clipscale.utilization), for `mfu`
+    flops_per_sample: dict[int, int]  # model FLOPs of a training sample by its text length (utilization.py), for `mfu`
     compiled: bool
     step_report: StepReport
     progress: tqdm | None = None
     data_problems: DataProblems | None = None
     data_wait_s: float = 0.0  # since the last metrics record
+    text_chunks: list = field(default_factory=list)  # (samples, text positions) of the steps since the last record
 
     @classmethod
     def assemble(cls, cfg: Config, plan: RunPlan, world: World, console: Console, folder: RunFolder,
@@ -102,16 +104,20 @@ class Run:
         torch.manual_seed(cfg.run.seed)  # the model's initial weights: the same on every rank
         towers = build_model(cfg.model)
         train = cfg.train
+        text_order, text_notes = text_lengths_for_run(towers.model, cfg.model.cut_text_padding,
+                                                      cfg.model.causal_text_attention)
         model = parallelize(towers.model, world, parallel=train.parallel, precision=train.precision,
                             reduce=train.fsdp_reduce, offload=train.fsdp_offload)
         with gathered(model.module):
-            flops = train_flops_per_sample(model.module, plan.image_size, model.module.context_length,
-                                           world.device, *trainable_towers(model.module))
+            flops = {length: train_flops_per_sample(model.module, plan.image_size, length, world.device,
+                                                    *trainable_towers(model.module))
+                     for length in text_lengths_computed(text_order, model.module.context_length)}
         loss_fn = loss_fn if loss_fn is not None else build_loss(cfg.loss.name, **cfg.loss.options)
         optimizer = build_optimizer(model.module, cfg.optim, fused=world.device.type == "cuda" and not train.fsdp_offload)
         chunk = chunk_size(plan, model, loss_fn, world, console)
         step = TrainStep(model, loss_fn, optimizer, chunk_size=chunk, precision=train.precision,
-                         grad_clip=cfg.optim.grad_clip, max_nonfinite_steps=train.max_nonfinite_steps)
+                         grad_clip=cfg.optim.grad_clip, max_nonfinite_steps=train.max_nonfinite_steps,
+                         text_order=text_order)
         batches = TrainingBatches(cfg, world, towers.train_transform, towers.tokenizer, chunk)
         try:
             window = RecordWindow(cfg.train.batch_size, world.device)
@@ -124,7 +130,7 @@ class Run:
                                      cfg.run.seed))
             evaluator = Evaluator(cfg, towers, world, plan.autocast_dtype)
             claim_run_dir(folder, world, console)
-            for line in batches.path.notes:
+            for line in [*batches.path.notes, *text_notes]:
                 console.say(line)
             compiled = compile_enabled(cfg.model.compile, world.device)
             if compiled:  # its cache lives in the run folder, so only once the folder is claimed
@@ -168,18 +174,22 @@ class Run:
     def log_metrics(self, step_number: int, result: StepResult, lr: float) -> None:
         self.progress.update(1)
         self.window.step_done()
+        self.text_chunks += result.text_chunks
         if step_number % self.cfg.train.log_every and step_number != self.cfg.train.steps:
             return
         steps = self.window.steps  # in this record
-        extra = {"data_wait_s": self.data_wait_s / steps}  # per step, on this rank
+        samples = sum(n for n, _ in self.text_chunks)
+        extra = {"data_wait_s": self.data_wait_s / steps,  # per step, on this rank
+                 "text_positions_per_sample": sum(n * positions for n, positions in self.text_chunks) / samples}
         record = self.window.record(result, lr, logit_scale=result.logit_scale.item(), nonfinite_steps=self.step.nonfinite_total,
                                     data_errors=self.batches.error_totals(), extra=extra)
         peak = peak_bf16_flops(self.world.device)
-        if peak is not None:
-            record["mfu"] = self.flops_per_sample * record["samples_per_s"] / self.world.world_size / peak
+        if peak is not None:  # the FLOPs of the text positions computed, not of the padding
+            flops = sum(n * self.flops_per_sample[positions] for n, positions in self.text_chunks) / samples
+            record["mfu"] = flops * record["samples_per_s"] / self.world.world_size / peak
         self.logger.log(step_number, record)
         self.progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}")
-        self.data_wait_s = 0.0
+        self.data_wait_s, self.text_chunks = 0.0, []
 
     def report(self, data_wait_s: float) -> None:
         """Console lines from every step: the compile time, steps waiting for data, data problems."""

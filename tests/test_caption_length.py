@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from clipscale.caption_length import (POSITION_BUCKETS, TextChunks, caption_lengths, causal_kernel_refusal,
-                                      context_length, cut_padding, length_order, padding_refusal, positions_for,
-                                      use_causal_kernel)
+from clipscale.caption_length import (POSITION_BUCKETS, LengthSortedTexts, TextChunks, caption_lengths,
+                                      causal_kernel_refusal, context_length, cut_padding, length_order,
+                                      padding_refusal, positions_for, use_causal_kernel)
 from clipscale.compile import compile_towers
 from clipscale.config import ModelConfig
 from clipscale.gradcache import GradCache
@@ -86,9 +86,11 @@ def sorted_and_cut(model, images, tokens) -> tuple[torch.Tensor, TextChunks]:
     return images[order], TextChunks(tokens[order], lengths[order], context_length(model))
 
 
-def step(model, loss_fn, images, texts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def step(model, loss_fn, images, texts, sort: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Gradient Cache's step; `sort`: as the trainer runs it, texts encoded in length order, cut."""
     model.zero_grad(set_to_none=True)
-    loss = GradCache(model, loss_fn, CHUNK)(images, texts)
+    unwrapped = getattr(model, "module", model)
+    loss = GradCache(model, loss_fn, CHUNK, text_order=LengthSortedTexts(unwrapped) if sort else None)(images, texts)
     return loss, grads_of(model)
 
 
@@ -253,6 +255,26 @@ def test_sorted_and_cut_step_equals_the_unsorted_full_length_step(loss_name):
     assert torch.allclose(loss, want_loss, atol=0, rtol=1e-6)
     assert relative_error(grads, want) < 1e-5
 
+    # As the trainer runs it: the pairs in their order, the texts encoded in length order.
+    loss, grads = step(model, loss_fn, images, tokens, sort=True)
+    assert torch.allclose(loss, want_loss, atol=0, rtol=1e-6)
+    assert relative_error(grads, want) < 1e-5
+
+
+@pytest.mark.parametrize("reuse_last_chunk", [True, False])
+def test_gradient_cache_encodes_the_texts_in_length_order_cut_per_chunk(reuse_last_chunk):
+    reference = tiny_model()
+    model = short_text_copy(reference)
+    images, tokens = make_batch(0)
+    want_loss, want = step(reference, build_loss("vanilla"), images, tokens)
+    model.zero_grad(set_to_none=True)
+    gradcache = GradCache(model, build_loss("vanilla"), CHUNK, reuse_last_chunk=reuse_last_chunk,
+                          text_order=LengthSortedTexts(model))
+    loss = gradcache(images, tokens)
+    assert torch.allclose(loss, want_loss, atol=0, rtol=1e-6) and relative_error(grads_of(model), want) < 1e-5
+    # LENGTHS sorted longest first, in chunks of 4: (77, 77, 66, 40) (33, 24, 17, 12) (9, 7, 5, 3)
+    assert gradcache.text_chunks == [(4, 77), (4, 48), (4, 16)]
+
 
 def test_gradient_checkpointing_cuts_the_padding_too():
     reference = tiny_model()
@@ -275,7 +297,7 @@ def ddp_worker(rank, world, loss_names):
         model = short_text_copy(reference)
         loss_fn = loss_named(name)
         want_loss, want = step(DistributedDataParallel(reference), loss_fn, images, tokens)
-        loss, grads = step(DistributedDataParallel(model), loss_fn, *sorted_and_cut(model, images, tokens))
+        loss, grads = step(DistributedDataParallel(model), loss_fn, images, tokens, sort=True)
         errors[name] = (float((loss - want_loss).abs() / want_loss.abs()), relative_error(grads, want))
     return errors
 

@@ -73,7 +73,7 @@ class OneGraphStep:
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             self.model.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
-        return StepResult(loss.detach(), norm, True, self.model.logit_scale.detach().exp())
+        return StepResult(loss.detach(), norm, True, self.model.logit_scale.detach().exp(), [])
 
 
 def train(rank: int, world: int, parallel: str, loss_name: str, reduce: str = "chunk", offload: bool = False,

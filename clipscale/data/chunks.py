@@ -212,6 +212,11 @@ class PinnedRows:
     def prepare(self, start: int, stop: int, pass_number: int) -> PinnedSlice:
         return PinnedSlice(self.tensor[start:stop], self.arrivals, stop)
 
+    def whole(self) -> torch.Tensor:
+        if self.arrivals is not None:
+            self.arrivals.wait_for(len(self))
+        return self.tensor
+
 
 class ChunkSource:
     """One column of a batch, handed to the device a chunk at a time: what Gradient Cache asks for
@@ -239,6 +244,10 @@ class ChunkSource:
 
     def put(self, rows: slice, piece: dict) -> None:
         self.rows.put(rows, piece)
+
+    def whole(self) -> torch.Tensor:
+        """Every row on the host, once all have arrived (a column of host rows: the tokens)."""
+        return self.rows.whole()
 
     def chunks(self, bounds: Bounds, device: torch.device, pass_number: int = 1, keep: Bounds = ()) -> Iterator[torch.Tensor]:
         """Rows [start, stop) of each bound on `device`, in order, device-transformed; the next ones
