@@ -19,7 +19,7 @@ import torch
 
 Bounds = Sequence[tuple[int, int]]
 DeviceTransform = Callable[[torch.Tensor], torch.Tensor]
-LOOKAHEAD = 2  # chunks being prepared while one is used
+LOOKAHEAD = 3  # chunks being prepared while one is used: one a decoding thread (device_decode.DECODE_THREADS), and one queued
 GIB = 2**30
 DEVICE_SHARE_KEPT = 0.25  # of a GPU's memory, for chunks kept for pass 2 (data.keep_on_device_gib: null)
 HOST_KEPT_GIB = 1.0  # the same on a CPU device
