@@ -118,7 +118,7 @@ class Run:
         step = TrainStep(model, loss_fn, optimizer, chunk_size=chunk, precision=train.precision,
                          grad_clip=cfg.optim.grad_clip, max_nonfinite_steps=train.max_nonfinite_steps,
                          text_order=text_order)
-        batches = TrainingBatches(cfg, world, towers.train_transform, towers.tokenizer, chunk)
+        batches = TrainingBatches(cfg, plan, world, towers.train_transform, towers.tokenizer, chunk)
         try:
             window = RecordWindow(cfg.train.batch_size, world.device)
             parts = {"model": ModelAndOptimizer(model.module, optimizer, world, sharded=train.parallel == "fsdp"),

@@ -22,6 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "scripts")]
+from clipscale.checks import plan_run  # noqa: E402
 from clipscale.config import load_config  # noqa: E402
 from clipscale.distributed import World  # noqa: E402
 from clipscale.models import build_model  # noqa: E402
@@ -38,7 +39,7 @@ def run_case(case: dict, shards: str, workers: int) -> dict:
     world = World()
     started = time.perf_counter()
     towers = build_model(cfg.model)
-    stream = TrainingBatches(cfg, world, towers.train_transform, towers.tokenizer, chunk)
+    stream = TrainingBatches(cfg, plan_run(cfg, world), world, towers.train_transform, towers.tokenizer, chunk)
     arrived = []  # seconds since the start when each batch's last piece was in
     try:
         for _ in range(batches):

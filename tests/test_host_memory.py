@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 SIZE = 64  # the model's input: 3 * 64 * 64 = 12,288 uint8 bytes a sample
 CHILD = """
 import sys
+from clipscale.checks import plan_run
 from clipscale.config import load_config
 from clipscale.distributed import World
 from clipscale.models import build_model
@@ -35,7 +36,7 @@ from clipscale.data.pipeline import TrainingBatches
 
 cfg = load_config(sys.argv[1], sys.argv[2:])
 towers = build_model(cfg.model)
-batches = TrainingBatches(cfg, World(), towers.train_transform, towers.tokenizer, cfg.train.chunk_size)
+batches = TrainingBatches(cfg, plan_run(cfg, World()), World(), towers.train_transform, towers.tokenizer, cfg.train.chunk_size)
 for _ in range(2):  # the second is gathered while the first is held: both slots full
     with batches.next():  # used at once: leaving it waits for every piece
         pass

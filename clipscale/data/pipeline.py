@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from clipscale.config import Config, ConfigError
 from clipscale.data import prepare_data
 from clipscale.data.batches import BatchStream, ImageDecoder, StreamedBatch, piece_size_for
-from clipscale.data.chunks import KeepBudget, kept_bytes
+from clipscale.data.chunks import KeepBudget
 from clipscale.data.device_decode import DeviceDecoder, JpegEngines, TorchvisionJpeg
 from clipscale.data.offload import DecodePool
 from clipscale.data.shards import ShardStream, StreamState
 from clipscale.data.transforms import SplitTransform
 from clipscale.distributed import World, all_reduce_sum_list
 from clipscale.signals import ignore_stop_signals
+
+if TYPE_CHECKING:
+    from clipscale.checks import RunPlan
 
 @dataclass
 class DataPath:
@@ -59,9 +63,7 @@ def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.d
                           "bytes (open_clip's RandomResizedCrop pipelines)")
     jpeg, why = None, "not asked for"
     if cfg.data.device_decoder in ("auto", "nvimgcodec"):
-        jpeg, why = JpegEngines.create(device)
-        if jpeg is None and cfg.data.device_decoder == "nvimgcodec":
-            raise ConfigError(f"data.device_decoder=nvimgcodec: {why}")
+        jpeg, why = JpegEngines.create(device)  # data.device_decoder=nvimgcodec was tried before any work (checks.py)
     if jpeg is None:
         jpeg = TorchvisionJpeg(device)
         if device.type == "cuda":
@@ -71,8 +73,8 @@ def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.d
 
 
 class TrainingBatches:
-    """The data path of a run, built from the configuration, the world, the model's training
-    transform and tokenizer, and the chunk. A part of the run's checkpoint (`state_dict`), whose
+    """The data path of a run, built from the configuration and its plan, the world, the model's
+    training transform and tokenizer, and the chunk. A part of the run's checkpoint (`state_dict`), whose
     state is read when the stream starts: load it before the first `next()`.
 
         with batches.next() as batch:            # at once: its pieces keep arriving
@@ -80,11 +82,10 @@ class TrainingBatches:
         # leaving it marks the batch used: the cursors move past it
     """
 
-    def __init__(self, cfg: Config, world: World, image_transform, tokenizer, chunk: int):
+    def __init__(self, cfg: Config, plan: RunPlan, world: World, image_transform, tokenizer, chunk: int):
         data = prepare_data(cfg.data, world)
-        self.samples_per_epoch = data.num_train
         self.world = world
-        per_rank = cfg.train.batch_size // world.world_size
+        per_rank = plan.per_rank_batch
         piece = piece_size_for(per_rank, chunk)
         split = SplitTransform.split(image_transform)
         if split is None and world.is_main:
@@ -124,7 +125,7 @@ class TrainingBatches:
             self.decoder = DecodePool(split.decode, cfg.data.decode_workers or max(1, cfg.data.workers), window)
         self.stream = BatchStream(loader, batch_size=per_rank, piece_size=piece, state=self.state, steps=cfg.train.steps,
                                   device_transform=split.to_float if split is not None else None, decoder=self.decoder,
-                                  budget=KeepBudget(kept_bytes(cfg.data.keep_on_device_gib, world.device)), in_thread=cfg.data.workers > 0)
+                                  budget=KeepBudget(plan.keep_on_device_bytes), in_thread=cfg.data.workers > 0)
 
     def next(self) -> StreamedBatch:
         return self.stream.next()
