@@ -55,6 +55,8 @@ def row(result: dict, record: dict, path: Path) -> tuple[tuple, str]:
         speed, steps = f"one step: {result['first_step_s']:.0f} s", "–"
     else:
         speed = f"{result['samples_per_s']:,.0f}{ratio(result, record)}"
+        if "of_ceiling" in result:  # bench_e2e's ceiling: the same compiled towers' step on GPU-resident tensors
+            speed += f" ({result['of_ceiling']:.0%} of its towers' ceiling, same command)"
         steps = f"{result['first_step_s']:.0f} s / {result['steady_step_s']:.1f} s"
     if result.get("exit_code"):
         speed += f" (stopped after step {result['steps_done']}, exit {result['exit_code']})"

@@ -115,3 +115,13 @@ def test_the_table_shows_current_cases_only(tmp_path):
     assert len(lines) == 3
     assert lines[2].startswith("| clipscale | ViT-B-16 | 1 × H100 (14) | 65,536 | 512 | loader | 1,234 | 80 s / 50.0 s "
                                "| 20.0 GiB | 44.0 GiB |")
+
+
+def test_a_case_measured_beside_its_ceiling_shows_the_fraction(tmp_path):
+    (tmp_path / "results").mkdir()
+    case = {"case": {"runner": "clipscale", "model": "ViT-B-32", "batch": "65536", "chunk": "512", "steps": "3"},
+            "exit_code": 0, "steps_done": 3, "samples_per_s": 4800.0, "first_step_s": 80.0, "steady_step_s": 13.6,
+            "peak_host_gib": 9.0, "peak_gpu_allocated_gib": 40.0, "of_ceiling": 0.956}
+    record = {"device": "NVIDIA H100 80GB HBM3", "workers": 14, "cases": [case]}
+    (tmp_path / "results" / "bench_e2e_ceiling.json").write_text(json.dumps(record))
+    assert "| 4,800 (96% of its towers' ceiling, same command) |" in results_table().table(tmp_path)
