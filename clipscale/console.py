@@ -7,7 +7,7 @@
 Lines go through `tqdm.write` so an open progress bar is not torn, and are flushed at once
 (a Slurm log or a pipe shows them now, not when the buffer fills).
 
-Libraries' expected noise stays off the console: `quiet_library_noise()` drops open_clip's "No
+Libraries' expected noise stays off the console: `library_noise_kept_off()` drops open_clip's "No
 pretrained weights loaded ... initialized randomly" (a run says what it loads, once, in its own
 words: `weights_line`), and `native_noise_filtered()` holds back what a native library prints on
 file descriptor 2 while it starts (nvImageCodec's "Failed to load nvtiff library!" and its
@@ -53,10 +53,18 @@ def _not_open_clip_random_init(record: logging.LogRecord) -> bool:
     return OPEN_CLIP_RANDOM_INIT not in record.getMessage()
 
 
-def quiet_library_noise() -> None:
-    """Keep open_clip's random-initialisation warning off the console for the rest of the process
-    (once for any number of calls: the filter is one function)."""
-    logging.getLogger().addFilter(_not_open_clip_random_init)
+@contextlib.contextmanager
+def library_noise_kept_off() -> Iterator[None]:
+    """Inside the block, open_clip's random-initialisation warning stays off the console (the
+    filter is one function: nested blocks add it once, and the outermost takes it off)."""
+    root = logging.getLogger()
+    added = _not_open_clip_random_init not in root.filters
+    root.addFilter(_not_open_clip_random_init)
+    try:
+        yield
+    finally:
+        if added:
+            root.removeFilter(_not_open_clip_random_init)
 
 
 def weights_line(pretrained: Optional[str], resumed_from: Optional[str], seed: int) -> str:

@@ -19,7 +19,7 @@ from clipscale.checkpoint_manager import CheckpointManager, ModelAndOptimizer, R
 from clipscale.checks import RunPlan, plan_run
 from clipscale.compile import compile_enabled, compile_towers
 from clipscale.config import Config
-from clipscale.console import Console, figures, quiet_library_noise, weights_line
+from clipscale.console import Console, figures, library_noise_kept_off, weights_line
 from clipscale.data.pipeline import TrainingBatches
 from clipscale.distributed import World, barrier, init_distributed, shutdown_distributed
 from clipscale.eval.during_training import Evaluator
@@ -40,26 +40,26 @@ def train(cfg: Config, *, loss_fn: torch.nn.Module | None = None) -> dict:
     """Run (or resume) the configured job. Returns the last evaluation's results, or
     {"preempted_by": signal number} when a signal stopped it after a checkpoint.
     `loss_fn`: a loss built by the caller, in place of cfg.loss's."""
-    quiet_library_noise()  # open_clip's "initialized randomly": the run says what it loads (weights_line)
-    world = init_distributed(cfg.run.device, group_of_one=cfg.train.parallel == "fsdp")
-    console = Console(world.is_main)
-    preemption = StopRequest()
-    run = None
-    try:
-        plan = plan_run(cfg, world)
-        folder = open_run_folder(cfg)
-        checkpoint = folder.newest_checkpoint(world, console)
-        if folder.has_ended(checkpoint):
-            console.say(f"{folder.run_dir} has already trained its {checkpoint['step']} steps; to train on, raise "
-                        "train.steps with run.extend_steps=true, or choose a new run.name")
-            return {}
-        run = Run.assemble(cfg, plan, world, console, folder, checkpoint, loss_fn)
-        return run.fit(preemption)
-    finally:
-        if run is not None:
-            run.close()
-        preemption.restore()
-        shutdown_distributed()
+    with library_noise_kept_off():  # open_clip's "initialized randomly": the run says what it loads (weights_line)
+        world = init_distributed(cfg.run.device, group_of_one=cfg.train.parallel == "fsdp")
+        console = Console(world.is_main)
+        preemption = StopRequest()
+        run = None
+        try:
+            plan = plan_run(cfg, world)
+            folder = open_run_folder(cfg)
+            checkpoint = folder.newest_checkpoint(world, console)
+            if folder.has_ended(checkpoint):
+                console.say(f"{folder.run_dir} has already trained its {checkpoint['step']} steps; to train on, raise "
+                            "train.steps with run.extend_steps=true, or choose a new run.name")
+                return {}
+            run = Run.assemble(cfg, plan, world, console, folder, checkpoint, loss_fn)
+            return run.fit(preemption)
+        finally:
+            if run is not None:
+                run.close()
+            preemption.restore()
+            shutdown_distributed()
 
 
 def claim_run_dir(folder: RunFolder, world: World, console: Console) -> None:

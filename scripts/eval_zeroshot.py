@@ -47,7 +47,7 @@ from clipscale.checks import check_model
 from clipscale.config import PREPROCESS_KEYS, ModelConfig
 from clipscale.distributed import init_distributed, shutdown_distributed
 from clipscale.errors import UserError, run_main
-from clipscale.console import quiet_library_noise
+from clipscale.console import library_noise_kept_off
 from clipscale.eval.tasks import TaskError, check_data, resolve_task, run_task
 from clipscale.models import OPEN_CLIP_CONFIG, build_model
 
@@ -120,7 +120,6 @@ def model_config(checkpoint: str, model: str | None) -> ModelConfig:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    quiet_library_noise()
     args.checkpoint = str(resolve_checkpoint(args.checkpoint))
     model_cfg = model_config(args.checkpoint, args.model)
     check_model(model_cfg)  # the same model checks as a training run, before any work
@@ -128,7 +127,8 @@ def main(argv=None) -> dict:
         task = resolve_task(args.task, **{field: getattr(args, field) for field in TASK_FLAGS})
         check_data(task)
     world = init_distributed(args.device)
-    towers = build_model(model_cfg)
+    with library_noise_kept_off():  # open_clip's "initialized randomly": the checkpoint's weights load next
+        towers = build_model(model_cfg)
     model = towers.model.to(world.device)
     bf16 = args.precision == "bf16" or (args.precision == "auto" and world.device.type == "cuda")
     autocast = torch.bfloat16 if bf16 else None  # entered as clipscale.precision.autocast_factory does

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from clipscale import metrics
 from clipscale.config import load_config
-from clipscale.console import native_noise_filtered, quiet_library_noise, weights_line
+from clipscale.console import library_noise_kept_off, native_noise_filtered, weights_line
 from clipscale.losses import build_loss
 from clipscale.metrics import DataProblems, StepReport, read_metrics
 from clipscale.trainer import train
@@ -132,12 +132,13 @@ def test_data_problems_are_one_line_at_a_time_with_the_shard_and_the_totals(monk
 
 
 def test_open_clips_random_init_warning_is_kept_off_and_our_line_says_what_loads(caplog):
-    quiet_library_noise()
-    quiet_library_noise()  # twice: still one filter
+    noise = "No pretrained weights loaded for model 'x'. Model initialized randomly."
     with caplog.at_level(logging.WARNING):
-        logging.warning("No pretrained weights loaded for model 'x'. Model initialized randomly.")
-        logging.warning("something else")
-    assert [r.getMessage() for r in caplog.records] == ["something else"]
+        with library_noise_kept_off(), library_noise_kept_off():  # nested: one filter, taken off by the outer
+            logging.warning(noise)
+            logging.warning("something else")
+        logging.warning(noise)  # after the run: open_clip speaks again (other code in the process may want it)
+    assert [r.getMessage() for r in caplog.records] == ["something else", noise]
     assert weights_line(None, None, 0) == "weights: initialised at random (run.seed 0)"
     assert weights_line("b32.pt", "runs/x/checkpoints/step_00000100.pt", 0) == \
         "weights: from runs/x/checkpoints/step_00000100.pt"
