@@ -114,7 +114,7 @@ class ModelConfig:
 class DataConfig:
     # "digits": scikit-learn's handwritten digits, written as shards on first use.
     # "webdataset": train_shards is a brace pattern of tar shards ("data/{00000..00099}.tar"; img2dataset's
-    #   layout: KEY.jpg, KEY.txt, KEY.json), local files, `pipe:` commands or http(s):// URLs; several
+    #   layout: KEY.jpg, KEY.txt, KEY.json), a folder or a glob of .tar files, `pipe:` commands or http(s):// URLs; several
     #   sources joined with "::". "csv": train_shards is a CSV file (several joined with "::") of image
     #   paths (relative to its folder) and captions. docs/own_data.md.
     kind: Literal["digits", "webdataset", "csv"] = "digits"
@@ -220,7 +220,7 @@ class EvalConfig:
     sets: list = field(default_factory=list)
     batch_size: int = 256
     workers: int = 2
-    # open_clip's --val-data: held-out shards (a brace pattern) or a .csv/.tsv file, read with data.*'s keys;
+    # open_clip's --val-data: held-out shards (a brace pattern, a folder or a glob) or a .csv/.tsv file, read with data.*'s keys;
     # gives val_loss (the configured loss over eval.batch_size batches) and val_ retrieval recalls
     val_data: Optional[str] = None
 
@@ -421,7 +421,8 @@ def check_model_section(cfg: ModelConfig) -> None:
         path = getattr(cfg, key)
         if path is not None and not Path(path).is_file():
             if Path(path).is_dir():
-                raise ConfigError(f"model.{key}: {path!r} is a folder; give the checkpoint file (only local checkpoints are loaded)")
+                raise ConfigError(f"model.{key}: {path!r} is a folder; give the checkpoint file "
+                                  "(only local checkpoints are loaded)")
             raise ConfigError(f"model.{key}: no file at {path!r} (only local checkpoints are loaded){relative_note(path)}")
     if cfg.pretrained_image is not None and "timm_model_name" not in vision_cfg:
         raise ConfigError("model.pretrained_image: only for a timm image tower (model.custom.vision_cfg.timm_model_name); "

@@ -1,8 +1,9 @@
 """Where training samples come from: webdataset shards, one or several sources, how they are drawn.
 
 A `ShardSource` is what `ShardStream` reads: a list of *shards* (tar URLs: local paths,
-`pipe:` commands, `http(s)://` URLs, opened by webdataset; or a CSV table's row blocks,
-`clipscale.data.csv_table`), how a shard is read, and how shards are drawn:
+`pipe:` commands, `http(s)://` URLs, opened by webdataset, which `source_shards` lists from a brace
+pattern, a folder or a glob; or a CSV table's row blocks, `clipscale.data.csv_table`), how a shard
+is read, and how shards are drawn:
 
 - several sources joined with `::` (open_clip's `--train-data a::b`): their shards form one list;
 - `upsampling_factors` (open_clip's `--train-data-upsampling-factors`): each shard is drawn with
@@ -123,7 +124,8 @@ def _named_by(name: str, paths: list[str], key: str, folder: bool) -> list[str]:
     if shards:
         return shards
     if not paths:
-        raise ConfigError(f"{key}: {name!r} is an empty folder" if folder else f"{key}: {name!r} matches no file{relative_note(name)}")
+        what = "is an empty folder" if folder else f"matches no file{relative_note(name)}"
+        raise ConfigError(f"{key}: {name!r} {what}")
     what = "is a folder with no .tar file (it holds" if folder else "matches no .tar file (it matches"
     raise ConfigError(f"{key}: {name!r} {what} {holds(paths)})")
 
