@@ -6,15 +6,17 @@ asks each what it accepts: open_clip whether the architecture exists, whether
 it has a logit bias, whether it is a CoCa model (refused: no captioning loss)
 and which keys a custom config may have, each loss its contract (the inputs it takes and
 its options with their types, `clipscale.losses.loss_contract`), the
-evaluation tasks whether every set resolves. Nothing here touches data, builds
-a model or starts a process group, so `train.py` and the scripts fail in a
-second, naming the key, what was given and what is allowed.
+evaluation tasks whether every set resolves. Nothing here builds a model or
+starts a process group, so `train.py` and the scripts fail in a second, naming
+the key, what was given and what is allowed; the data is looked at only where
+it must be: a CSV table's rows are counted when train.epochs counts them, and
+`plan_run` lists the shards (or reads the tables' headers) the run will read.
 
     cfg = load_checked_config("configs/digits.yaml", ["loss.name=infcl"])
     plan = plan_run(cfg, world)   # once the world is known: its checks, then the resolved values
 
-`plan_run` is the last check before work (the batch splits over the processes, the hardware
-JPEG decoder asked for can run) and resolves the configuration once into a `RunPlan`, which
+`plan_run` is the last check before work (the batch splits over the processes, the data is
+there, the hardware JPEG decoder asked for can run) and resolves the configuration once into a `RunPlan`, which
 the components read instead of interpreting the keys again.
 """
 
@@ -29,9 +31,12 @@ import open_clip
 import torch
 from open_clip.model import CLIPTextCfg, CLIPVisionCfg
 
-from clipscale.config import Config, ConfigError, LossConfig, ModelConfig, check_model_section, check_value, load_config
+from clipscale.config import (Config, ConfigError, LossConfig, ModelConfig, check_model_section, check_value, epochs_in_rows,
+                              epochs_of_rows, load_config)
+from clipscale.data import check_source, table_rows
 from clipscale.data.device_decode import JpegEngines
 from clipscale.data.chunks import kept_bytes
+from clipscale.data.sources import CSV_SUFFIXES
 from clipscale.distributed import World
 from clipscale.eval.tasks import eval_task
 from clipscale.losses import CLIP_INPUTS, available_losses, build_loss, loss_contract
@@ -161,11 +166,29 @@ def check_eval_sets(sets: list) -> None:
             raise ConfigError(f"eval.sets[{i}]: {err}") from None
 
 
+def count_epoch_rows(cfg: Config) -> None:
+    """train.epochs of a CSV table without train.num_samples_per_epoch: its rows are counted (the
+    sum over the "::" tables) and train.steps follows (clipscale.config.epochs_of_rows)."""
+    if epochs_in_rows(cfg):
+        epochs_of_rows(cfg, table_rows(cfg.data, cfg.data.train_shards, "data.train_shards"))
+
+
+def check_data(cfg: Config) -> None:
+    """The training data and eval.val_data are where the configuration says, as the machine that
+    trains sees them: shards listed (folders and globs expanded), CSV tables' headers read."""
+    if cfg.data.kind in ("webdataset", "csv"):
+        check_source(cfg.data, cfg.data.train_shards, "data.train_shards", csv=cfg.data.kind == "csv")
+    if cfg.eval.val_data:
+        check_source(cfg.data, cfg.eval.val_data, "eval.val_data", csv=cfg.eval.val_data.lower().endswith(CSV_SUFFIXES))
+
+
 def check_config(cfg: Config) -> None:
-    """Everything load_config does not know: the architecture, the loss, the evaluation sets.
-    The loss options are replaced by their checked values."""
+    """Everything load_config does not know: the architecture, the loss, the evaluation sets, the
+    run length of epochs of a CSV table (its rows counted). The loss options are replaced by their
+    checked values."""
     cfg.loss.options = check_loss(cfg.loss, cfg.model)
     check_eval_sets(cfg.eval.sets)
+    count_epoch_rows(cfg)
 
 
 def load_checked_config(path: Optional[str], overrides: list[str] = ()) -> Config:
@@ -207,8 +230,11 @@ def check_device_decoder(cfg: Config, device: torch.device) -> None:
 
 
 def plan_run(cfg: Config, world: World) -> RunPlan:
-    """The checks that need the world, then the values every component reads."""
+    """The checks that need the world and the machine (the data is there), then the values every
+    component reads. A run length waiting for a CSV table's rows (check_config not run) is counted."""
+    count_epoch_rows(cfg)
     check_world(cfg, world.world_size)
+    check_data(cfg)
     check_device_decoder(cfg, world.device)
     per_rank = cfg.train.batch_size // world.world_size
     chunk = cfg.train.chunk_size

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -35,6 +37,17 @@ from clipscale.errors import UserError
 
 class ConfigError(UserError, ValueError):
     """A configuration problem, reported before any work starts."""
+
+
+def relative_note(path: str) -> str:
+    """For a relative local path in a message: '; relative paths are read from <cwd>, the directory
+    train.py was started in' (the script's name, or "the working directory"); '' for an absolute one."""
+    if Path(path).is_absolute() or "://" in path or path.startswith("pipe:"):
+        return ""
+    script = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    where = (f"the directory {script} was started in" if script.endswith(".py") and script != "__main__.py"
+             else "the working directory")
+    return f"; relative paths are read from {os.getcwd()}, {where}"
 
 
 ON_RESUME = "on_resume"  # field metadata: what a new value of the key does to a resumed run
@@ -106,7 +119,7 @@ class ModelConfig:
 class DataConfig:
     # "digits": scikit-learn's handwritten digits, written as shards on first use.
     # "webdataset": train_shards is a brace pattern of tar shards ("data/{00000..00099}.tar"; img2dataset's
-    #   layout: KEY.jpg, KEY.txt, KEY.json), local files, `pipe:` commands or http(s):// URLs; several
+    #   layout: KEY.jpg, KEY.txt, KEY.json), a folder or a glob of .tar files, `pipe:` commands or http(s):// URLs; several
     #   sources joined with "::". "csv": train_shards is a CSV file (several joined with "::") of image
     #   paths (relative to its folder) and captions. docs/own_data.md.
     kind: Literal["digits", "webdataset", "csv"] = "digits"
@@ -179,7 +192,8 @@ class TrainConfig:
     offload: bool = may_change(False)
     # The run length: steps, or null and one of samples (ceil(samples / batch_size) steps) or epochs of
     # num_samples_per_epoch samples each (open_clip_train's --epochs with --train-num-samples:
-    # epochs x ceil(num_samples_per_epoch / batch_size) steps).
+    # epochs x ceil(num_samples_per_epoch / batch_size) steps); with data.kind: csv and
+    # num_samples_per_epoch null, an epoch is the table's rows (open_clip_train's CSV epoch).
     steps: Optional[int] = 300
     samples: Optional[int] = None
     epochs: Optional[int] = None
@@ -211,7 +225,7 @@ class EvalConfig:
     sets: list = field(default_factory=list)
     batch_size: int = 256
     workers: int = 2
-    # open_clip's --val-data: held-out shards (a brace pattern) or a .csv/.tsv file, read with data.*'s keys;
+    # open_clip's --val-data: held-out shards (a brace pattern, a folder or a glob) or a .csv/.tsv file, read with data.*'s keys;
     # gives val_loss (the configured loss over eval.batch_size batches) and val_ retrieval recalls
     val_data: Optional[str] = None
 
@@ -406,11 +420,15 @@ def check_model_section(cfg: ModelConfig) -> None:
     for key in ("hf_model_name", "hf_tokenizer_name"):
         if key in text_cfg and not Path(text_cfg[key]).is_dir():
             raise ConfigError(f"model.custom.text_cfg.{key}: no directory at {text_cfg[key]!r} "
-                              "(Hugging Face towers load from a local save_pretrained folder only)")
+                              "(Hugging Face towers load from a local save_pretrained folder only)"
+                              + relative_note(text_cfg[key]))
     for key in ("pretrained", "pretrained_image"):
         path = getattr(cfg, key)
         if path is not None and not Path(path).is_file():
-            raise ConfigError(f"model.{key}: no file at {path!r} (only local checkpoints are loaded)")
+            if Path(path).is_dir():
+                raise ConfigError(f"model.{key}: {path!r} is a folder; give the checkpoint file "
+                                  "(only local checkpoints are loaded)")
+            raise ConfigError(f"model.{key}: no file at {path!r} (only local checkpoints are loaded){relative_note(path)}")
     if cfg.pretrained_image is not None and "timm_model_name" not in vision_cfg:
         raise ConfigError("model.pretrained_image: only for a timm image tower (model.custom.vision_cfg.timm_model_name); "
                           "open_clip towers load from a whole-CLIP checkpoint, model.pretrained")
@@ -448,17 +466,25 @@ def check_lr_schedule(cfg: OptimConfig, steps: int) -> None:
         raise ConfigError(f"optim.lr_cooldown_end: must be in [0, optim.lr={cfg.lr}], got {cfg.lr_cooldown_end}")
 
 
-def resolve_run_length(cfg: TrainConfig) -> None:
+def resolve_run_length(cfg: TrainConfig, csv: bool = False) -> None:
     """train.steps from train.samples or train.epochs (the one place a run length in samples
-    becomes steps); a train.steps that says otherwise is a conflict, not a choice."""
+    becomes steps); a train.steps that says otherwise is a conflict, not a choice. With `csv` (a CSV
+    table's data), train.epochs without train.num_samples_per_epoch counts the table's rows, which
+    clipscale.checks reads (`epochs_of_rows`): train.steps stays null until then."""
     for key in ("samples", "epochs", "num_samples_per_epoch"):
         if getattr(cfg, key) is not None and getattr(cfg, key) <= 0:
             raise ConfigError(f"train.{key}: must be positive or null, got {getattr(cfg, key)}")
     if cfg.samples is not None and cfg.epochs is not None:
         raise ConfigError("train.samples and train.epochs both give the run length: set one of them")
+    if csv and cfg.epochs is not None and cfg.num_samples_per_epoch is None:
+        if cfg.steps is not None:
+            raise ConfigError(f"train.steps={cfg.steps} and train.epochs={cfg.epochs} (of the CSV table's rows) give two "
+                              "run lengths: set train.steps=null to count in epochs")
+        return
     if (cfg.epochs is not None) != (cfg.num_samples_per_epoch is not None):
         raise ConfigError("train.epochs and train.num_samples_per_epoch go together: an epoch is "
-                          "train.num_samples_per_epoch samples (open_clip_train's --train-num-samples)")
+                          "train.num_samples_per_epoch samples (open_clip_train's --train-num-samples; "
+                          "with data.kind: csv, the table's rows when it is not given)")
     if cfg.samples is None and cfg.epochs is None:
         if cfg.steps is None:
             raise ConfigError("train.steps: null needs the run length as train.samples or train.epochs")
@@ -470,6 +496,21 @@ def resolve_run_length(cfg: TrainConfig) -> None:
         raise ConfigError(f"train.steps={cfg.steps} and {given} ({steps} steps of train.batch_size={cfg.batch_size}) "
                           "give two run lengths: set train.steps=null to count in samples or epochs")
     cfg.steps = steps
+
+
+def epochs_in_rows(cfg: Config) -> bool:
+    """Whether the run length waits for a CSV table's row count (train.epochs of data.kind: csv
+    without train.num_samples_per_epoch; `resolve_run_length`)."""
+    return cfg.data.kind == "csv" and cfg.train.epochs is not None and cfg.train.num_samples_per_epoch is None
+
+
+def epochs_of_rows(cfg: Config, rows: int) -> None:
+    """An epoch of a CSV table is its `rows` (the sum over its "::" sources), as open_clip_train's
+    CSV reader counts it whatever --dataset-resampled and the upsampling factors say: it becomes
+    train.num_samples_per_epoch, and train.steps follows."""
+    cfg.train.num_samples_per_epoch = rows
+    resolve_run_length(cfg.train)
+    check_run_length(cfg)
 
 
 def steps_per_epoch(cfg: TrainConfig) -> int | None:
@@ -515,11 +556,10 @@ def check_sections(cfg: Config) -> None:
     check_model_section(cfg.model)
     if cfg.train.batch_size <= 0:
         raise ConfigError(f"train.batch_size: must be positive, got {cfg.train.batch_size}")
-    resolve_run_length(cfg.train)
+    resolve_run_length(cfg.train, csv=cfg.data.kind == "csv")
     check_data_section(cfg.data)
     positive = {
         "train.batch_size": cfg.train.batch_size,
-        "train.steps": cfg.train.steps,
         "train.log_every": cfg.train.log_every,
         "train.checkpoint_every": cfg.train.checkpoint_every,
         "data.max_image_pixels": cfg.data.max_image_pixels,
@@ -528,7 +568,8 @@ def check_sections(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}: must be positive, got {value}")
-    check_lr_schedule(cfg.optim, cfg.train.steps)
+    if not epochs_in_rows(cfg):
+        check_run_length(cfg)
     if isinstance(cfg.train.chunk_size, int) and cfg.train.chunk_size <= 0:
         raise ConfigError(f"train.chunk_size: must be positive, null or 'auto', got {cfg.train.chunk_size}")
     if cfg.train.keep_checkpoints is not None and cfg.train.keep_checkpoints < 1:
@@ -547,6 +588,13 @@ def check_sections(cfg: Config) -> None:
         raise ConfigError(f"data.keep_on_device_gib: must be >= 0 or null, got {cfg.data.keep_on_device_gib}")
     if cfg.data.decode_workers is not None and cfg.data.decode_workers < 1:
         raise ConfigError(f"data.decode_workers: must be positive, got {cfg.data.decode_workers}")
+
+
+def check_run_length(cfg: Config) -> None:
+    """The checks that need train.steps (known once `resolve_run_length` or `epochs_of_rows` set it)."""
+    if cfg.train.steps <= 0:
+        raise ConfigError(f"train.steps: must be positive, got {cfg.train.steps}")
+    check_lr_schedule(cfg.optim, cfg.train.steps)
 
 
 def check_parallel(train: TrainConfig) -> None:

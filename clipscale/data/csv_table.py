@@ -18,8 +18,8 @@ import csv
 from pathlib import Path
 from typing import Iterator, Optional
 
-from clipscale.config import ConfigError
-from clipscale.data.sources import CAPTION, IMAGE, ShardSource, shard_weights
+from clipscale.config import ConfigError, relative_note
+from clipscale.data.sources import CAPTION, IMAGE, ShardSource, holds, shard_weights
 
 ROWS_PER_BLOCK = 1000  # a shard's worth: consumers split the blocks as they split tar shards
 
@@ -51,10 +51,34 @@ class CsvTable(ShardSource):
 
 def read_rows(path: str, image_column: str, caption_column: str, separator: str, key: str) -> list[tuple[str, str]]:
     """(image path, caption) of every row of a CSV file, the paths made relative to its folder.
-    A missing file or column is a ConfigError naming `key`."""
+    A missing file or column, a folder or a table without rows is a ConfigError naming `key`."""
+    rows = list(_rows(path, image_column, caption_column, separator, key))
+    if not rows:
+        raise ConfigError(f"{key}: {path} has no rows")
+    return rows
+
+
+def count_rows(path: str, image_column: str, caption_column: str, separator: str, key: str) -> int:
+    """How many rows read_rows gives, without holding them; the same ConfigErrors."""
+    rows = sum(1 for _ in _rows(path, image_column, caption_column, separator, key))
+    if not rows:
+        raise ConfigError(f"{key}: {path} has no rows")
+    return rows
+
+
+def check_table(path: str, image_column: str, caption_column: str, separator: str, key: str) -> None:
+    """read_rows' checks of the file and its columns, reading only the header."""
+    next(iter(_rows(path, image_column, caption_column, separator, key)), None)
+
+
+def _rows(path: str, image_column: str, caption_column: str, separator: str, key: str) -> Iterator[tuple[str, str]]:
     table = Path(path)
+    if table.is_dir():
+        entries = sorted(map(str, table.iterdir()))
+        held = f" (it holds {holds(entries)})" if entries else " (an empty one)"
+        raise ConfigError(f"{key}: {path!r} is a folder, not a CSV file{held}")
     if not table.is_file():
-        raise ConfigError(f"{key}: no CSV file at {path!r}")
+        raise ConfigError(f"{key}: no CSV file at {path!r}{relative_note(path)}")
     with table.open(newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f, delimiter=separator)
         columns = reader.fieldnames or []
@@ -63,7 +87,5 @@ def read_rows(path: str, image_column: str, caption_column: str, separator: str,
             raise ConfigError(f"{key}: {path} has no column {missing[0]!r} (its columns, split at {separator!r}: "
                               f"{', '.join(map(repr, columns))}); set data.csv_image_key / data.csv_caption_key / "
                               "data.csv_separator")
-        rows = [(str(table.parent / row[image_column]), row[caption_column] or "") for row in reader]
-    if not rows:
-        raise ConfigError(f"{key}: {path} has no rows")
-    return rows
+        for row in reader:
+            yield str(table.parent / (row[image_column] or "")), row[caption_column] or ""

@@ -1,8 +1,9 @@
 """Where training samples come from: webdataset shards, one or several sources, how they are drawn.
 
 A `ShardSource` is what `ShardStream` reads: a list of *shards* (tar URLs: local paths,
-`pipe:` commands, `http(s)://` URLs, opened by webdataset; or a CSV table's row blocks,
-`clipscale.data.csv_table`), how a shard is read, and how shards are drawn:
+`pipe:` commands, `http(s)://` URLs, opened by webdataset, which `source_shards` lists from a brace
+pattern, a folder or a glob; or a CSV table's row blocks, `clipscale.data.csv_table`), how a shard
+is read, and how shards are drawn:
 
 - several sources joined with `::` (open_clip's `--train-data a::b`): their shards form one list;
 - `upsampling_factors` (open_clip's `--train-data-upsampling-factors`): each shard is drawn with
@@ -20,10 +21,16 @@ keeps only what it has and is skipped and counted by the stream.
 
 from __future__ import annotations
 
+import glob
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import webdataset as wds
+
+from clipscale.config import ConfigError, relative_note
+
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")  # data.image_key's default
 TEXT_KEYS = ("txt", "text", "caption")  # data.caption_key's default
 # Where a sample's image and caption are when it leaves its source: load_sample looks there
@@ -73,9 +80,63 @@ class ShardSource:
         return sample
 
 
-def split_sources(patterns: str) -> list[list[str]]:
-    """'a/{0..9}.tar::b/{0..3}.tar' -> the shards of each source, braces expanded."""
-    return [wds.shardlists.expand_urls(pattern) for pattern in patterns.split("::")]
+TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # what a folder's or a glob's shards are named
+CSV_SUFFIXES = (".csv", ".tsv")
+
+
+def is_remote(shard: str) -> bool:
+    """A URL or `pipe:` command: webdataset opens it, nothing here looks for it."""
+    return "://" in shard or shard.startswith("pipe:")
+
+
+def source_shards(pattern: str, key: str) -> list[str]:
+    """The shards of one source (a part of `key`'s value between "::"), named as webdataset names
+    them: a brace pattern ("data/{00000..00099}.tar"), a folder (the .tar files in it, sorted), a
+    glob ("data/*.tar", its .tar matches, sorted), a file, a `pipe:` command or an http(s) URL
+    (http(s) needs curl, which webdataset opens them with). A ConfigError naming `key` when a
+    local name leads to no shard, or a local shard is missing."""
+    shards = []
+    for name in wds.shardlists.expand_urls(pattern):
+        if is_remote(name):
+            shards.append(name)
+        elif Path(name).is_dir():
+            shards += _named_by(name, sorted(str(p) for p in Path(name).iterdir()), key, folder=True)
+        elif any(c in name for c in "*?[") and not Path(name).exists():
+            shards += _named_by(name, sorted(glob.glob(name)), key, folder=False)
+        else:
+            shards.append(name)
+    missing = [s for s in shards if not is_remote(s) and not Path(s).is_file()]
+    if missing:
+        which = "no file" if len(missing) == len(shards) else f"{len(missing)} missing files of {len(shards)}"
+        raise ConfigError(f"{key}: {pattern!r} matches {which} (first missing: {missing[0]}){relative_note(missing[0])}")
+    tables = [s for s in shards if s.lower().endswith(CSV_SUFFIXES)]
+    if tables:
+        raise ConfigError(f"{key}: {tables[0]} is a CSV table, not webdataset shards (data.kind: csv reads tables)")
+    if any(s.startswith(("http://", "https://")) for s in shards) and shutil.which("curl") is None:
+        raise ConfigError(f"{key}: webdataset reads http(s) shards with curl, which is not installed")
+    return shards
+
+
+def _named_by(name: str, paths: list[str], key: str, folder: bool) -> list[str]:
+    """The tar files among `paths`, which the folder or glob `name` gives; a ConfigError saying
+    what it gives instead."""
+    shards = [p for p in paths if p.lower().endswith(TAR_SUFFIXES) and Path(p).is_file()]
+    if shards:
+        return shards
+    if not paths:
+        what = "is an empty folder" if folder else f"matches no file{relative_note(name)}"
+        raise ConfigError(f"{key}: {name!r} {what}")
+    what = "is a folder with no .tar file (it holds" if folder else "matches no .tar file (it matches"
+    raise ConfigError(f"{key}: {name!r} {what} {holds(paths)})")
+
+
+def holds(paths: list[str], shown: int = 4) -> str:
+    """'3 files: a.jpg, b.jpg, c.csv' (folders as 'x/'), the first `shown` names and how many more."""
+    names = [Path(p).name + ("/" if Path(p).is_dir() else "") for p in paths]
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    files = sum(not n.endswith("/") for n in names)
+    counted = " and ".join(f"{n} {w}{'s' if n != 1 else ''}" for n, w in ((files, "file"), (len(names) - files, "folder")) if n)
+    return f"{counted}: {', '.join(names[:shown])}{more}"
 
 
 def shard_weights(sources: list[list], factors: Optional[Sequence[float]]) -> Optional[list[float]]:
