@@ -34,8 +34,12 @@ def test_auto_falls_back_to_nvjpeg_saying_why_where_nvimgcodec_is_missing():
 
 @pytest.mark.skipif(HAS_NVIMGCODEC, reason="checks the error where nvImageCodec is not installed")
 def test_asking_for_the_hardware_decoder_where_it_cannot_run_is_a_config_error():
+    """Checked before any work (checks.py), on a GPU device: nothing here touches it before nvImageCodec is imported."""
+    from clipscale.checks import check_device_decoder
+
     with pytest.raises(ConfigError, match="data.device_decoder=nvimgcodec: nvImageCodec is not installed"):
-        resolve("data.device_decoder=nvimgcodec")
+        check_device_decoder(load_config("configs/vit_b16_infcl.yaml", ["data.device_decoder=nvimgcodec"]),
+                             torch.device("cuda"))
 
 
 def test_a_transform_the_device_cannot_run_stays_in_the_loader_saying_so():
