@@ -1,0 +1,131 @@
+"""Broken data is skipped and counted: corrupt images, samples without a caption, a shard cut off
+mid-sample, in the stream, across a resume, and in a run (with and without offload) that goes on to
+its end."""
+
+from __future__ import annotations
+
+import io
+from itertools import islice
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision.transforms as T
+import webdataset as wds
+from PIL import Image
+
+from clipscale.checkpoint import latest_checkpoint
+from clipscale.config import load_config
+from clipscale.data.shards import ShardErrors, ShardStream, StreamState
+from clipscale.data.transforms import SplitTransform
+from clipscale.metrics import read_metrics
+
+from tests.helpers.tiny_runs import DIGITS_YAML, tiny_run
+
+SAMPLES_PER_SHARD = 40
+CORRUPT = {f"corrupt-{i:03d}" for i in range(0, SAMPLES_PER_SHARD, 5)}  # 8 images of garbage bytes
+
+
+def _png(seed: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.effect_noise((32, 32), 40 + seed % 50).convert("RGB").save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def broken_shards(module_tmp) -> list[str]:
+    """Four shards: clean; 8 corrupt images; 6 samples without a caption and 2 with an empty one;
+    and one cut off in the middle of a sample (a copy that died half-way)."""
+    root = module_tmp("broken")
+    shards = {name: str(root / f"{name}.tar") for name in ("clean", "corrupt", "uncaptioned", "truncated")}
+    for name, path in shards.items():
+        with wds.TarWriter(path) as sink:
+            for i in range(SAMPLES_PER_SHARD):
+                key = f"{name}-{i:03d}"
+                sample = {"__key__": key, "png": _png(i), "txt": b"a handwritten digit"}
+                if key in CORRUPT:
+                    sample["png"] = sample["png"][:20] + bytes(200)  # a PNG header, then zeros
+                if name == "uncaptioned" and i < 8:
+                    sample["txt"] = b"  " if i < 2 else None
+                sink.write({k: v for k, v in sample.items() if v is not None})
+    whole = Path(shards["truncated"]).read_bytes()
+    Path(shards["truncated"]).write_bytes(whole[: len(whole) * 3 // 5 + 700])  # mid-member, not on a header
+    return list(shards.values())
+
+
+def _stream(shards, state=None, shuffle_buffer=30, offload=False):
+    """offload: pieces also keep the encoded image bytes (train.offload), judged by the same decode."""
+    return ShardStream(
+        shards, piece_size=16, rank=0, world_size=1, num_workers=0, seed=5, image_transform=T.ToTensor(),
+        tokenizer=lambda captions: captions, shuffle_buffer=shuffle_buffer, state=state,
+        split=SplitTransform.split(T.ToTensor()) if offload else None, keep_encoded=offload,
+    )
+
+
+def _unusable(raw: dict) -> bool:
+    caption = raw.get("txt", b"").strip()
+    return raw["__key__"] in CORRUPT or not caption
+
+
+def _consume(batches, state: StreamState) -> StreamState:
+    for batch in batches:
+        assert len(batch["images"]) == len(batch["texts"]) == 16, "a batch lost samples"
+        state.update(batch)
+    return state
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["decoded", "offload"])
+def test_broken_samples_and_shards_are_skipped_and_counted(broken_shards, offload):
+    stream = _stream(broken_shards, offload=offload)
+    state = _consume(islice(stream, 30), StreamState())  # ~4 epochs of ~130 usable samples
+    (epoch, position, *_), = state.cursors.values()
+    # Every sample the stream consumed, in its order, judged by what the fixture broke.
+    consumed = [raw for e in range(epoch) for raw in stream.shuffled_epoch(e, 0, 1, ShardErrors()).samples()]
+    consumed += list(islice(stream.shuffled_epoch(epoch, 0, 1, ShardErrors()).samples(), position))
+    assert state.skipped_samples == sum(map(_unusable, consumed)) >= 3 * 16
+    # The truncated shard fails once per pass; the shuffle buffer reads a little ahead of the batches.
+    assert epoch <= state.shard_errors <= epoch + 1
+    if offload:  # the same samples skipped, the same cursors, as when the loader keeps pixels
+        assert state == _consume(islice(_stream(broken_shards), 30), StreamState())
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["decoded", "offload"])
+def test_a_resumed_stream_counts_on_without_counting_replayed_samples(broken_shards, offload):
+    uninterrupted = _consume(islice(_stream(broken_shards, offload=offload), 30), StreamState())
+    checkpointed = _consume(islice(_stream(broken_shards, offload=offload), 11), StreamState())
+    resumed = _consume(islice(_stream(broken_shards, StreamState(**vars(checkpointed)), offload=offload), 19), checkpointed)
+    assert resumed == uninterrupted
+
+
+def test_a_stream_without_one_usable_sample_stops_with_a_clear_message(tmp_path):
+    shard = str(tmp_path / "uncaptioned.tar")
+    with wds.TarWriter(shard) as sink:
+        for i in range(5):
+            sink.write({"__key__": f"s{i}", "png": _png(i)})
+    with pytest.raises(RuntimeError, match="decoded no sample in 3 passes"):
+        next(iter(_stream([shard])))
+
+
+@pytest.mark.slow
+def test_training_on_broken_shards_runs_to_the_end_and_logs_the_counts(broken_shards, tmp_path):
+    """In a loader worker process, as in a real run: nothing kills the worker or hangs. With
+    train.offload the batch keeps encoded bytes, and the same samples are skipped and counted."""
+    from clipscale.trainer import train
+
+    pattern = str(Path(broken_shards[0]).parent / "{clean,corrupt,uncaptioned,truncated}.tar")
+    counts = {}
+    for name, extra in {"decoded": [], "offload": ["train.offload=true", "train.chunk_size=24"]}.items():
+        overrides = tiny_run(tmp_path, tmp_path, f"run.name={name}", "data.kind=webdataset", f"data.train_shards={pattern}",
+                             "data.workers=1", "data.shuffle_buffer=30", "eval.zeroshot=false", "train.steps=5", *extra)
+        train(load_config(DIGITS_YAML, overrides))
+        metrics = read_metrics(tmp_path / name / "metrics.jsonl")
+        assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+        last = metrics[-1]
+        assert sum(m["skipped_samples"] for m in metrics) == last["skipped_samples_total"] >= 2 * 16
+        assert sum(m["shard_errors"] for m in metrics) == last["shard_errors_total"] >= 2  # 320 samples: 2+ epochs
+        checkpoint = torch.load(latest_checkpoint(tmp_path / name / "checkpoints"), weights_only=True)
+        assert checkpoint["data"][0]["skipped_samples"] == last["skipped_samples_total"]
+        # The same samples, cursors and counts; the offloaded run's loader pieces are smaller (its chunks are).
+        stream = [{k: v for k, v in rank.items() if k != "pieces"} for rank in checkpoint["data"]]
+        counts[name] = [(m["skipped_samples"], m["shard_errors"]) for m in metrics], stream
+    assert counts["offload"] == counts["decoded"]

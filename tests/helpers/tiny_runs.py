@@ -1,0 +1,76 @@
+"""Tiny training runs for tests: a model that learns digits in a few seconds, launched for real."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DIGITS_YAML = str(REPO / "configs" / "digits.yaml")
+TRAIN = str(REPO / "train.py")
+
+# A model small enough for a few seconds of CPU training.
+TINY_MODEL = (
+    "model.custom={embed_dim: 32, "
+    "vision_cfg: {image_size: 32, patch_size: 8, width: 64, layers: 2, head_width: 32, mlp_ratio: 2.0}, "
+    "text_cfg: {context_length: 16, vocab_size: 49408, width: 64, heads: 2, layers: 2, mlp_ratio: 2.0}}"
+)
+# The same with open_clip's patch dropout: a resumed run must replay its random draws.
+DROPOUT_MODEL = TINY_MODEL.replace("mlp_ratio: 2.0}, text_cfg", "mlp_ratio: 2.0, patch_dropout: 0.5}, text_cfg")
+assert DROPOUT_MODEL != TINY_MODEL
+
+
+def tiny_run(digits_root: Path, output_dir: Path, *extra: str) -> list[str]:
+    return [
+        TINY_MODEL,
+        f"data.root={digits_root}",
+        f"run.output_dir={output_dir}",
+        "run.name=tiny",
+        "train.batch_size=64",
+        "train.log_every=1",
+        "optim.warmup_steps=5",
+        "optim.lr=2e-3",
+        "eval.every_n_steps=0",
+        *extra,
+    ]
+
+
+def run_train(overrides: list[str], *, nproc: int = 1, timeout: float = 240, script: str = TRAIN) -> subprocess.CompletedProcess:
+    """`script` (train.py) in its own process group, under torchrun for nproc > 1 (standalone: a
+    free port of its own, so runs in parallel test workers never meet); on a timeout every
+    process below it is killed, then it raises."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] \
+        if nproc > 1 else [sys.executable]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    proc = subprocess.Popen([*launcher, script, "--config", DIGITS_YAML, *overrides], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # torchrun starts each worker in a session of its own: killing the launcher's group would
+        # leave them running, holding the output pipes open, and the test would wait forever.
+        kill_tree(proc.pid)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"run did not end within {timeout} s (a hang?):\n{stderr[-3000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it, found through /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):  # a process that ended meanwhile
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the name in (...) may hold spaces
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [pid], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    for each in found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGKILL)

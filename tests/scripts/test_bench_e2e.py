@@ -1,0 +1,93 @@
+"""scripts/bench_e2e.py in a tiny form on the CPU: a clipscale case through train.py and, in the
+same command, its ceiling (clipscale's TrainStep on in-memory tensors, the shards' captions),
+with the numbers each row must carry. The real numbers come from a GPU. A case that outlives its
+budget is stopped: torchrun's workers run in sessions of their own and hold the output pipe, so
+killing the launcher alone would leave the benchmark waiting for that pipe forever."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers.tiny_runs import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import bench_e2e  # noqa: E402
+import make_synthetic_shards  # noqa: E402
+
+pytestmark = pytest.mark.timeout(400)
+
+TINY_MODEL = ("model.custom={embed_dim: 32, vision_cfg: {image_size: 32, patch_size: 8, width: 64, layers: 2, head_width: 32}, "
+              "text_cfg: {context_length: 77, vocab_size: 49408, width: 64, heads: 2, layers: 2}}")
+
+
+@pytest.fixture(scope="module")
+def shards(module_tmp):
+    out = module_tmp("shards")
+    make_synthetic_shards.main(["--out", str(out), "--shards", "2", "--per-shard", "32", "--size", "32",
+                                          "--captions", "web"])
+    return f"{out}/synthetic-{{0000..0001}}.tar"
+
+
+def args_for(shards: str):
+    return type("Args", (), {"shards": shards, "set": ["model.name=null", TINY_MODEL]})
+
+
+@pytest.mark.slow
+def test_a_clipscale_case_reports_its_ceiling_and_the_numbers_of_each_row(shards, tmp_path):
+    out = tmp_path / "bench.json"
+    bench_e2e.main(["--shards", shards, "--workers", "1", "--set", "model.name=null", "--set", TINY_MODEL,
+                    "--case", "runner=clipscale,batch=16,chunk=8,steps=3,ceiling_text=cut", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["device"] and record["command"]
+    result = record["cases"][0]
+    assert result["exit_code"] == 0 and result["steps_done"] == 3
+    assert len(result["data_wait_s"]) == len(result["mfu"]) == len(result["text_positions_per_sample"]) == 3
+    ceiling = result["ceiling"]
+    assert ceiling["exit_code"] == 0 and ceiling["steps_done"] == 3, ceiling.get("log_tail")
+    assert ceiling["case"]["batch"] == 16 and ceiling["case"]["chunk"] == "8"
+    assert ceiling["console"] == ["text: padding cut; causal kernel: yes"]
+    assert ceiling["data_wait_s"] == [0.0] * 3 and ceiling["mfu"] == [None] * 3  # no peak known for a CPU
+    positions = ceiling["text_positions_per_sample"]
+    assert len(set(positions)) == 1 and 8 <= positions[0] < 77
+    assert all(loss > 0 for loss in ceiling["losses"])
+    assert result["of_ceiling"] == pytest.approx(result["samples_per_s"] / ceiling["samples_per_s"])
+
+
+def test_the_ceiling_follows_the_runs_text_positions_chunk_and_per_process_batch(shards):
+    args = args_for(shards)
+    ran_full = {"text_positions_per_sample": [None, None]}
+    case = {"runner": "clipscale", "batch": "64", "chunk": "16", "steps": "3", "loss": "vanilla"}
+    assert bench_e2e.ceiling_case(case, ran_full, args) == {
+        "runner": "ceiling", "loss": "vanilla", "batch": 64, "steps": 3, "text": "full", "chunk": "16"}
+    assert bench_e2e.ceiling_case(case, {"text_positions_per_sample": [30.5, 30.5]}, args)["text"] == "cut"
+    assert bench_e2e.ceiling_case(case, {"text_positions_per_sample": [77.0]}, args)["text"] == "full"
+    auto = {**case, "chunk": "auto", "nproc": "2", "ceiling_text": "cut"}
+    ceiling = bench_e2e.ceiling_case(auto, {"auto_chunk": "train.chunk_size=auto: 24 samples per encoder pass (...)"}, args)
+    assert (ceiling["chunk"], ceiling["batch"], ceiling["text"]) == ("24", 32, "cut")
+    assert bench_e2e.ceiling_case({**case, "chunk": "none"}, ran_full, args)["chunk"] == "64"
+
+
+def test_the_ceilings_captions_are_the_shards_own(shards):
+    captions = bench_e2e.shard_captions(shards, {"txt"}, 40)
+    assert len(captions) == 40 and all(caption.split()[0] in ("red", "green", "blue", "yellow", "purple", "orange",
+                                                                  "black", "white") for caption in captions)
+    assert len(bench_e2e.shard_captions(shards, {"txt"}, 1000)) == 64  # all there are
+
+
+# --- a case that outlives its budget ----------------------------------------------------------
+
+HOLDS_THE_PIPE = ("import subprocess, sys, time; "
+                  "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+                  "time.sleep(60)")
+
+
+def test_a_killed_case_takes_its_workers_with_it():
+    launcher = subprocess.Popen([sys.executable, "-c", HOLDS_THE_PIPE], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    time.sleep(2)  # the worker has started
+    bench_e2e.kill_tree(launcher.pid)
+    launcher.communicate(timeout=10)  # raises if a worker still holds the pipe

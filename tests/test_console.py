@@ -1,0 +1,161 @@
+"""What the console says about the steps and the data: the data-wait figure a run records, the
+lines StepReport and DataProblems make of the steps, and the library noise kept off the console."""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch.nn as nn
+
+from clipscale import metrics
+from clipscale.config import load_config
+from clipscale.console import library_noise_kept_off, native_noise_filtered, weights_line
+from clipscale.losses import build_loss
+from clipscale.metrics import DataProblems, StepReport, read_metrics
+from clipscale.trainer import train
+
+from tests.helpers.tiny_runs import DIGITS_YAML, tiny_run
+
+STEP_S = 0.3  # the slow loss's own time
+
+
+class SlowLoss(nn.Module):
+    """The CLIP loss, STEP_S seconds slower: the step, not the data, sets the pace."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = build_loss("vanilla")
+
+    def forward(self, *args):
+        time.sleep(STEP_S)
+        return self.inner(*args)
+
+
+def test_data_wait_is_the_time_the_step_waited_for_its_batch_not_the_steps_time(digits_root, tmp_path):
+    """With one loader worker a batch ahead and steps of over STEP_S, the data is there when a step
+    asks for it: each record's data_wait_s (per step) is a small part of its step_s."""
+    cfg = load_config(DIGITS_YAML, tiny_run(digits_root, tmp_path, "train.steps=8", "data.workers=1", "eval.zeroshot=false"))
+    train(cfg, loss_fn=SlowLoss())
+    records = [r for r in read_metrics(tmp_path / "tiny" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    after_start = records[1:]  # the first step's wait is the loader starting
+    assert min(r["step_s"] for r in after_start) >= STEP_S
+    assert statistics.median(r["data_wait_s"] / r["step_s"] for r in after_start) < 0.25, after_start
+
+
+@dataclass
+class FakePath:
+    decoder: str = "loader"
+
+    def describe(self) -> str:
+        return f"training images decoded by {self.decoder}"
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def report_of(steps, *, workers=1, cores=8, gpu=False, compiled=False, accepted=("data.workers", "data.decoder"),
+              monkeypatch) -> list[str]:
+    """The lines of a StepReport over `steps`, each (seconds, of which waiting for data)."""
+    clock = Clock()
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    monkeypatch.setattr(metrics, "on_resume", lambda key: "free" if key in accepted else None)
+    monkeypatch.setattr(metrics.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(metrics, "seconds_compiling", lambda: 53.0)
+    cfg = load_config(DIGITS_YAML, [f"data.workers={workers}"])
+    report = StepReport(cfg, FakePath(), compiled=compiled, gpu=gpu, window=10)
+    lines = []
+    for seconds, waited in steps:
+        clock.now += seconds
+        lines += report.after_step(waited)
+    return lines
+
+
+def test_one_slow_batch_among_fast_ones_is_not_advice(monkeypatch):
+    """One step waited and the others did not: the window's total wait is a third of its time, but
+    the median step did not wait. The first step's wait (the loader starting) never counts."""
+    steps = [(60.0, 59.0)] + [(0.2, 0.0001)] * 4 + [(1.2, 1.0)] + [(0.2, 0.0001)] * 19
+    assert report_of(steps, monkeypatch=monkeypatch) == []
+
+
+def test_steps_that_wait_get_one_line_naming_knobs_a_resume_accepts(monkeypatch):
+    waiting = [(1.0, 0.9)] + [(1.0, 0.3)] * 30
+    lines = report_of(waiting, gpu=True, monkeypatch=monkeypatch)
+    assert lines == ["steps 2-11 waited for their data 30% of the time (training images decoded by loader): a resume "
+                     "accepts more data.workers (now 1, with 8 cores for this process), or data.decoder=device to "
+                     "decode on the GPU"]
+    # No GPU: no decoder advice. Workers a resume refuses: not named.
+    assert report_of(waiting, monkeypatch=monkeypatch)[0].endswith(
+        "a resume accepts more data.workers (now 1, with 8 cores for this process)")
+    assert report_of(waiting, accepted=("data.decoder",), monkeypatch=monkeypatch)[0].endswith(
+        "data.workers sets the loader's processes, and a resume of this run does not accept a change; a new run may")
+    assert report_of(waiting, workers=8, monkeypatch=monkeypatch)[0].endswith(
+        "data.workers=8 already uses this process's 8 cores: the machine's cores are the limit")
+
+
+def test_the_compile_line_follows_the_first_step_whatever_the_log_interval(monkeypatch):
+    lines = report_of([(60.0, 1.0), (0.2, 0.0)], compiled=True, monkeypatch=monkeypatch)
+    assert lines == ["compiling the towers took 53 s of the first step (training images decoded by loader)"]
+    assert report_of([(60.0, 1.0)], compiled=False, monkeypatch=monkeypatch) == []
+
+
+def test_data_problems_are_one_line_at_a_time_with_the_shard_and_the_totals(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(metrics.time, "monotonic", clock)
+    problems = DataProblems(interval_s=60)
+    assert problems.after_step(0, 0) == []
+    assert problems.after_step(3, 0, ["shards/00012.tar"]) == [
+        "data: 3 samples skipped in shards/00012.tar; so far 3 samples skipped and 0 shards cut short "
+        "(metrics.jsonl: skipped_samples, shard_errors)"]
+    clock.now = 30  # within the interval: summed into the next line
+    assert problems.after_step(4, 1, ["shards/00040.tar"]) == []
+    assert problems.after_step(9, 1, ["shards/00041.tar"]) == []
+    clock.now = 61
+    assert problems.after_step(9, 1) == [
+        "data: 6 samples skipped and 1 shard cut short in shards/00041.tar and 1 other shards; so far 9 samples "
+        "skipped and 1 shard cut short (metrics.jsonl: skipped_samples, shard_errors)"]
+    clock.now = 200
+    assert problems.after_step(9, 1) == []  # nothing new
+    resumed = DataProblems(totals=(9, 1))  # a resume starts from the checkpoint's totals
+    assert resumed.after_step(9, 1) == []
+
+
+def test_open_clips_random_init_warning_is_kept_off_and_our_line_says_what_loads(caplog):
+    noise = "No pretrained weights loaded for model 'x'. Model initialized randomly."
+    with caplog.at_level(logging.WARNING):
+        with library_noise_kept_off(), library_noise_kept_off():  # nested: one filter, taken off by the outer
+            logging.warning(noise)
+            logging.warning("something else")
+        logging.warning(noise)  # after the run: open_clip speaks again (other code in the process may want it)
+    assert [r.getMessage() for r in caplog.records] == ["something else", noise]
+    assert weights_line(None, None, 0) == "weights: initialised at random (run.seed 0)"
+    assert weights_line("b32.pt", "runs/x/checkpoints/step_00000100.pt", 0) == \
+        "weights: from runs/x/checkpoints/step_00000100.pt"
+
+
+NVIMGCODEC_START = (
+    "Failed to load nvtiff library! Please install nvTIFF (see https://docs.nvidia.com/cuda/nvtiff/userguide.html).\n"
+    "Note: If using nvImageCodec's Python distribution, it is enough to install the nvTIFF wheel\n"
+    "\x1b[31m[ERROR] [nvtiff_ext] Failed to load nvTIFF library or retrieve version.\x1b[0m\n"
+    "a line that matters\n"
+)
+
+
+def test_native_start_up_noise_is_held_back_and_the_rest_let_through(capfd):
+    with native_noise_filtered():
+        os.write(2, NVIMGCODEC_START.encode())
+    assert capfd.readouterr().err == "a line that matters\n"
+    with pytest.raises(RuntimeError), native_noise_filtered():
+        os.write(2, NVIMGCODEC_START.encode())
+        raise RuntimeError("the decoder did not start")
+    assert capfd.readouterr().err == NVIMGCODEC_START  # a failed start: every line, it may say why

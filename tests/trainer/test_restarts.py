@@ -1,0 +1,133 @@
+"""torchrun's elastic restarts: a worker killed mid-run restarts the world (--max-restarts), which
+resumes from the latest checkpoint and ends with the weights of an uninterrupted run. On one node,
+and with two torchrun launchers with --nnodes 2 on this machine (a c10d rendezvous, one worker
+each), as on two nodes, where the whole job restarts on both launchers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from clipscale.checkpoint import latest_checkpoint
+from clipscale.distributed import attempt_namespace
+
+from tests.helpers.gloo_world import free_port
+from tests.helpers.tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_restarted_attempt_shares_a_namespace_that_no_earlier_process_wrote_in():
+    """The store outlives a killed attempt, with its namespace and rank 1's answer in it; in the
+    next attempt ranks 1 and 2 start before rank 0 and read that namespace first."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+
+    def attempt(order: tuple[int, ...]) -> dict:
+        namespaces = {}
+
+        def worker(rank):  # a client of its own, as each process has
+            client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+            namespaces[rank] = attempt_namespace(client, rank, 3, timeout=30)
+
+        threads = [threading.Thread(target=worker, args=(rank,)) for rank in order]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.5)
+        for thread in threads:
+            thread.join(timeout=40)
+        return namespaces
+
+    earlier = attempt((0, 1, 2))
+    now = attempt((1, 2, 0))
+    assert len(set(earlier.values())) == 1 and len(now) == 3 and len(set(now.values())) == 1, (earlier, now)
+    assert now[0] != earlier[0]
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+
+
+def test_a_worker_killed_on_one_of_two_nodes_restarts_the_job_with_the_same_final_weights(digits_root, tmp_path):
+    def overrides(name):  # data.workers as digits.yaml has it
+        return tiny_run(digits_root, tmp_path, f"run.name={name}", "train.steps=20", "train.checkpoint_every=10",
+                        "run.device=cpu", "eval.zeroshot=false")
+
+    reference = run_train(overrides("reference"), nproc=2)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    endpoint, job = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    launchers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job,
+             "--rdzv-conf", f"is_host={node == 0}", "--max-restarts", "1",
+             str(REPO / "train.py"), "--config", DIGITS_YAML, *overrides("killed")],
+            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for node in (0, 1)
+    ]
+    checkpoints, metrics = tmp_path / "killed" / "checkpoints", tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not ((checkpoints / "step_00000010.pt").exists() and metrics.exists() and len(metrics.read_text().splitlines()) >= 14):
+        assert all(p.poll() is None for p in launchers) and time.time() < deadline, "the run ended before a worker could be killed"
+        time.sleep(0.05)
+    os.kill(_children(launchers[1].pid)[0], signal.SIGKILL)  # the second "node"'s worker
+    errors = [launcher.communicate(timeout=300)[1] for launcher in launchers]
+    assert [launcher.returncode for launcher in launchers] == [0, 0], errors[1][-3000:] + errors[0][-3000:]
+    assert "exitcode: -9" in errors[1]  # that launcher saw the kill, and the restarted job finished
+
+    final = {name: torch.load(latest_checkpoint(tmp_path / name / "checkpoints"), weights_only=True) for name in ("reference", "killed")}
+    assert final["killed"]["step"] == 20
+    for key, tensor in final["reference"]["state_dict"].items():
+        assert torch.equal(final["killed"]["state_dict"][key], tensor), key
+
+
+# --- one node: a worker killed, restarted by torchrun ------------------------------------------
+
+
+def test_a_worker_killed_mid_run_is_restarted_from_the_latest_checkpoint(digits_root, tmp_path):
+    """SIGKILL one of two torchrun workers after a checkpoint: with --max-restarts 1 the world
+    restarts, resumes from latest.pt and ends with the weights of a run never interrupted. The
+    job replaces an older run (run.overwrite=true): its restart resumes, it does not move aside
+    the run it started itself."""
+    def overrides(name):
+        return tiny_run(digits_root, tmp_path, f"run.name={name}", "train.steps=40", "train.checkpoint_every=10",
+                        "eval.zeroshot=false")
+
+    reference = run_train(overrides("reference"), nproc=2)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    older = tmp_path / "killed"  # the run this job replaces
+    older.mkdir()
+    (older / "config.yaml").write_text("run: {name: killed}\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+         str(REPO / "train.py"), "--config", DIGITS_YAML, *overrides("killed"), "run.resume=false", "run.overwrite=true"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    checkpoints, metrics = tmp_path / "killed" / "checkpoints", tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while not ((checkpoints / "step_00000010.pt").exists() and len(metrics.read_text().splitlines()) >= 14):
+        assert agent.poll() is None and time.time() < deadline, "the run ended before a worker could be killed"
+        time.sleep(0.05)
+    os.kill(_children(agent.pid)[-1], signal.SIGKILL)
+    _, stderr = agent.communicate(timeout=240)
+    assert agent.returncode == 0, stderr[-3000:]
+    assert "exitcode: -9" in stderr  # the agent saw the kill, and the restarted world finished
+    assert len(list(tmp_path.glob("killed.old-*"))) == 1, "the restart moved its own run aside as well"
+
+    final = {name: torch.load(latest_checkpoint(tmp_path / name / "checkpoints"), weights_only=True) for name in ("reference", "killed")}
+    assert final["killed"]["step"] == 40
+    for key, tensor in final["reference"]["state_dict"].items():
+        assert torch.equal(final["killed"]["state_dict"][key], tensor), key
