@@ -522,6 +522,9 @@ def steps_per_epoch(cfg: TrainConfig) -> int | None:
 def check_data_section(cfg: DataConfig) -> None:
     if cfg.kind != "digits" and not cfg.train_shards:
         raise ConfigError(f"data.train_shards: required when data.kind is {cfg.kind!r}")
+    if cfg.kind == "digits" and cfg.train_shards:
+        raise ConfigError(f"data.train_shards: data.kind is 'digits', which trains on the digits it writes under "
+                          f"data.root; to train on {cfg.train_shards!r} add data.kind=webdataset (or csv for a table)")
     if cfg.image_size is not None and cfg.kind != "digits":
         raise ConfigError(f"data.image_size: only for data.kind=digits (the size the digits are drawn at); with "
                           f"{cfg.kind} data the model's image size decides the training crop: remove the key")

@@ -161,6 +161,12 @@ def test_data_image_size_is_refused_where_the_model_decides_the_size(tmp_path):
     assert config().data.image_size is None  # digits draw at 32 unless told
 
 
+def test_shards_given_to_a_digits_run_are_refused_not_ignored():
+    """The digits config with data.train_shards=... would otherwise train on the digits, saying nothing."""
+    with pytest.raises(ConfigError, match="data.train_shards: data.kind is 'digits'.*add data.kind=webdataset"):
+        config("data.train_shards=myshards")
+
+
 @pytest.fixture
 def http_root(tmp_path):
     """An HTTP server on 127.0.0.1 serving tmp_path/served; yields (folder, base URL)."""
