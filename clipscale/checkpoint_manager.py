@@ -23,7 +23,7 @@ A checkpoint is one dict in open_clip's layout, so (whole) `open_clip.load_check
 
 The per-rank parts are restored only where the checkpoint's data order goes on: on the world
 size that saved them, with the same data.workers (every rank and loader worker reads its own
-share of the shards). Otherwise the data order restarts and the console says so, as it says
+share of the shards). Otherwise the data order starts again at the first epoch and the console says so, as it says
 which keys that only change speed (clipscale.config, `on_resume`) differ from the checkpoint's.
 
 A whole checkpoint is read by rank 0 alone (clipscale.run_dir), which broadcasts the model and
@@ -194,7 +194,7 @@ class CheckpointManager:
         said = [f"on {self.world.world_size} processes from a run on {saved_on}"] if saved_on != self.world.world_size else []
         said += [f"{key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()]
         if said:
-            effect = "the data order restarts" if restarts else "the data order goes on from the checkpoint"
+            effect = "the data order starts again at the first epoch" if restarts else "the data order goes on from the checkpoint"
             self.console.say(f"resuming {', '.join(said)}: {effect}")
         return not restarts
 

@@ -66,7 +66,7 @@ def test_a_resume_restores_every_part(tmp_path):
 
 
 @pytest.mark.parametrize("change, line", [
-    (["data.workers=2"], "resuming data.workers: 1 -> 2: the data order restarts"),
+    (["data.workers=2"], "resuming data.workers: 1 -> 2: the data order starts again at the first epoch"),
     (["train.log_every=5", "data.decoder=loader"],
      "resuming data.decoder: 'auto' -> 'loader', train.log_every: 10 -> 5: the data order goes on from the checkpoint"),
 ])
@@ -77,7 +77,7 @@ def test_a_resume_says_what_changed_knobs_do_to_the_data_order(tmp_path, change,
     manager, parts, said = _manager(tmp_path / "resumed", *change)
     manager.load(checkpoint)
     assert said == [line]
-    assert parts["data"].value == (0 if "restarts" in line else 17)
+    assert parts["data"].value == (0 if "starts again" in line else 17)
 
 
 def test_a_resume_on_another_world_size_restarts_the_data_order(tmp_path):
@@ -86,7 +86,7 @@ def test_a_resume_on_another_world_size_restarts_the_data_order(tmp_path):
     checkpoint["data"] *= 2
     manager, parts, said = _manager(tmp_path / "resumed")
     manager.load(checkpoint)
-    assert said == ["resuming on 1 processes from a run on 2: the data order restarts"] and parts["data"].value == 0
+    assert said == ["resuming on 1 processes from a run on 2: the data order starts again at the first epoch"] and parts["data"].value == 0
 
 
 def test_the_epoch_counts_epochs_of_train_num_samples_per_epoch(tmp_path):
