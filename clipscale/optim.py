@@ -26,9 +26,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, fused: bool = False) -> 
 
 
 def learning_rate(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """The lr at `step` (0-based) of a run of `total_steps`, by optim.lr_scheduler."""
+    """The lr at `step` (0-based) of a run of `total_steps`, by optim.lr_scheduler: a linear warmup
+    to optim.lr over optim.warmup_steps, then the schedule."""
     if step < cfg.warmup_steps:
-        return _warmup_lr(step, cfg.lr, cfg.warmup_steps)
+        return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.lr_scheduler == "cosine":
         return cosine_lr(step, cfg.lr, cfg.warmup_steps, total_steps)
     if cfg.lr_scheduler == "const":
@@ -36,14 +37,8 @@ def learning_rate(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return const_cooldown_lr(step, cfg.lr, total_steps, cfg.lr_cooldown_steps, cfg.lr_cooldown_power, cfg.lr_cooldown_end)
 
 
-def _warmup_lr(step: int, base_lr: float, warmup_steps: int) -> float:
-    return base_lr * (step + 1) / warmup_steps
-
-
 def cosine_lr(step: int, base_lr: float, warmup_steps: int, total_steps: int) -> float:
-    """open_clip's `cosine_lr`: linear warmup to base_lr, then half a cosine down to 0."""
-    if step < warmup_steps:
-        return _warmup_lr(step, base_lr, warmup_steps)
+    """open_clip's `cosine_lr` after the warmup: half a cosine from base_lr down to 0."""
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return 0.5 * (1 + math.cos(math.pi * progress)) * base_lr
 

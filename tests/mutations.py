@@ -127,7 +127,7 @@ MUTATIONS = [
              "    if True:\n        return ParallelModel(module, GradientSync()",
              ("tests/trainer/test_distributed.py",)),
     Mutation("no_warmup", "no learning-rate warmup",
-             "clipscale/optim.py", "    if step < warmup_steps:", "    if False:",
+             "clipscale/optim.py", "    if step < cfg.warmup_steps:", "    if False:",
              ("tests/test_optim.py::test_lr_warms_up_linearly_then_follows_a_half_cosine",)),
     Mutation("weight_decay_everywhere", "weight decay on every parameter",
              "clipscale/optim.py", '    return not (param.ndim < 2 or "bn" in name', '    return True or not (param.ndim < 2 or "bn" in name',
