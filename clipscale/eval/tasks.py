@@ -46,6 +46,7 @@ import yaml
 from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES
 
 from clipscale.config import ConfigError
+from clipscale.data.sources import CSV_SUFFIXES
 from clipscale.eval import datasets
 from clipscale.eval.inference import Autocast
 from clipscale.eval.retrieval import evaluate_retrieval
@@ -65,7 +66,6 @@ class TaskError(ConfigError):
 
 
 FORMATS = ("imagefolder", "wds", "coco", "csv")
-CSV_SUFFIXES = (".csv", ".tsv")
 NAMED_FILES = {"classnames": ("folders", *NAMED_CLASSNAMES), "templates": tuple(NAMED_TEMPLATES)}
 
 

@@ -25,13 +25,12 @@ import torch.distributed as dist
 from clipscale.config import Config
 from clipscale.data import data_source
 from clipscale.data.shards import ShardErrors, load_sample
+from clipscale.data.sources import CSV_SUFFIXES
 from clipscale.distributed import World, is_distributed
 from clipscale.eval.gather import concat_over_ranks
 from clipscale.eval.inference import Autocast, encode_images, encode_texts, evaluating
 from clipscale.eval.retrieval import recall_metrics
 from clipscale.losses import build_loss
-
-CSV_SUFFIXES = (".csv", ".tsv")
 
 
 class Validation:
