@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", help="open_clip model name, model-config JSON, run folder or its open_clip_config.json; "
                                    "default: the checkpoint's config")
     p.add_argument("--task", required=True, help="built-in task name or a YAML/JSON task file")
-    p.add_argument("--data", help="image folder, shard pattern, caption JSON or CSV table")
+    p.add_argument("--data", help="image folder, shards (a brace pattern, their folder or a glob), caption JSON or CSV table")
     p.add_argument("--image-root", help="coco: folder the caption JSON's image paths are relative to")
     p.add_argument("--split", help="coco: split of a Karpathy JSON (default test)")
     p.add_argument("--classnames", help="'imagenet', 'folders' or a file of class names")

@@ -46,7 +46,7 @@ import yaml
 from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES, SIMPLE_IMAGENET_TEMPLATES
 
 from clipscale.config import ConfigError
-from clipscale.data.sources import CSV_SUFFIXES
+from clipscale.data.sources import CSV_SUFFIXES, source_shards
 from clipscale.eval import datasets
 from clipscale.eval.inference import Autocast
 from clipscale.eval.retrieval import evaluate_retrieval
@@ -157,7 +157,7 @@ def check_data(task: EvalTask) -> None:
     data = task.data
     local = Path(data)
     if task.format == "wds":
-        shards = wds.shardlists.expand_urls(data)
+        shards = shard_names(task)
         files = [s for s in shards if "://" not in s and not s.startswith("pipe:")]
         missing = [s for s in files if not Path(s).is_file()]
         if missing:
@@ -198,6 +198,21 @@ def check_data(task: EvalTask) -> None:
         if value is not None and value not in NAMED_FILES.get(field, ()) and not Path(value).is_file():
             named = NAMED_FILES.get(field)
             raise TaskError(task.name, field, value, "no such file" + (f", nor one of {', '.join(named)}" if named else ""))
+
+
+def shard_names(task: EvalTask) -> list[str]:
+    """The shards of a wds task's data, named as training names them: a brace pattern, and a
+    folder (its .tar files) or a glob (its .tar matches) wherever one stands, sorted."""
+    names = []
+    for name in wds.shardlists.expand_urls(task.data):
+        if Path(name).is_dir() or (any(c in name for c in "*?[") and not Path(name).exists()):
+            try:
+                names += source_shards(name, "data")
+            except ConfigError as err:
+                raise TaskError(task.name, "data", task.data, str(err).removeprefix(f"data: {name!r} ")) from None
+        else:
+            names.append(name)
+    return names
 
 
 def _csv_hint(data: str) -> str:
@@ -264,13 +279,13 @@ def run_task(
         elif task.format == "csv":
             dataset = datasets.rank_shard(datasets.ListedImages(captioned_rows(read_table(task)), transform))
         else:
-            dataset = datasets.shard_retrieval(task.data, transform)
+            dataset = datasets.shard_retrieval(shard_names(task), transform)
         loader = datasets.make_loader(dataset, batch_size, workers, collate_fn=datasets.collate_captions)
         return evaluate_retrieval(model, tokenizer, loader, device, autocast=autocast, progress=progress)
 
     folder_names = _read_json(task.folder_names) if task.folder_names else None  # {folder: class name}
     if task.format == "wds":
-        dataset, folders = datasets.shard_classification(task.data, transform), None
+        dataset, folders = datasets.shard_classification(shard_names(task), transform), None
     elif task.format == "csv":
         rows = read_table(task)
         numbered = all(label.isdigit() for _, label in rows)

@@ -40,16 +40,19 @@ def test_image_folder(tmp_path, colour_model, templates):
     check_folder_metrics(evaluate(task, colour_model))
 
 
-def test_classification_shards(tmp_path, colour_model, templates):
+def test_classification_shards_by_pattern_folder_or_glob(tmp_path, colour_model, templates):
+    """Shards named as training names them: a brace pattern, their folder, a glob."""
     labels = {"blue": 0, "green": 1, "red": 2}
     samples = [(colour, labels[folder]) for folder, colours in FOLDER_IMAGES.items() for colour in colours]
+    (tmp_path / "val").mkdir()
     for shard, part in enumerate((samples[:2], samples[2:])):
-        with wds.TarWriter(str(tmp_path / f"val-{shard}.tar")) as sink:
+        with wds.TarWriter(str(tmp_path / "val" / f"val-{shard}.tar")) as sink:
             for i, (colour, label) in enumerate(part):
                 sink.write({"__key__": f"{shard}-{i}", "png": png_bytes(colour, tmp_path), "cls": label})
     classnames = write_lines(tmp_path / "classes.txt", ["blue", "green", "red"])
-    task = resolve_task("wds", data=str(tmp_path / "val-{0..1}.tar"), classnames=classnames, templates=templates)
-    check_folder_metrics(evaluate(task, colour_model))
+    for data in ("val/val-{0..1}.tar", "val", "val/*.tar"):
+        task = resolve_task("wds", data=str(tmp_path / data), classnames=classnames, templates=templates)
+        check_folder_metrics(evaluate(task, colour_model))
 
 
 def test_numeric_folders_are_labels(tmp_path, templates):
@@ -123,6 +126,8 @@ def test_csv_retrieval_makes_an_images_rows_its_captions(tmp_path):
     ("imagefolder", {"data": "{tmp}/nowhere"}, "data", "no such folder"),
     ("imagefolder", {"data": "{tmp}/table.csv"}, "data", "a CSV table is the task csv"),
     ("wds", {"data": "{tmp}/val-{{0..1}}.tar"}, "data", "no such file"),
+    ("wds", {"data": "{tmp}/classes"}, "data", "is an empty folder"),
+    ("wds-retrieval", {"data": "{tmp}/*"}, "data", "matches no .tar file"),
     ("wds-retrieval", {"data": "{tmp}/table.csv"}, "data", "a CSV table, not webdataset shards: use the task csv-retrieval"),
     ("coco", {"data": "{tmp}/table.csv"}, "data", "not a caption JSON"),
     ("csv-retrieval", {"data": "{tmp}/table.csv"}, "csv_image_key", "has no such column"),
