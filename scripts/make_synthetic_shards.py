@@ -34,9 +34,10 @@ COLOURS = {
     "purple": (140, 50, 170), "orange": (240, 140, 30), "black": (20, 20, 20), "white": (235, 235, 235),
 }
 
-# Web alt-text lengths. CC12M (Changpinyo et al. 2021, "Conceptual 12M", Table 1), raw alt-text kept
-# at 3 to 256 words, reports 20.2 +- 16.3 words a caption, median 16; CC3M's cleaned captions
-# (Sharma et al. 2018) average 10.3. A log-normal of that mean and spread (sigma = 0.70, median
+# Web alt-text lengths. CC12M (Changpinyo et al. 2021, "Conceptual 12M") keeps raw alt-text of 3 to
+# 256 words (its dataset card says so); its Table 1 gives 20.2 +- 16.3 tokens a caption, median 16,
+# against 10.3 for CC3M's cleaned captions (Sharma et al. 2018). Those three figures were written
+# from memory of the paper, not checked against it here: check them before quoting them. A log-normal of that mean and spread (sigma = 0.70, median
 # 15.6 words) matches CC12M's median too, and puts 1.3% of captions at 75 words or more, the most
 # that fit CLIP's 77 positions beside SOT and EOT. LAION keeps alt-texts of any length from 5
 # characters on (Schuhmann et al. 2021/2022), keyword lists included, so a further WEB_OVER_LIMIT
