@@ -1,0 +1,1 @@
+"""What the tests share: tiny runs, shards written for the purpose, reference math, process worlds."""
