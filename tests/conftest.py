@@ -1,5 +1,7 @@
-"""Session setup and fixtures shared by the test modules."""
+"""Session setup, and the fixtures that test modules in several folders share (helpers/ holds the
+functions they share)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -13,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from _pytest.mark.expression import Expression  # noqa: E402
 
-from triton_interpreter import interpreter_env  # noqa: E402
+from tests.helpers.triton_interpreter import interpreter_env  # noqa: E402
 
 GPU_SUITE = "python -m pytest -m gpu -n 0 tests"
 
@@ -28,9 +30,9 @@ def is_gpu_session(config) -> bool:
 
 
 def pytest_ignore_collect(collection_path, config):
-    """The GPU suite's session imports only its own modules (tests/test_gpu_*.py): the others
-    run the Triton programs in the interpreter (test_kernels, test_crop_resize), which needs
-    Triton's library imported for it."""
+    """The GPU suite's session imports only its own modules (test_gpu_*.py, in any folder): the
+    others run the Triton programs in the interpreter (losses/infcl/test_kernels.py,
+    data/test_crop_resize.py), which needs Triton's library imported for it."""
     name = collection_path.name
     if getattr(config, "gpu_session", False) and name.startswith("test_") and not name.startswith("test_gpu_"):
         return True
@@ -76,6 +78,64 @@ def module_tmp(request, tmp_path_factory):
     if request.session.testsfailed == failed_before:
         for path in made:
             shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def hf_folder(module_tmp) -> Path:
+    """A two-layer BERT and its word-piece tokenizer, written with save_pretrained."""
+    from tests.helpers.towers import write_tiny_bert
+
+    return write_tiny_bert(module_tmp("tiny-bert"))
+
+
+@pytest.fixture
+def colour_model():
+    """A RiggedModel whose captions "a red", "a green", "a blue" are the pictures' colours."""
+    from tests.helpers.rigged import FEATURE, RiggedModel
+
+    return RiggedModel({f"a {name}": feature for name, feature in FEATURE.items()})
+
+
+@pytest.fixture
+def templates(tmp_path) -> str:
+    from tests.helpers.rigged import write_lines
+
+    return write_lines(tmp_path / "templates.txt", ["a {c}"])
+
+
+# Runs that tests in several modules read (the modules of one pytest-xdist worker share one run).
+
+
+@pytest.fixture(scope="session")
+def digits_run(digits_root, tmp_path_factory):
+    """4 steps, evaluated at step 2 and at the end, with the held-out digits also listed under
+    eval.sets (the same data, class names and prompts as the built-in zero-shot hook), a checkpoint
+    at steps 2 and 4; (the run folder, the held-out shards' pattern)."""
+    from tests.helpers.tiny_runs import run_train, tiny_run
+
+    output = tmp_path_factory.mktemp("digits_run")
+    manifest = json.loads((digits_root / "manifest.json").read_text())
+    val = str(digits_root / f"val-{{0000..{len(manifest['val_shards']) - 1:04d}}}.tar")
+    digits_set = (f"eval.sets=[{{task: wds, data: '{val}', classnames: {digits_root / 'classnames.txt'}, "
+                  f"templates: {digits_root / 'templates.txt'}}}]")
+    result = run_train(tiny_run(digits_root, output, "train.steps=4", "train.checkpoint_every=2", "eval.every_n_steps=2",
+                                "train.log_every=2", digits_set))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output / "tiny", val
+
+
+@pytest.fixture(scope="session")
+def knob_run(digits_root, tmp_path_factory) -> Path:
+    """open_clip_train's knobs in one train.py run: a const-cooldown schedule over a run length of
+    384 samples (6 steps of 64), TensorBoard beside metrics.jsonl."""
+    from tests.helpers.tiny_runs import run_train, tiny_run
+
+    output = tmp_path_factory.mktemp("knobs")
+    result = run_train(tiny_run(digits_root, output, "train.steps=null", "train.samples=384", "train.checkpoint_every=100",
+                                "optim.lr_scheduler=const-cooldown", "optim.lr_cooldown_steps=3",
+                                "optim.lr_cooldown_end=1e-4", "tensorboard.enabled=true", "eval.zeroshot=false"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output / "tiny"
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from clipscale.checkpoint_manager import CheckpointManager, ModelAndOptimizer, R
 from clipscale.config import load_config
 from clipscale.distributed import World
 
-from tiny_runs import DIGITS_YAML
+from tests.helpers.tiny_runs import DIGITS_YAML
 
 
 class Counter:

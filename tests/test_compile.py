@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 from clipscale.compile import compile_enabled, compile_towers
 from clipscale.gradcache import GradCache
 
-from test_gradcache import float64_clip_loss, grads_of, make_batch, plain_grads, relative_error, tiny_clip
+from tests.helpers.gradients import float64_clip_loss, grads_of, make_batch, plain_grads, relative_error, tiny_clip
 
 
 @pytest.fixture(autouse=True)

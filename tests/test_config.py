@@ -1,5 +1,6 @@
-"""The configuration schema as a user meets it: `python train.py --help` lists it, and it says
-which keys a resumed run may change; the run plan resolves it once for a world."""
+"""The configuration as a user meets it: a mistake names its key before any work, overrides merge
+with the file, a run length in steps, samples or epochs, `python train.py --help` lists every key
+and says which ones a resumed run may change; the run plan resolves it once for a world."""
 
 from __future__ import annotations
 
@@ -10,11 +11,77 @@ import sys
 import pytest
 import torch
 
-from clipscale.checks import plan_run
+from clipscale.checks import check_world, load_checked_config, plan_run
 from clipscale.config import FREE, REDEAL, RUN_KEY, Config, ConfigError, load_config, on_resume
 from clipscale.distributed import World
 
-from tiny_runs import DIGITS_YAML, REPO, TRAIN
+from tests.helpers.tiny_runs import DIGITS_YAML, REPO, TRAIN, run_train
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.stepz=3", "unknown key train.stepz; allowed keys in train: batch_size, chunk_size"),
+        ("trian.steps=3", "unknown key trian; allowed keys in the config: run, model, data"),
+        ("train.steps=many", "train.steps: got 'many', expected int"),
+        ("train.precision=fp8", "train.precision: got 'fp8', expected one of 'fp32', 'bf16', 'fp16'"),
+        ("loss.name=magic", "loss.name: got 'magic', expected one of"),
+        ("train.batch_size=0", "train.batch_size: must be positive"),
+        ("model.name=ViT-B-16", "set exactly one of model.name"),
+        ("model.pretrained=/nonexistent.pt", "model.pretrained: no file at"),
+        ("train.steps", "must look like section.key=value"),
+    ],
+)
+def test_config_errors_name_the_key(override, expected):
+    with pytest.raises(ConfigError, match=None) as err:
+        load_checked_config(DIGITS_YAML, [override])
+    assert expected in str(err.value)
+
+
+def test_config_overrides_merge_with_the_file():
+    cfg = load_config(DIGITS_YAML, ["train.steps=7", "loss.options.chunk_size=128", "optim.lr=1"])
+    assert cfg.train.steps == 7
+    assert cfg.loss.options == {"chunk_size": 128}
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.model.custom["vision_cfg"]["patch_size"] == 8  # untouched keys keep the file's values
+
+
+def test_global_batch_must_split_over_the_world():
+    cfg = load_config(DIGITS_YAML, ["train.batch_size=256"])
+    check_world(cfg, 4)
+    with pytest.raises(ConfigError, match="must split evenly over 3 processes"):
+        check_world(cfg, 3)
+
+
+def test_train_py_stops_before_any_work_on_a_bad_key(tmp_path):
+    result = run_train([f"run.output_dir={tmp_path}", "optim.learning_rate=1"], timeout=120)
+    assert result.returncode != 0
+    assert "unknown key optim.learning_rate" in result.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_run_length_in_samples_and_epochs():
+    assert load_config(DIGITS_YAML, ["train.steps=null", "train.samples=1000"]).train.steps == 4  # ceil(1000 / 256)
+    epochs = ["train.batch_size=300", "train.epochs=3", "train.num_samples_per_epoch=1000"]
+    cfg = load_config(DIGITS_YAML, ["train.steps=null", *epochs])
+    assert cfg.train.steps == 12  # open_clip_train's: 3 epochs of ceil(1000 / 300) batches, not ceil(3000 / 300)
+    # The configuration written into the run folder (steps resolved) loads again as the same run.
+    again = load_config(DIGITS_YAML, ["train.steps=12", *epochs])
+    assert again.to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.samples=1000"], "train.steps=200 and train.samples=1000 (4 steps of train.batch_size=256) give two run lengths"),
+    (["train.steps=null", "train.epochs=2"], "train.epochs and train.num_samples_per_epoch go together"),
+    (["train.steps=null", "train.samples=10", "train.epochs=2", "train.num_samples_per_epoch=5"],
+     "train.samples and train.epochs both give the run length"),
+    (["train.steps=null"], "train.steps: null needs the run length as train.samples or train.epochs"),
+    (["train.steps=null", "train.samples=0"], "train.samples: must be positive"),
+])
+def test_run_length_errors(overrides, message):
+    with pytest.raises(ConfigError) as raised:
+        load_config(DIGITS_YAML, overrides)
+    assert message in str(raised.value)
 
 
 def test_train_py_help_lists_every_section_and_key_with_its_default():

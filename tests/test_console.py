@@ -19,7 +19,7 @@ from clipscale.losses import build_loss
 from clipscale.metrics import DataProblems, StepReport, read_metrics
 from clipscale.trainer import train
 
-from tiny_runs import DIGITS_YAML, tiny_run
+from tests.helpers.tiny_runs import DIGITS_YAML, tiny_run
 
 STEP_S = 0.3  # the slow loss's own time
 

@@ -15,10 +15,10 @@ from clipscale.checkpoint import save_checkpoint
 from clipscale.config import ModelConfig
 from clipscale.eval.tasks import resolve_task, run_task
 from clipscale.models import build_model, write_open_clip_folder
-from test_eval_data import picture, write_lines
-from test_eval_script import TINY_CLIP
+from tests.helpers.rigged import picture, write_lines
+from tests.helpers.towers import TINY_CLIP
 
-from tiny_runs import DIGITS_YAML, REPO, TINY_MODEL, run_train, tiny_run
+from tests.helpers.tiny_runs import DIGITS_YAML, REPO, TINY_MODEL, run_train, tiny_run
 
 EVAL_SCRIPT = str(REPO / "scripts" / "eval_zeroshot.py")
 

@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from clipscale.caption_length import cut_padding, use_causal_kernel
 from clipscale.compile import compile_towers
-from tests.test_caption_length import LENGTHS, make_tokens, tiny_model
+from tests.helpers.captions import LENGTHS, make_tokens, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -19,7 +19,7 @@ from clipscale.compile import compile_towers
 from clipscale.gradcache import GradCache, encode
 from clipscale.losses import build_loss
 
-from test_gradcache import grads_of, relative_error, tiny_clip
+from tests.helpers.gradients import grads_of, relative_error, tiny_clip
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CHUNK = 32

@@ -1,5 +1,6 @@
-"""Towers from config: open_clip, timm and Hugging Face towers, local weights, LiT, and
-checkpoints that open_clip loads (and open_clip checkpoints that we start from).
+"""Towers from config: open_clip, timm and Hugging Face towers, local weights, LiT, locking the
+text tower, the force_* overrides of a named model, CoCa and unknown keys refused, and checkpoints
+that open_clip loads (and open_clip checkpoints that we start from).
 
 Everything is tiny and local: a timm test network, a two-layer BERT with its tokenizer
 saved to a temporary folder, a small open_clip ViT. Nothing is downloaded.
@@ -7,6 +8,7 @@ saved to a temporary folder, a small open_clip ViT. Nothing is downloaded.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -18,13 +20,15 @@ from open_clip.tokenizer import HFTokenizer
 
 from clipscale.checks import load_checked_config
 from clipscale.checkpoint import latest_checkpoint
-from clipscale.config import ConfigError, ModelConfig, load_config
+from clipscale.config import ConfigError, ModelConfig, OptimConfig, load_config
 from clipscale.data.digits import CLASSNAMES
-from clipscale.gradcache import GradCache
+from clipscale.gradcache import GradCache, trainable_towers
 from clipscale.losses import build_loss
 from clipscale.models import OPEN_CLIP_WEIGHTS, WeightsError, build_model
+from clipscale.optim import build_optimizer
 
-from tiny_runs import DIGITS_YAML, REPO, tiny_run
+from tests.helpers.tiny_runs import DIGITS_YAML, REPO, TINY_MODEL, tiny_run
+from tests.helpers.towers import timm_hf_config
 
 pytestmark = pytest.mark.timeout(180)
 os.environ["HF_HUB_OFFLINE"] = "1"  # a hub lookup would fail the test rather than download
@@ -34,31 +38,6 @@ VIT = {  # a small open_clip ViT on both sides
     "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 32, "layers": 3, "head_width": 16, "mlp_ratio": 2.0},
     "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
 }
-
-
-@pytest.fixture(scope="module")
-def hf_folder(module_tmp):
-    """A two-layer BERT and its word-piece tokenizer, written with save_pretrained."""
-    import transformers
-
-    folder = module_tmp("tiny-bert")
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "photo", "picture", "of", "the", "digit", "number", *CLASSNAMES]
-    transformers.BertTokenizer(vocab={w: i for i, w in enumerate(words)}).save_pretrained(folder)
-    config = transformers.BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=64, max_position_embeddings=32)
-    torch.manual_seed(0)
-    transformers.BertModel(config, add_pooling_layer=False).save_pretrained(folder)
-    return folder
-
-
-def timm_hf_config(hf_folder) -> dict:
-    """A timm image tower (BatchNorm convnet) and a Hugging Face text tower, as a YAML config would give them."""
-    return {
-        "embed_dim": 16,
-        "vision_cfg": {"image_size": 32, "timm_model_name": "test_resnet", "timm_pool": "avg", "timm_proj": "linear"},
-        "text_cfg": {"context_length": 16, "hf_model_name": str(hf_folder), "hf_tokenizer_name": str(hf_folder),
-                     "hf_pooler_type": "mean_pooler", "hf_proj_type": "linear"},
-    }
 
 
 def features(model, images, texts):
@@ -247,8 +226,6 @@ def test_our_run_loads_in_open_clip(digits_root, hf_folder, tmp_path):
 def test_training_starts_from_an_open_clip_checkpoint_with_lit(digits_root, tmp_path):
     """open_clip_train's checkpoint layout (`state_dict` with DDP's `module.` prefix) as
     model.pretrained, with the image tower locked: it stays exactly the file's."""
-    from tiny_runs import TINY_MODEL  # the model the tiny runs train
-
     cfg = load_config(DIGITS_YAML, [TINY_MODEL])
     torch.manual_seed(123)
     pretrained = build_model(cfg.model).model.state_dict()
@@ -284,3 +261,143 @@ def test_no_random_init_warning_when_model_pretrained_loads_next(tmp_path, caplo
     caplog.clear()
     build_model(ModelConfig(custom=VIT, pretrained=str(tmp_path / "weights.pt")))
     assert "initialized randomly" not in caplog.text
+
+
+# --- open_clip_train's knobs on the towers --------------------------------------------------
+
+TWO_LAYER_VIT = {  # two layers in each tower (the text tower's lock groups need two blocks)
+    "embed_dim": 16,
+    "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 32, "layers": 2, "head_width": 16, "mlp_ratio": 2.0},
+    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
+}
+
+
+# --- locking the text tower (open_clip's lock_text_tower) ----------------------------------
+
+
+def text_encodings(model) -> list[int]:
+    """Counts the text tower's forward calls (open_clip's CLIP keeps its text transformer as `transformer`)."""
+    calls = []
+    model.transformer.register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+def training_steps(towers, steps=3, chunk_size=3):
+    model = towers.model.train()
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1))
+    step = GradCache(model, build_loss("vanilla"), chunk_size=chunk_size)
+    images = torch.randn(8, 3, 32, 32)
+    texts = torch.randint(1, 49407, (8, 16))
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        step(images, texts)
+        optimizer.step()
+    return optimizer
+
+
+def test_locked_text_tower_has_no_gradients_no_optimizer_state_and_is_not_reencoded():
+    towers = build_model(ModelConfig(custom=TWO_LAYER_VIT, lock_text=True))
+    model = towers.model
+    text_names = {name for name, _ in model.named_parameters() if not name.startswith(("visual.", "logit_"))}
+    assert {name for name, p in model.named_parameters() if not p.requires_grad} == text_names
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    assert trainable_towers(model) == (True, False)
+    calls = text_encodings(model)
+    optimizer = training_steps(towers, steps=3, chunk_size=3)
+    # Gradient Cache: 3 chunks of 8 samples encoded once each per step, none again in its second pass.
+    assert len(calls) == 3 * 3
+    stateful = {id(p) for p in optimizer.state}
+    for name, p in model.named_parameters():
+        locked = name in text_names
+        assert (p.grad is None) == locked, name
+        assert (id(p) in stateful) != locked, name
+        assert torch.equal(p, before[name]) == locked, name
+
+
+def test_unlocked_text_tower_is_reencoded():
+    """The counter above can fail: the same steps with the tower trainable encode it twice."""
+    towers = build_model(ModelConfig(custom=TWO_LAYER_VIT))
+    calls = text_encodings(towers.model)
+    training_steps(towers, steps=1, chunk_size=3)
+    assert len(calls) == 3 + 2  # pass 2 re-encodes all but the last chunk, whose pass-1 graph it keeps
+
+
+def test_lock_text_unlocked_layers():
+    towers = build_model(ModelConfig(custom=TWO_LAYER_VIT, lock_text=True, lock_text_unlocked_layers=2))
+    trainable = {name for name, p in towers.model.named_parameters() if p.requires_grad and not name.startswith(("visual.", "logit_"))}
+    # open_clip's text groups: [embeddings], block 0, [last block, ln_final], [text_projection]
+    assert trainable == {"text_projection", "ln_final.weight", "ln_final.bias"} | {
+        name for name, _ in towers.model.named_parameters() if name.startswith("transformer.resblocks.1.")
+    }
+
+
+def test_lock_text_config_errors():
+    with pytest.raises(ConfigError, match="need model.lock_text: true"):
+        load_config(DIGITS_YAML, ["model.lock_text_unlocked_layers=1"])
+    with pytest.raises(ConfigError, match="model.lock_text_freeze_layer_norm: false needs a Hugging Face text tower"):
+        load_checked_config(DIGITS_YAML, ["model.lock_text=true", "model.lock_text_freeze_layer_norm=false"])
+
+
+# --- force_* on a named model ---------------------------------------------------------------
+
+
+def test_patch_dropout_on_a_named_model():
+    towers = build_model(ModelConfig(name="ViT-S-32", force_patch_dropout=0.5))
+    visual = towers.model.visual
+    tokens = []
+    visual.transformer.register_forward_hook(lambda module, args, out: tokens.append(args[0].shape[1]))
+    images = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        visual.train()(images)
+        visual.eval()(images)
+    # 49 patches and the class token; in training half the patches are dropped, the class token kept
+    assert tokens == [1 + 24, 1 + 49]
+    # The configuration written into the run folder is the one the model was built from.
+    assert towers.open_clip_config["model_cfg"]["vision_cfg"]["patch_dropout"] == 0.5
+
+
+def test_other_force_overrides_on_a_named_model():
+    towers = build_model(ModelConfig(name="ViT-S-32", force_quick_gelu=True, force_image_size=64, force_context_length=20))
+    model_cfg = towers.open_clip_config["model_cfg"]
+    assert model_cfg["quick_gelu"] and model_cfg["vision_cfg"]["image_size"] == 64
+    assert type(towers.model.visual.transformer.resblocks[0].mlp.gelu).__name__ == "QuickGELU"
+    assert towers.model.visual(torch.randn(1, 3, 64, 64)).shape == (1, 384)
+    assert towers.tokenizer(["a photo"]).shape == (1, 20)
+    assert towers.model.positional_embedding.shape[0] == 20
+
+
+def test_forced_image_size_reaches_a_timm_trunk():
+    timm_vit = {**TWO_LAYER_VIT, "vision_cfg": {"timm_model_name": "vit_tiny_patch16_224", "timm_pool": "token", "timm_proj": "linear"}}
+    towers = build_model(ModelConfig(custom=timm_vit, force_image_size=64))
+    assert towers.model.visual.trunk.patch_embed.img_size == (64, 64)
+    assert towers.model.visual(torch.randn(1, 3, 64, 64)).shape == (1, 16)
+
+
+def test_patch_dropout_on_timm_towers():
+    """timm's ViTs take it (as patch_drop_rate); a timm convnet is refused before it is built."""
+    timm_vit = {**TWO_LAYER_VIT, "vision_cfg": {"timm_model_name": "vit_tiny_patch16_224", "image_size": 32}}
+    load_checked_config(DIGITS_YAML, [f"model.custom={json.dumps(timm_vit)}", "model.force_patch_dropout=0.5"])
+    timm_resnet = {**TWO_LAYER_VIT, "vision_cfg": {"timm_model_name": "resnet18", "image_size": 32}}
+    with pytest.raises(ConfigError, match="model.force_patch_dropout: the timm image tower resnet18 has no patch dropout"):
+        load_checked_config(DIGITS_YAML, [f"model.custom={json.dumps(timm_resnet)}", "model.force_patch_dropout=0.5"])
+
+
+# --- CoCa and unknown keys of model.custom ---------------------------------------------------
+
+
+def test_coca_is_refused():
+    with pytest.raises(ConfigError, match="model.name=coca_ViT-B-32: a CoCa model .* captioning loss is not supported"):
+        load_checked_config(DIGITS_YAML, ["model.custom=null", "model.name=coca_ViT-B-32"])
+
+
+@pytest.mark.parametrize("key, where", [
+    ("vision_cfg.patch_sise", "model.custom.vision_cfg"),
+    ("text_cfg.widht", "model.custom.text_cfg"),
+    ("embed_dimension", "model.custom"),
+])
+def test_unknown_custom_key_named(key, where):
+    with pytest.raises(ConfigError) as raised:
+        load_checked_config(DIGITS_YAML, [f"model.custom.{key}=3"])
+    name = key.split(".")[-1]
+    assert str(raised.value).startswith(f"unknown key {where}.{name}; allowed keys in {where}: ")
+    assert "embed_dim" in str(raised.value) if where == "model.custom" else "width" in str(raised.value)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tiny_runs import REPO
+from tests.helpers.tiny_runs import REPO
 
 PACKAGE = REPO / "clipscale"
 STATELESS = [PACKAGE / "losses" / "infcl", PACKAGE / "data"]

@@ -1,35 +1,27 @@
-"""open_clip_train's knobs under our config's names: the lr schedules, locking the text tower,
-the force_* overrides of a named model, TensorBoard beside metrics.jsonl, a run length in samples
-or epochs, and CoCa refused. Expected values are open_clip's formulas written out here, not ours
-called back."""
+"""The optimizer and the learning rate, as open_clip_train has them: AdamW with its weight-decay
+exclusions (checked by parameter name), the lr schedules (warmup, then cosine, const or
+const-cooldown) in a formula and in real runs, the logit scale clamped at 100 after each update,
+and LiT's locked tower kept out of the optimizer. Expected values are open_clip's formulas written
+out here, not ours called back."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import pytest
 import torch
 
-from clipscale.checks import load_checked_config
-from clipscale.config import ConfigError, ModelConfig, OptimConfig, load_config
-from clipscale.gradcache import GradCache, trainable_towers
-from clipscale.losses import build_loss
-from clipscale.metrics import TENSORBOARD, read_metrics
+from clipscale.config import ConfigError, OptimConfig, load_config
+from clipscale.metrics import read_metrics
 from clipscale.models import build_model
-from clipscale.optim import build_optimizer, learning_rate
+from clipscale.optim import learning_rate
 
-from tiny_runs import DIGITS_YAML, run_train, tiny_run
+from tests.helpers.tiny_runs import DIGITS_YAML, TINY_MODEL
+from tests.helpers.trainer_harness import (checkpointed_run, load, max_difference, step_checkpoints, train_in_process,
+                                           training_records)
 
 pytestmark = pytest.mark.timeout(240)
-os.environ["HF_HUB_OFFLINE"] = "1"
 
-VIT = {  # a small open_clip ViT on both sides
-    "embed_dim": 16,
-    "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 32, "layers": 2, "head_width": 16, "mlp_ratio": 2.0},
-    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
-}
 
 # --- lr schedules (open_clip_train/scheduler.py) -------------------------------------------
 
@@ -84,170 +76,7 @@ def test_schedule_config_errors(overrides, message):
         load_config(DIGITS_YAML, overrides)
 
 
-# --- run length in samples or epochs ---------------------------------------------------------
-
-def test_run_length_in_samples_and_epochs():
-    assert load_config(DIGITS_YAML, ["train.steps=null", "train.samples=1000"]).train.steps == 4  # ceil(1000 / 256)
-    epochs = ["train.batch_size=300", "train.epochs=3", "train.num_samples_per_epoch=1000"]
-    cfg = load_config(DIGITS_YAML, ["train.steps=null", *epochs])
-    assert cfg.train.steps == 12  # open_clip_train's: 3 epochs of ceil(1000 / 300) batches, not ceil(3000 / 300)
-    # The configuration written into the run folder (steps resolved) loads again as the same run.
-    again = load_config(DIGITS_YAML, ["train.steps=12", *epochs])
-    assert again.to_dict() == cfg.to_dict()
-
-
-@pytest.mark.parametrize("overrides, message", [
-    (["train.samples=1000"], "train.steps=200 and train.samples=1000 (4 steps of train.batch_size=256) give two run lengths"),
-    (["train.steps=null", "train.epochs=2"], "train.epochs and train.num_samples_per_epoch go together"),
-    (["train.steps=null", "train.samples=10", "train.epochs=2", "train.num_samples_per_epoch=5"],
-     "train.samples and train.epochs both give the run length"),
-    (["train.steps=null"], "train.steps: null needs the run length as train.samples or train.epochs"),
-    (["train.steps=null", "train.samples=0"], "train.samples: must be positive"),
-])
-def test_run_length_errors(overrides, message):
-    with pytest.raises(ConfigError) as raised:
-        load_config(DIGITS_YAML, overrides)
-    assert message in str(raised.value)
-
-
-# --- locking the text tower (open_clip's lock_text_tower) ----------------------------------
-
-def text_encodings(model) -> list[int]:
-    """Counts the text tower's forward calls (open_clip's CLIP keeps its text transformer as `transformer`)."""
-    calls = []
-    model.transformer.register_forward_hook(lambda *_: calls.append(1))
-    return calls
-
-
-def training_steps(towers, steps=3, chunk_size=3):
-    model = towers.model.train()
-    optimizer = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1))
-    step = GradCache(model, build_loss("vanilla"), chunk_size=chunk_size)
-    images = torch.randn(8, 3, 32, 32)
-    texts = torch.randint(1, 49407, (8, 16))
-    for _ in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        step(images, texts)
-        optimizer.step()
-    return optimizer
-
-
-def test_locked_text_tower_has_no_gradients_no_optimizer_state_and_is_not_reencoded():
-    towers = build_model(ModelConfig(custom=VIT, lock_text=True))
-    model = towers.model
-    text_names = {name for name, _ in model.named_parameters() if not name.startswith(("visual.", "logit_"))}
-    assert {name for name, p in model.named_parameters() if not p.requires_grad} == text_names
-    before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    assert trainable_towers(model) == (True, False)
-    calls = text_encodings(model)
-    optimizer = training_steps(towers, steps=3, chunk_size=3)
-    # Gradient Cache: 3 chunks of 8 samples encoded once each per step, none again in its second pass.
-    assert len(calls) == 3 * 3
-    stateful = {id(p) for p in optimizer.state}
-    for name, p in model.named_parameters():
-        locked = name in text_names
-        assert (p.grad is None) == locked, name
-        assert (id(p) in stateful) != locked, name
-        assert torch.equal(p, before[name]) == locked, name
-
-
-def test_unlocked_text_tower_is_reencoded():
-    """The counter above can fail: the same steps with the tower trainable encode it twice."""
-    towers = build_model(ModelConfig(custom=VIT))
-    calls = text_encodings(towers.model)
-    training_steps(towers, steps=1, chunk_size=3)
-    assert len(calls) == 3 + 2  # pass 2 re-encodes all but the last chunk, whose pass-1 graph it keeps
-
-
-def test_lock_text_unlocked_layers():
-    towers = build_model(ModelConfig(custom=VIT, lock_text=True, lock_text_unlocked_layers=2))
-    trainable = {name for name, p in towers.model.named_parameters() if p.requires_grad and not name.startswith(("visual.", "logit_"))}
-    # open_clip's text groups: [embeddings], block 0, [last block, ln_final], [text_projection]
-    assert trainable == {"text_projection", "ln_final.weight", "ln_final.bias"} | {
-        name for name, _ in towers.model.named_parameters() if name.startswith("transformer.resblocks.1.")
-    }
-
-
-def test_lock_text_config_errors():
-    with pytest.raises(ConfigError, match="need model.lock_text: true"):
-        load_config(DIGITS_YAML, ["model.lock_text_unlocked_layers=1"])
-    with pytest.raises(ConfigError, match="model.lock_text_freeze_layer_norm: false needs a Hugging Face text tower"):
-        load_checked_config(DIGITS_YAML, ["model.lock_text=true", "model.lock_text_freeze_layer_norm=false"])
-
-
-# --- force_* on a named model ---------------------------------------------------------------
-
-def test_patch_dropout_on_a_named_model():
-    towers = build_model(ModelConfig(name="ViT-S-32", force_patch_dropout=0.5))
-    visual = towers.model.visual
-    tokens = []
-    visual.transformer.register_forward_hook(lambda module, args, out: tokens.append(args[0].shape[1]))
-    images = torch.randn(2, 3, 224, 224)
-    with torch.no_grad():
-        visual.train()(images)
-        visual.eval()(images)
-    # 49 patches and the class token; in training half the patches are dropped, the class token kept
-    assert tokens == [1 + 24, 1 + 49]
-    # The configuration written into the run folder is the one the model was built from.
-    assert towers.open_clip_config["model_cfg"]["vision_cfg"]["patch_dropout"] == 0.5
-
-
-def test_other_force_overrides_on_a_named_model():
-    towers = build_model(ModelConfig(name="ViT-S-32", force_quick_gelu=True, force_image_size=64, force_context_length=20))
-    model_cfg = towers.open_clip_config["model_cfg"]
-    assert model_cfg["quick_gelu"] and model_cfg["vision_cfg"]["image_size"] == 64
-    assert type(towers.model.visual.transformer.resblocks[0].mlp.gelu).__name__ == "QuickGELU"
-    assert towers.model.visual(torch.randn(1, 3, 64, 64)).shape == (1, 384)
-    assert towers.tokenizer(["a photo"]).shape == (1, 20)
-    assert towers.model.positional_embedding.shape[0] == 20
-
-
-def test_forced_image_size_reaches_a_timm_trunk():
-    timm_vit = {**VIT, "vision_cfg": {"timm_model_name": "vit_tiny_patch16_224", "timm_pool": "token", "timm_proj": "linear"}}
-    towers = build_model(ModelConfig(custom=timm_vit, force_image_size=64))
-    assert towers.model.visual.trunk.patch_embed.img_size == (64, 64)
-    assert towers.model.visual(torch.randn(1, 3, 64, 64)).shape == (1, 16)
-
-
-def test_patch_dropout_on_timm_towers():
-    """timm's ViTs take it (as patch_drop_rate); a timm convnet is refused before it is built."""
-    timm_vit = {**VIT, "vision_cfg": {"timm_model_name": "vit_tiny_patch16_224", "image_size": 32}}
-    load_checked_config(DIGITS_YAML, [f"model.custom={json.dumps(timm_vit)}", "model.force_patch_dropout=0.5"])
-    timm_resnet = {**VIT, "vision_cfg": {"timm_model_name": "resnet18", "image_size": 32}}
-    with pytest.raises(ConfigError, match="model.force_patch_dropout: the timm image tower resnet18 has no patch dropout"):
-        load_checked_config(DIGITS_YAML, [f"model.custom={json.dumps(timm_resnet)}", "model.force_patch_dropout=0.5"])
-
-
-# --- CoCa and unknown keys of model.custom ---------------------------------------------------
-
-def test_coca_is_refused():
-    with pytest.raises(ConfigError, match="model.name=coca_ViT-B-32: a CoCa model .* captioning loss is not supported"):
-        load_checked_config(DIGITS_YAML, ["model.custom=null", "model.name=coca_ViT-B-32"])
-
-
-@pytest.mark.parametrize("key, where", [
-    ("vision_cfg.patch_sise", "model.custom.vision_cfg"),
-    ("text_cfg.widht", "model.custom.text_cfg"),
-    ("embed_dimension", "model.custom"),
-])
-def test_unknown_custom_key_named(key, where):
-    with pytest.raises(ConfigError) as raised:
-        load_checked_config(DIGITS_YAML, [f"model.custom.{key}=3"])
-    name = key.split(".")[-1]
-    assert str(raised.value).startswith(f"unknown key {where}.{name}; allowed keys in {where}: ")
-    assert "embed_dim" in str(raised.value) if where == "model.custom" else "width" in str(raised.value)
-
-
-# --- one real run: const-cooldown, a run length in samples, TensorBoard ----------------------
-
-@pytest.fixture(scope="module")
-def knob_run(digits_root, module_tmp):
-    output = module_tmp("knobs")
-    result = run_train(tiny_run(digits_root, output, "train.steps=null", "train.samples=384", "train.checkpoint_every=100",
-                                "optim.lr_scheduler=const-cooldown", "optim.lr_cooldown_steps=3",
-                                "optim.lr_cooldown_end=1e-4", "tensorboard.enabled=true", "eval.zeroshot=false"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return output / "tiny"
+# --- a real run: const-cooldown over a run length in samples --------------------------------
 
 
 @pytest.mark.slow
@@ -260,35 +89,89 @@ def test_run_follows_the_schedule_for_its_samples(knob_run):
     assert [r["lr"] for r in records] == pytest.approx(expected, rel=1e-9)
 
 
-@pytest.mark.slow
-def test_tensorboard_event_files_hold_the_logged_scalars(knob_run):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+# --- AdamW, warmup + cosine and the logit scale in a run, a checkpoint per step ----------------
 
-    events = EventAccumulator(str(knob_run / TENSORBOARD))
-    events.Reload()
-    records = [r for r in read_metrics(knob_run / "metrics.jsonl") if "loss" in r]
-    for key in ("loss", "lr", "grad_norm", "logit_scale"):
-        scalars = events.Scalars(key)
-        assert [s.step for s in scalars] == [r["step"] for r in records], key
-        assert [s.value for s in scalars] == pytest.approx([r[key] for r in records], rel=1e-6), key
+LR, RUN_WARMUP, RUN_STEPS = 1e-4, 3, 8
+WEIGHT_DECAY = 0.5 / LR  # at the peak learning rate, AdamW's decoupled decay halves a decayed weight per step
 
 
-def test_tensorboard_resume_drops_the_events_past_the_checkpoint(tmp_path):
-    """As metrics.jsonl: a run resumed from step 3 rewrites steps 4 and 5, and TensorBoard shows one curve."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+def _no_decay_by_name(name: str, tensor: torch.Tensor) -> bool:
+    """open_clip_train's exclusions, written out: gains and biases (1-d), norms, the logit scale."""
+    return tensor.ndim < 2 or name.endswith("bias") or ".ln_" in f".{name}" or "logit_scale" in name
 
-    from clipscale.metrics import MetricsLogger
 
-    cfg = load_config(DIGITS_YAML, ["tensorboard.enabled=true"])
-    first = MetricsLogger(tmp_path, cfg, enabled=True)
-    for step in range(1, 6):
-        first.log(step, {"loss": float(step), "note": "not a number"})
-    first.close()
-    resumed = MetricsLogger(tmp_path, cfg, enabled=True, resume_step=3)
-    for step in (4, 5):
-        resumed.log(step, {"loss": 10.0 * step})
-    resumed.close()
-    events = EventAccumulator(str(tmp_path / TENSORBOARD))
-    events.Reload()
-    assert [(s.step, s.value) for s in events.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
-    assert events.Tags()["scalars"] == ["loss"]
+def _expected_lr(step: int) -> float:
+    """The lr of (1-based) step: linear warmup to LR over RUN_WARMUP steps, then half a cosine to 0."""
+    if step <= RUN_WARMUP:
+        return LR * step / RUN_WARMUP
+    return 0.5 * (1 + math.cos(math.pi * (step - 1 - RUN_WARMUP) / (RUN_STEPS - RUN_WARMUP))) * LR
+
+
+@pytest.fixture(scope="module")
+def optim_run(digits_root, module_tmp):
+    """From a checkpoint whose logit scale is 400 (above the clamp), with a weight decay so strong
+    that decayed weights halve at the peak learning rate; a checkpoint per step."""
+    root = module_tmp("optim")
+    torch.manual_seed(0)
+    model = build_model(load_config(DIGITS_YAML, [TINY_MODEL]).model).model
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(400))
+    torch.save({"state_dict": model.state_dict()}, root / "start.pt")
+    _, run_dir = train_in_process(digits_root, root, "optim", f"model.pretrained={root / 'start.pt'}", f"optim.lr={LR}",
+                                  f"optim.warmup_steps={RUN_WARMUP}", f"optim.weight_decay={WEIGHT_DECAY}",
+                                  f"train.steps={RUN_STEPS}", "train.checkpoint_every=1", "train.log_every=2")
+    return {step: load(path) for step, path in step_checkpoints(run_dir).items()}, training_records(run_dir)
+
+
+def test_lr_warms_up_linearly_then_follows_a_half_cosine(optim_run):
+    checkpoints, records = optim_run
+    assert sorted(checkpoints) == list(range(1, RUN_STEPS + 1))
+    for step, checkpoint in checkpoints.items():  # the lr the optimizer used in that step
+        for group in checkpoint["optimizer"]["param_groups"]:
+            assert group["lr"] == pytest.approx(_expected_lr(step), rel=1e-9), step
+    assert [m["step"] for m in records] == [2, 4, 6, 8]  # 2-step logging windows
+    for m in records:
+        assert m["lr"] == pytest.approx(_expected_lr(m["step"]), rel=1e-9)
+
+
+def test_weight_decay_applies_to_weights_not_to_gains_biases_norms_or_logit_scale(optim_run):
+    checkpoints, _ = optim_run
+    peak = RUN_WARMUP + 1  # lr == LR: a decayed weight halves, besides an Adam move of about LR per element
+    before, after = checkpoints[peak - 1]["state_dict"], checkpoints[peak]["state_dict"]
+    decayed = {n for n, t in before.items() if t.is_floating_point() and not _no_decay_by_name(n, t)}
+    exempt = {n for n, t in before.items() if t.is_floating_point() and _no_decay_by_name(n, t)}
+    assert {"logit_scale", "visual.ln_pre.weight", "visual.class_embedding", "text_projection"} <= decayed | exempt
+    for name in decayed:
+        assert (after[name] - 0.5 * before[name]).abs().max() <= 5 * LR, name
+        assert before[name].abs().max() > 50 * LR, name  # large enough for the halving to show
+    for name in exempt:
+        assert (after[name] - before[name]).abs().max() <= 5 * LR, name
+    # The optimizer's groups: weight decay 0 for exactly the exempt parameters' elements.
+    optimizer = checkpoints[peak]["optimizer"]
+    numel = {wd: sum(optimizer["state"][i]["exp_avg"].numel() for g in optimizer["param_groups"] if g["weight_decay"] == wd
+                     for i in g["params"]) for wd in {g["weight_decay"] for g in optimizer["param_groups"]}}
+    assert numel == {0.0: sum(before[n].numel() for n in exempt), WEIGHT_DECAY: sum(before[n].numel() for n in decayed)}
+
+
+def test_the_logit_scale_is_clamped_at_100(optim_run):
+    checkpoints, records = optim_run
+    for step, checkpoint in checkpoints.items():
+        assert float(checkpoint["state_dict"]["logit_scale"]) <= math.log(100) + 1e-6, step
+    assert all(m["logit_scale"] <= 100 + 1e-3 for m in records)
+    assert records[0]["logit_scale"] == pytest.approx(100, rel=1e-3)  # it started at 400
+
+
+# --- LiT ---------------------------------------------------------------------------------------
+
+
+def test_lit_keeps_no_optimizer_state_for_the_locked_tower(digits_root, tmp_path):
+    checkpoints = checkpointed_run(digits_root, tmp_path, "lit", "train.steps=3", "model.lock_image=true")
+    weights, optimizer = checkpoints[3]["state_dict"], checkpoints[3]["optimizer"]
+    in_optimizer = sum(state["exp_avg"].numel() for state in optimizer["state"].values())
+    unlocked = sum(t.numel() for name, t in weights.items() if not name.startswith("visual.") and t.is_floating_point()
+                   and name != "attn_mask")
+    assert in_optimizer == unlocked
+    assert sum(len(g["params"]) for g in optimizer["param_groups"]) == len(optimizer["state"])
+    visual = {k: v for k, v in weights.items() if k.startswith("visual.")}
+    assert max_difference(visual, {k: checkpoints[1]["state_dict"][k] for k in visual}) == 0.0
+    assert max_difference(weights, checkpoints[1]["state_dict"]) > 0  # the text tower trained

@@ -33,10 +33,10 @@ from clipscale.optim import build_optimizer
 from clipscale.parallel import ParallelError, gathered, parallelize, tower_blocks
 from clipscale.gradcache import encode
 from clipscale.step import MAX_LOGIT_SCALE, StepResult, TrainStep
-from tests.gloo_world import run_in_gloo_world
-from tests.test_gradcache import make_batch, tiny_clip
-from tests.test_models import hf_folder, timm_hf_config  # noqa: F401 - hf_folder: a fixture
-from tests.tiny_runs import DIGITS_YAML, run_train, tiny_run
+from tests.helpers.gloo_world import run_in_gloo_world
+from tests.helpers.gradients import make_batch, tiny_clip
+from tests.helpers.tiny_runs import DIGITS_YAML, run_train, tiny_run
+from tests.helpers.towers import timm_hf_config
 
 STEPS, PER_RANK, CHUNK = 3, 6, 4  # chunks of 4 and 2 samples a rank
 LOSS_OPTIONS = {"local": {}, "infcl": {"backend": "reference", "tile_size": 4}, "siglip": {}}

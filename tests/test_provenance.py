@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from clipscale.provenance import REQUIRED, REQUIRED_VERSIONS, UNKNOWN, provenance, recovered
-from tiny_runs import REPO
+from tests.helpers.tiny_runs import REPO
 
 RESULT_FILES = sorted([*(REPO / "results").glob("*.json"), *(REPO / "docs" / "results").glob("*.json")])
 BENCHMARK_SCRIPTS = sorted([*(REPO / "scripts").glob("bench_*.py"), *(REPO / "scripts" / "reproduce").glob("*.py")])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tiny_runs import REPO
+from tests.helpers.tiny_runs import REPO
 
 README = REPO / "README.md"
 DOCS = sorted([README, *(REPO / "docs").glob("*.md")])

@@ -1,5 +1,6 @@
 """A run is one run: the run folder's config decides between a new run, a resumed one and a
-clear stop, before any work."""
+clear stop, before any work. A reused run name refuses a change to a loss option as it refuses a
+change of loss: the options (Inf-CL's `exact` and `tile_size`, ...) change what is trained."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import yaml
 from clipscale.config import ConfigError, load_config
 from clipscale.run_dir import CONFIG_FILE, LAUNCHED_BY, open_run_folder
 
-from tiny_runs import DIGITS_YAML
+from tests.helpers.tiny_runs import DIGITS_YAML
 
 
 @pytest.fixture(autouse=True)
@@ -154,3 +155,25 @@ def test_a_folder_that_is_not_a_run_and_a_config_from_before_new_keys(tmp_path):
     (tmp_path / "older" / "tiny").mkdir(parents=True)
     (tmp_path / "older" / "tiny" / CONFIG_FILE).write_text(yaml.safe_dump(older))
     assert open_run_folder(_config(tmp_path / "older")).action == "resume"
+
+
+# --- loss options are part of the run ---------------------------------------------------------
+
+
+def _infcl_config(tmp_path, options: str):
+    return load_config(DIGITS_YAML, [f"run.output_dir={tmp_path}", "run.name=tiny", "loss.name=infcl",
+                                     f"loss.options={options}"])
+
+
+@pytest.mark.parametrize("started, resumed, difference", [
+    ("{exact: false}", "{exact: true}", "loss.options.exact: False -> True"),
+    ("{backend: reference, tile_size: 8}", "{backend: reference, tile_size: 16}", "loss.options.tile_size: 8 -> 16"),
+    ("{}", "{exact: true}", "loss.options.exact: (unset) -> True"),
+], ids=["exact", "tile_size", "added"])
+def test_a_resume_with_another_loss_option_is_refused_naming_the_key(tmp_path, started, resumed, difference):
+    open_run_folder(_infcl_config(tmp_path, started)).apply()
+    assert open_run_folder(_infcl_config(tmp_path, started)).action == "resume"
+    with pytest.raises(ConfigError) as raised:
+        open_run_folder(_infcl_config(tmp_path, resumed))
+    assert "holds a run with another configuration (" in str(raised.value)
+    assert difference in str(raised.value)

@@ -37,10 +37,9 @@ from clipscale.eval.datasets import LabelledFolder, shard_classification
 from clipscale.eval.tasks import resolve_task, run_task
 from clipscale.models import build_model, load_clip_checkpoint, load_timm_trunk
 
-from test_eval_data import caption_model, colour_model, evaluate, png_bytes, templates  # noqa: F401 (fixtures)
-from test_eval_metrics import EXPECTED_RETRIEVAL, RETRIEVAL_CAPTIONS
-from test_eval_script import TINY_CLIP
-from tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
+from tests.helpers.rigged import EXPECTED_RETRIEVAL, RETRIEVAL_CAPTIONS, caption_model, evaluate, png_bytes
+from tests.helpers.towers import TINY_CLIP
+from tests.helpers.tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
 
 HOSTILE_MEMBERS = ("pyd", "pickle", "pth", "npy")
 TRAIN = image_transform(32, is_train=True, aug_cfg={"scale": (0.5, 1.0)})

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tiny_runs import REPO
+from tests.helpers.tiny_runs import REPO
 
 # Iterates a DataLoader with 2 workers (ignore_stop_signals as worker_init_fn unless argv[1] is
 # "plain") under a StopRequest. After a stop request it takes 8 more batches, more than the

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-from tiny_runs import REPO
+from tests.helpers.tiny_runs import REPO
 
 PACKAGE = REPO / "clipscale"
 

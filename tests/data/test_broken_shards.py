@@ -1,14 +1,10 @@
-"""Runs that survive: broken data is skipped and counted, a killed worker is restarted by torchrun."""
+"""Broken data is skipped and counted: corrupt images, samples without a caption, a shard cut off
+mid-sample, in the stream, across a resume, and in a run (with and without offload) that goes on to
+its end."""
 
 from __future__ import annotations
 
 import io
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from itertools import islice
 from pathlib import Path
 
@@ -24,7 +20,7 @@ from clipscale.data.shards import ShardErrors, ShardStream, StreamState
 from clipscale.data.transforms import SplitTransform
 from clipscale.metrics import read_metrics
 
-from tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
+from tests.helpers.tiny_runs import DIGITS_YAML, tiny_run
 
 SAMPLES_PER_SHARD = 40
 CORRUPT = {f"corrupt-{i:03d}" for i in range(0, SAMPLES_PER_SHARD, 5)}  # 8 images of garbage bytes
@@ -133,65 +129,3 @@ def test_training_on_broken_shards_runs_to_the_end_and_logs_the_counts(broken_sh
         stream = [{k: v for k, v in rank.items() if k != "pieces"} for rank in checkpoint["data"]]
         counts[name] = [(m["skipped_samples"], m["shard_errors"]) for m in metrics], stream
     assert counts["offload"] == counts["decoded"]
-
-
-# --- torchrun elastic restarts ---------------------------------------------------
-
-
-def _children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
-@pytest.mark.slow
-def test_a_worker_killed_mid_run_is_restarted_from_the_latest_checkpoint(digits_root, tmp_path):
-    """SIGKILL one of two torchrun workers after a checkpoint: with --max-restarts 1 the world
-    restarts, resumes from latest.pt and ends with the weights of a run never interrupted. The
-    job replaces an older run (run.overwrite=true): its restart resumes, it does not move aside
-    the run it started itself."""
-    def overrides(name):
-        return tiny_run(digits_root, tmp_path, f"run.name={name}", "train.steps=40", "train.checkpoint_every=10",
-                        "eval.zeroshot=false")
-
-    reference = run_train(overrides("reference"), nproc=2)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-
-    older = tmp_path / "killed"  # the run this job replaces
-    older.mkdir()
-    (older / "config.yaml").write_text("run: {name: killed}\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-         str(REPO / "train.py"), "--config", DIGITS_YAML, *overrides("killed"), "run.resume=false", "run.overwrite=true"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
-    checkpoints, metrics = tmp_path / "killed" / "checkpoints", tmp_path / "killed" / "metrics.jsonl"
-    deadline = time.time() + 180
-    while not ((checkpoints / "step_00000010.pt").exists() and len(metrics.read_text().splitlines()) >= 14):
-        assert agent.poll() is None and time.time() < deadline, "the run ended before a worker could be killed"
-        time.sleep(0.05)
-    os.kill(_children(agent.pid)[-1], signal.SIGKILL)
-    _, stderr = agent.communicate(timeout=240)
-    assert agent.returncode == 0, stderr[-3000:]
-    assert "exitcode: -9" in stderr  # the agent saw the kill, and the restarted world finished
-    assert len(list(tmp_path.glob("killed.old-*"))) == 1, "the restart moved its own run aside as well"
-
-    final = {name: torch.load(latest_checkpoint(tmp_path / name / "checkpoints"), weights_only=True) for name in ("reference", "killed")}
-    assert final["killed"]["step"] == 40
-    for key, tensor in final["reference"]["state_dict"].items():
-        assert torch.equal(final["killed"]["state_dict"][key], tensor), key
-
-
-@pytest.mark.slow
-def test_jobs_that_start_together_on_one_data_root_all_get_the_digits_shards(tmp_path):
-    """Two jobs sharing `data.root` do not race on one half-written folder (a FileNotFoundError)."""
-    write = "import sys; from clipscale.data.digits import write_digits_shards; write_digits_shards(sys.argv[1], 32)"
-    jobs = [subprocess.Popen([sys.executable, "-c", write, str(tmp_path)], cwd=REPO, stderr=subprocess.PIPE, text=True)
-            for _ in range(3)]
-    errors = [job.communicate(timeout=120)[1] for job in jobs]
-    assert [job.returncode for job in jobs] == [0, 0, 0], errors
-    manifest = json.loads((tmp_path / "manifest.json").read_text())
-    shards = manifest["train_shards"] + manifest["val_shards"]
-    assert sorted(p.name for p in tmp_path.glob("*.tar")) == sorted(shards)
-    assert not list(tmp_path.glob(".partial-*"))
-    assert sum(1 for name in manifest["val_shards"] for _ in wds.WebDataset(str(tmp_path / name), shardshuffle=False)) \
-        == manifest["num_val"]

@@ -11,66 +11,26 @@ the GPU runs but for nvJPEG itself (that half is measured in scripts/bench_e2e.p
 from __future__ import annotations
 
 import io
-import json
 import threading
 import time
 
 import pytest
 import torch
-import webdataset as wds
 from open_clip.transform import image_transform
 from PIL import Image
 
-from clipscale.config import load_config
 from clipscale.data.chunks import Arrivals, ChunkSource, KeepBudget
 from clipscale.data.device_decode import DeviceDecodedRows, DeviceDecoder, decode_rows
 from clipscale.data.encoded import EncodedImages, is_whole_jpeg
 from clipscale.data.shards import ShardStream
 from clipscale.data.transforms import SplitTransform
-from clipscale.metrics import read_metrics
-from clipscale.step import TrainStep
 
-from test_gradcache import float64_clip_loss, gradcache_grads, make_batch, relative_error, tiny_clip
-from tiny_runs import DIGITS_YAML, tiny_run
+from tests.helpers.gradients import float64_clip_loss, gradcache_grads, make_batch, relative_error, tiny_clip
+from tests.helpers.jpeg_shards import jpeg, train_on_jpeg_shards
 
 # Shards of 48-px JPEGs (so the crop is resized down, through the antialiasing kernels) cropped to 32.
 TRAIN = image_transform(32, is_train=True, aug_cfg={"scale": (0.5, 1.0)})
 SPLIT = SplitTransform.split(TRAIN)
-DAMAGED = {7: "truncated", 40: "png", 77: "garbage", 123: "trailing"}  # sample index -> what it holds
-
-
-def _jpeg(img: Image.Image) -> bytes:
-    out = io.BytesIO()
-    img.save(out, format="JPEG", quality=90)
-    return out.getvalue()
-
-
-@pytest.fixture(scope="module")
-def jpeg_shards(digits_root, module_tmp) -> list[str]:
-    """The digits' training samples as 48-px JPEGs in 3 shards, with DAMAGED's samples mixed in."""
-    manifest = json.loads((digits_root / "manifest.json").read_text())
-    samples = [s for url in manifest["train_shards"] for s in wds.WebDataset(str(digits_root / url), shardshuffle=False)]
-    root = module_tmp("jpeg_shards")
-    urls = [str(root / f"train-{k}.tar") for k in range(3)]
-    sinks = [wds.TarWriter(url) for url in urls]
-    for i, sample in enumerate(samples[:600]):
-        img = Image.open(io.BytesIO(sample["png"])).convert("RGB").resize((48, 48), Image.BICUBIC)
-        data = _jpeg(img)
-        kind = DAMAGED.get(i)
-        if kind == "truncated":
-            data = data[: len(data) // 2]
-        elif kind == "png":
-            out = io.BytesIO()
-            img.save(out, format="PNG")
-            data = out.getvalue()
-        elif kind == "garbage":
-            data = b"\xff\xd8\xff" + bytes(range(256)) * 4 + b"\xff\xd9"  # the markers of a JPEG, nothing inside
-        elif kind == "trailing":
-            data += b"\x00" * 16  # decodable, but not whole by the end marker: the worker judges it
-        sinks[i % 3].write({"__key__": sample["__key__"], "jpg": data, "txt": sample["txt"]})
-    for sink in sinks:
-        sink.close()
-    return urls
 
 
 def _stream(urls, decode: bool, piece_size=50):
@@ -80,7 +40,7 @@ def _stream(urls, decode: bool, piece_size=50):
 
 
 def test_whole_jpegs_are_told_by_their_markers():
-    data = _jpeg(Image.new("RGB", (8, 8)))
+    data = jpeg(Image.new("RGB", (8, 8)))
     assert is_whole_jpeg(data) and is_whole_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8).numpy())
     assert not is_whole_jpeg(data[:-1]) and not is_whole_jpeg(data + b"\x00") and not is_whole_jpeg(b"\x89PNG\r\n")
 
@@ -186,33 +146,15 @@ def test_a_batch_released_before_its_step_frees_what_was_decoded_ahead(jpeg_shar
     assert budget.used == 0 and not images.ahead
 
 
-def _train(digits_root, tmp_path, jpeg_shards, name, *extra, monkeypatch=None, record=None):
-    import clipscale.trainer as trainer
-
-    if record is not None:
-        real_call = TrainStep.__call__
-
-        def recording_call(step, images, texts, lr=None):
-            record.append(images)
-            return real_call(step, images, texts, lr)
-
-        monkeypatch.setattr(TrainStep, "__call__", recording_call)
-    shards = jpeg_shards[0].replace("train-0", "train-{0..2}")
-    overrides = tiny_run(digits_root, tmp_path, f"run.name={name}", "eval.zeroshot=false", "train.steps=6",
-                         "train.chunk_size=24", "data.kind=webdataset", f"data.train_shards={shards}", *extra)
-    trainer.train(load_config(DIGITS_YAML, overrides))
-    return read_metrics(tmp_path / name / "metrics.jsonl")
-
-
 def test_the_trainer_decodes_on_the_device_on_the_loaders_curve(digits_root, tmp_path, jpeg_shards, monkeypatch):
     """With the default loader workers: the step gets the device column, the host holds bytes
     only, and the run follows the loader-decoded run's curve (the same samples and crops; the
     pixels differ by the resize kernels' rounding) and counts the same skipped samples."""
     record: list = []
-    device = _train(digits_root, tmp_path, jpeg_shards, "device", "data.decoder=device", monkeypatch=monkeypatch,
-                    record=record)
+    device = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "device", "data.decoder=device",
+                                  monkeypatch=monkeypatch, record=record)
     monkeypatch.undo()
-    loader = _train(digits_root, tmp_path, jpeg_shards, "loader")
+    loader = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "loader")
     assert len(record) == 6 and all(isinstance(images.rows, DeviceDecodedRows) for images in record)
     assert all(images.rows.encoded.nbytes < 64 * 3 * 32 * 32 for images in record)
     assert [m["loss"] for m in device] == pytest.approx([m["loss"] for m in loader], rel=1e-3)
@@ -223,7 +165,7 @@ def test_the_trainer_decodes_on_the_device_on_the_loaders_curve(digits_root, tmp
 def test_an_image_whose_data_does_not_decode_is_trained_black_with_a_warning():
     """A header that parses (the worker keeps the sample) over data neither nvJPEG nor PIL decodes:
     the batch keeps its size, the image is black, and the run is told."""
-    good = _jpeg(Image.new("RGB", (48, 48), (200, 30, 30)))
+    good = jpeg(Image.new("RGB", (48, 48), (200, 30, 30)))
     broken = good[:20] + b"\x00" * 30 + good[50:]  # the quantisation tables overwritten
     with Image.open(io.BytesIO(broken)) as img:
         assert img.size == (48, 48)  # what the worker sees

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer_harness import checked, newest_checkpoint, shard_run, training_records, write_shards
-from tiny_runs import run_train
+from tests.helpers.trainer_harness import checked, newest_checkpoint, shard_run, training_records, write_shards
+from tests.helpers.tiny_runs import run_train
 
 pytestmark = pytest.mark.slow
 

@@ -39,7 +39,7 @@ from clipscale.data.encoded import is_whole_jpeg
 from clipscale.data.shards import ShardStream
 from clipscale.data.transforms import SplitTransform
 
-from test_device_decode import _train, jpeg_shards  # noqa: F401 (a fixture)
+from tests.helpers.jpeg_shards import train_on_jpeg_shards
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -165,9 +165,9 @@ def test_the_trainer_decodes_on_the_gpu_on_the_loaders_curve(digits_root, tmp_pa
     Cache passes; the run follows the loader-decoded run's curve and counts the same skips."""
     jpeg_decoder(decoder, torch.device("cuda"))
     # Uncompiled: this is about the data path, and compiling would cost each run a minute.
-    device = _train(digits_root, tmp_path, jpeg_shards, "device", "run.device=cuda", "data.decoder=device",
-                    f"data.device_decoder={decoder}", "model.compile=false")
-    loader = _train(digits_root, tmp_path, jpeg_shards, "loader", "run.device=cuda", "data.decoder=loader",
-                    "model.compile=false")
+    device = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "device", "run.device=cuda", "data.decoder=device",
+                                  f"data.device_decoder={decoder}", "model.compile=false")
+    loader = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "loader", "run.device=cuda", "data.decoder=loader",
+                                  "model.compile=false")
     assert [m["loss"] for m in device] == pytest.approx([m["loss"] for m in loader], rel=2e-3)
     assert [m["skipped_samples_total"] for m in device] == [m["skipped_samples_total"] for m in loader]

@@ -21,7 +21,7 @@ import threading
 
 import pytest
 
-from tiny_runs import DIGITS_YAML, REPO
+from tests.helpers.tiny_runs import DIGITS_YAML, REPO
 
 pytestmark = pytest.mark.slow
 

@@ -31,7 +31,7 @@ from clipscale.data.transforms import SplitTransform
 from clipscale.step import TrainStep
 from clipscale.metrics import read_metrics
 
-from tiny_runs import DIGITS_YAML, tiny_run
+from tests.helpers.tiny_runs import DIGITS_YAML, tiny_run
 
 OPEN_CLIP_TRAIN = image_transform(32, is_train=True, aug_cfg={"scale": (0.5, 1.0)})  # what build_model gives, wider crops
 PLAIN_CROP = T.Compose([T.RandomResizedCrop(32, scale=(0.5, 1.0)), T.ToTensor()])

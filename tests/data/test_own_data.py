@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import functools
 import http.server
-import io
-import json
 import os
 import shutil
 import subprocess
@@ -15,13 +13,10 @@ import sys
 import threading
 from collections import Counter
 from itertools import islice
-from pathlib import Path
 
 import pytest
 import torch
 import torchvision.transforms as T
-import webdataset as wds
-from PIL import Image
 
 from clipscale.config import ConfigError, DataConfig, load_config
 from clipscale.data import prepare_data
@@ -30,31 +25,10 @@ from clipscale.data.sources import IMAGE_KEYS, TEXT_KEYS, keys
 from clipscale.distributed import World
 from clipscale.metrics import read_metrics
 
-from tiny_runs import DIGITS_YAML, REPO
+from tests.helpers.tiny_runs import DIGITS_YAML, REPO
+from tests.helpers.user_data import noise_image, write_csv, write_img2dataset_shards
 
 CROP = T.Compose([T.RandomResizedCrop(16, scale=(0.3, 1.0)), T.ToTensor()])
-
-
-def _image(index: int, fmt: str = "JPEG") -> bytes:
-    buffer = io.BytesIO()
-    Image.effect_noise((24, 24), 20 + index % 70).convert("RGB").save(buffer, fmt)
-    return buffer.getvalue()
-
-
-def write_img2dataset_shards(folder: Path, shards: int, per_shard: int, prefix: str = "", image_key: str = "jpg",
-                             caption_key: str = "txt") -> str:
-    """Shards in img2dataset's layout: KEY.jpg, KEY.txt and KEY.json (metadata whose values are
-    not the caption); returns their brace pattern. Captions: '<prefix>caption <i>'."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for s in range(shards):
-        with wds.TarWriter(str(folder / f"{s:05d}.tar")) as sink:
-            for j in range(per_shard):
-                i = s * per_shard + j
-                key = f"{s:05d}{j:04d}"
-                metadata = {"key": key, "status": "success", "caption": "not the caption", "width": 24, "height": 24}
-                sink.write({"__key__": key, image_key: _image(i), caption_key: f"{prefix}caption {i}".encode(),
-                            "json": json.dumps(metadata).encode()})
-    return str(folder / f"{{00000..{shards - 1:05d}}}.tar")
 
 
 def config(*overrides):
@@ -149,20 +123,6 @@ def _assert_resumes_exactly(make_stream, uninterrupted, stop):
         assert a["skipped_samples"] == b["skipped_samples"]
 
 
-def write_csv(folder: Path, rows: int, separator: str = "\t", image_column="filepath", caption_column="title",
-              missing: set = frozenset()) -> Path:
-    """A CSV of image paths relative to its folder (images/<i>.png, those in `missing` not written)."""
-    (folder / "images").mkdir(parents=True)
-    lines = [f"{image_column}{separator}{caption_column}"]
-    for i in range(rows):
-        if i not in missing:
-            (folder / "images" / f"{i}.png").write_bytes(_image(i, "PNG"))
-        lines.append(f"images/{i}.png{separator}a csv caption {i}")
-    path = folder / "train.csv"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 def test_a_csv_table_trains_like_shards_and_resumes_exactly(tmp_path, monkeypatch):
     table = write_csv(tmp_path, rows=62, missing={3, 10})  # 60 usable: 10 pieces an epoch
     monkeypatch.chdir(tmp_path / "images")  # paths are relative to the CSV's folder, not to the working one
@@ -180,7 +140,7 @@ def test_csv_sources_are_drawn_by_their_upsampling_factors(tmp_path):
     tables = []
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "0.png").write_bytes(_image(0, "PNG"))
+        (tmp_path / name / "0.png").write_bytes(noise_image(0, "PNG"))
         tables.append(tmp_path / name / "train.csv")
         tables[-1].write_text("filepath\ttitle\n" + "".join(f"0.png\t{name} row {i}\n" for i in range(5)))
     assert_drawn_by_factors("csv", f"{tables[0]}::{tables[1]}")

@@ -21,7 +21,7 @@ from clipscale.config import ModelConfig
 from clipscale.eval import evaluate_retrieval, evaluate_zeroshot, zeroshot_classifier
 from clipscale.eval.datasets import CaptionedImages, LabelledFolder, collate_captions, make_loader
 from clipscale.models import build_model
-from test_eval_script import TINY_CLIP
+from tests.helpers.towers import TINY_CLIP
 
 zeroshot_classification = pytest.importorskip("clip_benchmark.metrics.zeroshot_classification")
 zeroshot_retrieval = pytest.importorskip("clip_benchmark.metrics.zeroshot_retrieval")

@@ -1,4 +1,5 @@
-"""Each data format and task variant, end to end through run_task, on solid-colour pictures.
+"""Each data format and task variant, end to end through run_task, on solid-colour pictures; the
+built-in tasks' class names and templates.
 
 With RiggedModel an image's feature is its RGB colour, so the expected
 metrics are known exactly (worked out in the comments).
@@ -11,49 +12,19 @@ import math
 
 import pytest
 import webdataset as wds
-from PIL import Image
+from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES
 from torchvision.transforms import ToTensor
 
-from clipscale.eval.tasks import resolve_task, run_task
-from test_eval_metrics import CAPTION_FEATURES, EXPECTED_RETRIEVAL, RETRIEVAL_CAPTIONS, RiggedModel
+from clipscale.eval.tasks import BUILTIN_TASKS, class_names, prompt_templates, resolve_task
 
-COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "purple": (255, 0, 255), "yellow": (255, 255, 0)}
-FEATURE = {"red": [1.0, 0.0, 0.0], "green": [0.0, 1.0, 0.0], "blue": [0.0, 0.0, 1.0]}
+from tests.helpers.rigged import (EXPECTED_RETRIEVAL, FEATURE, RETRIEVAL_CAPTIONS, RiggedModel, caption_model, evaluate,
+                                  picture, png_bytes, write_lines)
+
 
 # Folders sort as blue (label 0), green (1), red (2). Purple scores red = blue, and blue wins the tie.
 FOLDER_IMAGES = {"blue": ["blue"], "green": ["green", "red"], "red": ["red", "purple"]}
 # Hits: blue, green, red; misses: the red picture in green, the purple one in red.
 EXPECTED_FOLDER = {"acc1": 3 / 5, "mean_per_class_recall": pytest.approx((1 + 1 / 2 + 1 / 2) / 3), "num_samples": 5}
-
-
-def picture(path, colour: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.new("RGB", (4, 4), COLOURS[colour]).save(path)
-
-
-def png_bytes(colour: str, tmp_path) -> bytes:
-    path = tmp_path / "tmp.png"
-    picture(path, colour)
-    return path.read_bytes()
-
-
-def write_lines(path, lines) -> str:
-    path.write_text("\n".join(str(line) for line in lines) + "\n")
-    return str(path)
-
-
-def evaluate(task, model):
-    return run_task(task, model, model.tokenize, ToTensor(), "cpu", batch_size=3, workers=0, progress=False)
-
-
-@pytest.fixture
-def colour_model():
-    return RiggedModel({f"a {name}": feature for name, feature in FEATURE.items()})
-
-
-@pytest.fixture
-def templates(tmp_path):
-    return write_lines(tmp_path / "templates.txt", ["a {c}"])
 
 
 def check_folder_metrics(metrics):
@@ -178,14 +149,9 @@ def test_builtin_variants_say_what_they_need():
         resolve_task({"name": "x", "data": "d", "clasnames": "folders"})
 
 
-# ---- retrieval: the rigged case of test_eval_metrics, as pictures --------------------------
+# ---- retrieval: the rigged case of eval/test_metrics.py, as pictures ---------------------
 
 RETRIEVAL_COLOURS = ["red", "green", "blue", "red"]  # features e0, e1, e2, e0
-
-
-def caption_model() -> RiggedModel:
-    # The fourth feature dimension (no image has it) becomes the zero vector: scores 0 with every image.
-    return RiggedModel({caption: feature[:3] for caption, feature in CAPTION_FEATURES.items()})
 
 
 def test_coco_karpathy_json(tmp_path):
@@ -280,9 +246,26 @@ def test_digits_task_without_its_manifest_names_the_file(tmp_path):
 def test_evaluator_adds_the_digits_set_under_the_name_zeroshot(digits_root, overrides, held_out):
     from clipscale.config import load_config
     from clipscale.eval.during_training import Evaluator
-    from tiny_runs import DIGITS_YAML
+    from tests.helpers.tiny_runs import DIGITS_YAML
 
     cfg = load_config(DIGITS_YAML, [f"data.root={digits_root}", *overrides])
     tasks = Evaluator(cfg, towers=None, world=None, autocast=None).tasks
     expected = resolve_task("digits", data=str(digits_root), name="zeroshot")
     assert tasks == ([expected] if held_out else [])
+
+
+@pytest.mark.parametrize("name", ["imagenet", "imagenet-v2", "imagenet-r", "imagenet-a"])
+def test_builtin_imagenet_tasks_use_open_clips_class_names_and_80_templates(name, tmp_path):
+    subset = tmp_path / "subset.txt"
+    subset.write_text("\n".join(str(i) for i in range(0, 1000, 5)))  # 200 indices, as imagenet-r/-a
+    task = resolve_task(name, data=str(tmp_path), class_subset=str(subset) if name in ("imagenet-r", "imagenet-a") else None)
+    templates = prompt_templates(task)
+    assert len(templates) == 80 and templates == list(OPENAI_IMAGENET_TEMPLATES)
+    assert templates[0]("goldfish") == "a bad photo of a goldfish."
+    names = class_names(task, folders=[str(i) for i in range(1000)], folder_names=None)
+    expected = list(IMAGENET_CLASSNAMES) if task.class_subset is None else list(IMAGENET_CLASSNAMES)[::5]
+    assert names == expected
+
+
+def test_every_builtin_task_defaults_to_the_80_openai_templates():
+    assert {name: len(prompt_templates(task)) for name, task in BUILTIN_TASKS.items()} == {name: 80 for name in BUILTIN_TASKS}

@@ -7,8 +7,8 @@ import torch
 
 from clipscale.eval import evaluate_retrieval, evaluate_zeroshot, zeroshot_classifier
 from clipscale.eval.datasets import collate_captions, make_loader, rank_shard
-from gloo_world import run_in_gloo_world
-from test_eval_metrics import (
+from tests.helpers.gloo_world import run_in_gloo_world
+from tests.helpers.rigged import (
     CLASSES,
     EXPECTED_RETRIEVAL,
     RETRIEVAL_CAPTIONS,

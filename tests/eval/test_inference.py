@@ -13,7 +13,7 @@ from clipscale.distributed import World
 from clipscale.eval.during_training import Evaluator
 from clipscale.models import build_model
 
-from tiny_runs import DIGITS_YAML
+from tests.helpers.tiny_runs import DIGITS_YAML
 
 DROPOUT = 0.5
 MODEL = (

@@ -3,7 +3,8 @@
 RiggedModel: an image's feature is its per-channel mean (so a [B, d, 1, 1]
 tensor is its own feature vector, and a solid-colour picture's feature is its
 RGB colour); a text's feature is looked up in a table by the exact string.
-Every expected number below is worked out by hand in the comments.
+Every expected number is worked out by hand in the comments (the retrieval case's in
+tests/helpers/rigged.py).
 """
 
 from __future__ import annotations
@@ -12,52 +13,17 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
 from sklearn.metrics import balanced_accuracy_score
 
 from clipscale.eval import evaluate_retrieval, evaluate_zeroshot, zeroshot_classifier
 from clipscale.eval.ranking import target_rank
 from clipscale.eval.retrieval import recall_metrics
 
-
-class RiggedModel(nn.Module):
-    def __init__(self, text_features: dict[str, list[float]]):
-        super().__init__()
-        self.texts = list(text_features)
-        self.register_buffer("table", torch.tensor(list(text_features.values()), dtype=torch.float32))
-
-    def tokenize(self, texts: list[str]) -> torch.Tensor:
-        return torch.tensor([self.texts.index(t) for t in texts])
-
-    def encode_image(self, images, normalize=False):
-        return images.float().flatten(2).mean(dim=2)
-
-    def encode_text(self, tokens, normalize=False):
-        return self.table[tokens]
-
-
-def as_images(features) -> torch.Tensor:
-    return torch.tensor(features, dtype=torch.float32)[:, :, None, None]
-
-
-def one_hot(i: int, d: int) -> list[float]:
-    return [float(j == i) for j in range(d)]
+from tests.helpers.rigged import (CLASSES, EXPECTED_RETRIEVAL, RETRIEVAL_CAPTIONS, RETRIEVAL_IMAGES, RiggedModel, as_images,
+                                  one_hot, retrieval_model, tied_classifier_model)
 
 
 # ---- classification ---------------------------------------------------------------------
-
-CLASSES = ["c0", "c1", "c2", "c3", "c4", "c5"]
-
-
-def tied_classifier_model() -> RiggedModel:
-    # Class c has direction e_c, except c5 which shares c4's direction: an exact tie.
-    # "a {c}" and "the {c}" point the same way (different lengths), so the class mean is unchanged.
-    texts = {}
-    for c, name in enumerate(CLASSES):
-        direction = one_hot(min(c, 4), 6)
-        texts[f"a {name}"] = direction
-        texts[f"the {name}"] = [3 * x for x in direction]
-    return RiggedModel(texts)
 
 
 def test_classifier_is_normalised_mean_of_normalised_prompts_with_both_template_kinds():
@@ -129,31 +95,6 @@ def test_target_rank_equals_stable_descending_sort():
 
 
 # ---- retrieval --------------------------------------------------------------------------
-
-RETRIEVAL_IMAGES = [one_hot(0, 4), one_hot(1, 4), one_hot(2, 4), one_hot(0, 4)]  # image 3 duplicates image 0
-RETRIEVAL_CAPTIONS = [["a", "b"], ["c", "d", "e"], ["f"], ["g", "h"]]  # 8 captions for 4 images
-CAPTION_FEATURES = {
-    "a": one_hot(0, 4), "b": one_hot(1, 4), "c": one_hot(2, 4), "d": one_hot(3, 4),
-    "e": one_hot(1, 4), "f": one_hot(3, 4), "g": one_hot(0, 4), "h": [1.0, 1.0, 0.0, 0.0],
-}  # fmt: skip
-
-# Text -> image, rank of each caption's own image (ties to the lower image index):
-#   a: img0 = img3 = 1, img0 wins -> 0     b: img1 ahead -> 1       c: img2 ahead, img0 tied lower -> 2
-#   d: all 0, img0 lower -> 1              e: -> 0                  f: all 0, img0, img1 lower -> 2
-#   g: img0 tied lower -> 1                h: img0, img1 tied lower -> 2
-# recall@1 = 2/8, recall@5 = recall@10 = 1 (only 4 images).
-# Image -> text, rank of the image's best caption (ties to the lower caption index):
-#   img0: a (1), nothing ahead -> 0        img1: e (1), b tied lower -> 1
-#   img2: f (0), c greater, a b d e tied lower -> 5      img3: g (1), a tied lower -> 1
-# recall@1 = 1/4, recall@5 = 3/4, recall@10 = 4/4.
-EXPECTED_RETRIEVAL = {
-    "image_retrieval_recall@1": 2 / 8, "image_retrieval_recall@5": 1.0, "image_retrieval_recall@10": 1.0,
-    "text_retrieval_recall@1": 1 / 4, "text_retrieval_recall@5": 3 / 4, "text_retrieval_recall@10": 1.0,
-}  # fmt: skip
-
-
-def retrieval_model() -> RiggedModel:
-    return RiggedModel(CAPTION_FEATURES)
 
 
 def test_retrieval_metrics_exact_with_ties_and_more_captions_than_images():

@@ -16,8 +16,8 @@ from clipscale.eval.validation import Validation
 from clipscale.metrics import read_metrics
 from clipscale.models import build_model
 
-from test_own_data import write_csv, write_img2dataset_shards
-from tiny_runs import DIGITS_YAML, TINY_MODEL, run_train
+from tests.helpers.user_data import write_csv, write_img2dataset_shards
+from tests.helpers.tiny_runs import DIGITS_YAML, TINY_MODEL, run_train
 
 VAL_BATCH = 8  # 20 validation samples: batches of 8, 8 and 4
 

@@ -4,7 +4,7 @@ Every clipscale loss must match these: the value, each rank's feature gradient
 (world * dL/dfeatures_r, DDP's convention) and dL/dscale (the rank-mean of the
 scale gradients). Inputs are given per rank, as the ranks hold them.
 
-    from reference_math import clip_loss_float64, ntxent_loss_float64
+    from tests.helpers.reference_math import clip_loss_float64, ntxent_loss_float64
     ref = clip_loss_float64(images_per_rank, texts_per_rank, scale)
     ref.loss, ref.grads[0][r] (image grad of rank r), ref.grads[1][r], ref.scale_grad
 """

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DIGITS_YAML = str(REPO / "configs" / "digits.yaml")
 TRAIN = str(REPO / "train.py")
 
@@ -19,6 +19,9 @@ TINY_MODEL = (
     "vision_cfg: {image_size: 32, patch_size: 8, width: 64, layers: 2, head_width: 32, mlp_ratio: 2.0}, "
     "text_cfg: {context_length: 16, vocab_size: 49408, width: 64, heads: 2, layers: 2, mlp_ratio: 2.0}}"
 )
+# The same with open_clip's patch dropout: a resumed run must replay its random draws.
+DROPOUT_MODEL = TINY_MODEL.replace("mlp_ratio: 2.0}, text_cfg", "mlp_ratio: 2.0, patch_dropout: 0.5}, text_cfg")
+assert DROPOUT_MODEL != TINY_MODEL
 
 
 def tiny_run(digits_root: Path, output_dir: Path, *extra: str) -> list[str]:

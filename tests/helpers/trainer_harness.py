@@ -14,7 +14,7 @@ from PIL import Image
 
 from clipscale.metrics import read_metrics
 
-from tiny_runs import TINY_MODEL, run_train
+from tests.helpers.tiny_runs import DIGITS_YAML, TINY_MODEL, run_train, tiny_run
 
 PLUGIN_TRAIN = str(Path(__file__).resolve().parent / "train_with_plugins.py")
 CORRUPT_JPEG = b"\xff\xd8\xff\xe0" + bytes(300)  # a JPEG header, then nothing decodable
@@ -88,3 +88,20 @@ def max_difference(a: dict, b: dict) -> float:
     """Largest absolute difference between two state_dicts with the same keys."""
     assert a.keys() == b.keys()
     return max(float((a[k].double() - b[k].double()).abs().max()) if a[k].numel() else 0.0 for k in a)
+
+
+def train_in_process(digits_root: Path, output_dir: Path, name: str, *extra: str) -> tuple[object, Path]:
+    """The tiny run on the digits in this process, every checkpoint kept (tests read the weights of
+    each step); (what `train` returned, the run folder)."""
+    from clipscale.config import load_config
+    from clipscale.trainer import train
+
+    overrides = tiny_run(digits_root, output_dir, f"run.name={name}", "eval.zeroshot=false", "data.workers=1",
+                         "train.keep_checkpoints=null", *extra)
+    return train(load_config(DIGITS_YAML, overrides)), output_dir / name
+
+
+def checkpointed_run(digits_root: Path, output_dir: Path, name: str, *extra: str) -> dict[int, dict]:
+    """train_in_process with a checkpoint after every step: {step: checkpoint}."""
+    _, run_dir = train_in_process(digits_root, output_dir, name, "train.checkpoint_every=1", *extra)
+    return {step: load(path) for step, path in step_checkpoints(run_dir).items()}

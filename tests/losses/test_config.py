@@ -22,7 +22,7 @@ import pytest
 from clipscale.checks import load_checked_config
 from clipscale.losses import CLIP_INPUTS, available_losses, loss_contract
 from clipscale.metrics import read_metrics
-from tiny_runs import DIGITS_YAML, REPO, TINY_MODEL, tiny_run
+from tests.helpers.tiny_runs import DIGITS_YAML, REPO, TINY_MODEL, tiny_run
 
 BUILT_IN = ("vanilla", "local", "disco", "infcl", "siglip", "ntxent")
 BIAS = "model.custom.init_logit_bias=-10"  # open_clip's SigLIP initial bias

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from clipscale.losses import available_losses, build_loss
-from gloo_world import run_in_gloo_world
+from tests.helpers.gloo_world import run_in_gloo_world
 
 CLIP_LOSSES = ["vanilla", "local", "disco", "infcl", "siglip"]
 

@@ -1,15 +1,19 @@
 """scripts/bench_e2e.py in a tiny form on the CPU: a clipscale case through train.py and, in the
 same command, its ceiling (clipscale's TrainStep on in-memory tensors, the shards' captions),
-with the numbers each row must carry. The real numbers come from a GPU."""
+with the numbers each row must carry. The real numbers come from a GPU. A case that outlives its
+budget is stopped: torchrun's workers run in sessions of their own and hold the output pipe, so
+killing the launcher alone would leave the benchmark waiting for that pipe forever."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import time
 
 import pytest
 
-from tiny_runs import REPO
+from tests.helpers.tiny_runs import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 import bench_e2e  # noqa: E402
@@ -73,3 +77,17 @@ def test_the_ceilings_captions_are_the_shards_own(shards):
     assert len(captions) == 40 and all(caption.split()[0] in ("red", "green", "blue", "yellow", "purple", "orange",
                                                                   "black", "white") for caption in captions)
     assert len(bench_e2e.shard_captions(shards, {"txt"}, 1000)) == 64  # all there are
+
+
+# --- a case that outlives its budget ----------------------------------------------------------
+
+HOLDS_THE_PIPE = ("import subprocess, sys, time; "
+                  "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+                  "time.sleep(60)")
+
+
+def test_a_killed_case_takes_its_workers_with_it():
+    launcher = subprocess.Popen([sys.executable, "-c", HOLDS_THE_PIPE], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    time.sleep(2)  # the worker has started
+    bench_e2e.kill_tree(launcher.pid)
+    launcher.communicate(timeout=10)  # raises if a worker still holds the pipe

@@ -16,18 +16,14 @@ from clipscale.config import ModelConfig
 from clipscale.errors import run_main
 from clipscale.eval.tasks import resolve_task, run_task
 from clipscale.models import build_model
-from test_eval_data import picture, write_lines
+from tests.helpers.rigged import picture, write_lines
+from tests.helpers.tiny_runs import REPO
+from tests.helpers.towers import TINY_CLIP
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 import eval_zeroshot  # noqa: E402
-TINY_CLIP = {
-    "embed_dim": 16,
-    "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8, "head_width": 16},
-    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
-}
 
 
 def run_script(*args) -> dict:

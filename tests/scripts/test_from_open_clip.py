@@ -16,7 +16,7 @@ import yaml
 from clipscale.checks import load_checked_config
 from clipscale.config import load_config
 
-from tiny_runs import REPO
+from tests.helpers.tiny_runs import REPO
 
 SCRIPT = str(REPO / "scripts" / "from_open_clip.py")
 sys.path.insert(0, str(REPO / "scripts"))

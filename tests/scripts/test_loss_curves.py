@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tiny_runs import REPO, tiny_run
+from tests.helpers.tiny_runs import REPO, tiny_run
 
 sys.path.insert(0, str(REPO / "scripts" / "reproduce"))
 import loss_curves  # noqa: E402

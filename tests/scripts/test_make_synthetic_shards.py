@@ -10,7 +10,7 @@ import numpy as np
 import open_clip
 import pytest
 
-from tiny_runs import REPO
+from tests.helpers.tiny_runs import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 import make_synthetic_shards as shards  # noqa: E402

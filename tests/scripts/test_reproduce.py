@@ -6,7 +6,7 @@ import json
 import sys
 
 import pytest
-from tiny_runs import REPO
+from tests.helpers.tiny_runs import REPO
 
 from clipscale.distributed import World
 

@@ -22,9 +22,9 @@ import torch
 
 from clipscale.models import OPEN_CLIP_WEIGHTS
 
-from test_trainer_resume import DROPOUT_MODEL
-from trainer_harness import checked, launch, load, max_difference, newest_checkpoint, shard_run, step_checkpoints, training_records, write_shards
-from trainer_plugins import KILL_AT
+from tests.helpers.tiny_runs import DROPOUT_MODEL
+from tests.helpers.trainer_harness import checked, launch, load, max_difference, newest_checkpoint, shard_run, step_checkpoints, training_records, write_shards
+from tests.helpers.trainer_plugins import KILL_AT
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer_harness import checked, launch, load, max_difference, newest_checkpoint, shard_run, step_checkpoints, training_records, write_shards
+from tests.helpers.trainer_harness import checked, launch, load, max_difference, newest_checkpoint, shard_run, step_checkpoints, training_records, write_shards
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ import torch
 from clipscale.config import load_config
 from clipscale.models import build_model
 
-from tiny_runs import DIGITS_YAML, TINY_MODEL, run_train
-from trainer_harness import shard_run, training_records, write_shards
+from tests.helpers.tiny_runs import DIGITS_YAML, TINY_MODEL, run_train
+from tests.helpers.trainer_harness import shard_run, training_records, write_shards
 
 import pytest
 

@@ -19,7 +19,7 @@ import torch
 from clipscale.checkpoint import latest_checkpoint, step_checkpoints
 from clipscale.metrics import read_metrics
 
-from tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
+from tests.helpers.tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
 
 pytestmark = pytest.mark.slow
 

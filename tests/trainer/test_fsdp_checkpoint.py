@@ -21,8 +21,8 @@ import torch
 
 from clipscale.checkpoint import load_latest, remove_partial_saves, save_checkpoint, sharded_folder, temporary_name
 from clipscale.models import OPEN_CLIP_WEIGHTS
-from trainer_harness import checked, launch, load, max_difference, newest_checkpoint, shard_run, step_checkpoints, training_records, write_shards
-from trainer_plugins import READS_TO
+from tests.helpers.trainer_harness import checked, launch, load, max_difference, newest_checkpoint, shard_run, step_checkpoints, training_records, write_shards
+from tests.helpers.trainer_plugins import READS_TO
 
 STEPS, BATCH = 6, 24
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from clipscale.models import OPEN_CLIP_WEIGHTS
-from trainer_harness import checked, launch, load, max_difference, shard_run, step_checkpoints, training_records, write_shards
-from trainer_plugins import KILL_AT
+from tests.helpers.trainer_harness import checked, launch, load, max_difference, shard_run, step_checkpoints, training_records, write_shards
+from tests.helpers.trainer_plugins import KILL_AT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 STEPS, BATCH = 6, 48

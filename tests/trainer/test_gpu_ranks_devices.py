@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from trainer_harness import checked, launch, shard_run, write_shards
+from tests.helpers.trainer_harness import checked, launch, shard_run, write_shards
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 

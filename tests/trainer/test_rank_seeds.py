@@ -8,8 +8,8 @@ import pytest
 import torch
 from open_clip.transformer import PatchDropout
 
-from test_trainer_resume import DROPOUT_MODEL
-from trainer_harness import checked, launch, max_difference, newest_checkpoint, shard_run, training_records, write_shards
+from tests.helpers.tiny_runs import DROPOUT_MODEL
+from tests.helpers.trainer_harness import checked, launch, max_difference, newest_checkpoint, shard_run, training_records, write_shards
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,7 @@
-"""Two torchrun launchers with --nnodes 2 on this machine (a c10d rendezvous, one worker each), as
-on two nodes: one launcher's worker is killed mid-run, the whole job restarts on both launchers,
-resumes from the latest checkpoint and ends with the weights of an uninterrupted run."""
+"""torchrun's elastic restarts: a worker killed mid-run restarts the world (--max-restarts), which
+resumes from the latest checkpoint and ends with the weights of an uninterrupted run. On one node,
+and with two torchrun launchers with --nnodes 2 on this machine (a c10d rendezvous, one worker
+each), as on two nodes, where the whole job restarts on both launchers."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ import torch.distributed as dist
 from clipscale.checkpoint import latest_checkpoint
 from clipscale.distributed import attempt_namespace
 
-from gloo_world import free_port
-from tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
+from tests.helpers.gloo_world import free_port
+from tests.helpers.tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -87,5 +88,46 @@ def test_a_worker_killed_on_one_of_two_nodes_restarts_the_job_with_the_same_fina
 
     final = {name: torch.load(latest_checkpoint(tmp_path / name / "checkpoints"), weights_only=True) for name in ("reference", "killed")}
     assert final["killed"]["step"] == 20
+    for key, tensor in final["reference"]["state_dict"].items():
+        assert torch.equal(final["killed"]["state_dict"][key], tensor), key
+
+
+# --- one node: a worker killed, restarted by torchrun ------------------------------------------
+
+
+def test_a_worker_killed_mid_run_is_restarted_from_the_latest_checkpoint(digits_root, tmp_path):
+    """SIGKILL one of two torchrun workers after a checkpoint: with --max-restarts 1 the world
+    restarts, resumes from latest.pt and ends with the weights of a run never interrupted. The
+    job replaces an older run (run.overwrite=true): its restart resumes, it does not move aside
+    the run it started itself."""
+    def overrides(name):
+        return tiny_run(digits_root, tmp_path, f"run.name={name}", "train.steps=40", "train.checkpoint_every=10",
+                        "eval.zeroshot=false")
+
+    reference = run_train(overrides("reference"), nproc=2)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    older = tmp_path / "killed"  # the run this job replaces
+    older.mkdir()
+    (older / "config.yaml").write_text("run: {name: killed}\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+         str(REPO / "train.py"), "--config", DIGITS_YAML, *overrides("killed"), "run.resume=false", "run.overwrite=true"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    checkpoints, metrics = tmp_path / "killed" / "checkpoints", tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while not ((checkpoints / "step_00000010.pt").exists() and len(metrics.read_text().splitlines()) >= 14):
+        assert agent.poll() is None and time.time() < deadline, "the run ended before a worker could be killed"
+        time.sleep(0.05)
+    os.kill(_children(agent.pid)[-1], signal.SIGKILL)
+    _, stderr = agent.communicate(timeout=240)
+    assert agent.returncode == 0, stderr[-3000:]
+    assert "exitcode: -9" in stderr  # the agent saw the kill, and the restarted world finished
+    assert len(list(tmp_path.glob("killed.old-*"))) == 1, "the restart moved its own run aside as well"
+
+    final = {name: torch.load(latest_checkpoint(tmp_path / name / "checkpoints"), weights_only=True) for name in ("reference", "killed")}
+    assert final["killed"]["step"] == 40
     for key, tensor in final["reference"]["state_dict"].items():
         assert torch.equal(final["killed"]["state_dict"][key], tensor), key

@@ -12,15 +12,13 @@ import signal
 
 import pytest
 
-from tiny_runs import TINY_MODEL
-from trainer_harness import checked, launch, max_difference, newest_checkpoint, shard_run, step_checkpoints, training_records, write_shards
+from tests.helpers.tiny_runs import DROPOUT_MODEL
+from tests.helpers.trainer_harness import checked, launch, max_difference, newest_checkpoint, shard_run, step_checkpoints, training_records, write_shards
 
 pytestmark = pytest.mark.slow
 
 STEPS = 12
 LOG_EVERY = 3
-DROPOUT_MODEL = TINY_MODEL.replace("mlp_ratio: 2.0}, text_cfg", "mlp_ratio: 2.0, patch_dropout: 0.5}, text_cfg")
-assert DROPOUT_MODEL != TINY_MODEL
 
 
 def _overrides(shards, output_dir, name, signal_call=None):

@@ -7,8 +7,8 @@ from clipscale.config import load_config
 from clipscale.metrics import read_metrics
 from clipscale.trainer import train
 
-from tiny_runs import DIGITS_YAML, tiny_run
-from trainer_plugins import ScriptedFaults
+from tests.helpers.tiny_runs import DIGITS_YAML, tiny_run
+from tests.helpers.trainer_plugins import ScriptedFaults
 
 
 def test_an_injected_loss_is_the_one_the_run_trains_with(digits_root, tmp_path):

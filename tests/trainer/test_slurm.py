@@ -25,8 +25,8 @@ import pytest
 
 from clipscale.metrics import read_metrics
 
-from gloo_world import free_port
-from tiny_runs import REPO, tiny_run
+from tests.helpers.gloo_world import free_port
+from tests.helpers.tiny_runs import REPO, tiny_run
 
 pytestmark = pytest.mark.slow
 

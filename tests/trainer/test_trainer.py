@@ -1,4 +1,6 @@
-"""The end-to-end trainer: config errors, digits shards, exact resumption, torchrun."""
+"""The end-to-end trainer: a run that learns and resumes on the same curve, torchrun, Gradient
+Cache and offload on the plain curve (SigLIP's logit bias included), LiT's locked tower, and shards
+from the synthetic writer."""
 
 from __future__ import annotations
 
@@ -14,116 +16,11 @@ import pytest
 import torch
 
 from clipscale.checkpoint import latest_checkpoint
-from clipscale.checks import check_world, load_checked_config
-from clipscale.config import ConfigError, load_config
-from clipscale.data.digits import CAPTION_TEMPLATES, ZEROSHOT_TEMPLATES
-from clipscale.data.shards import ShardStream, StreamState
+from clipscale.config import load_config
 from clipscale.metrics import read_metrics
 
-from tiny_runs import DIGITS_YAML, REPO, run_train, tiny_run
-
-
-# --- configuration -----------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "override, expected",
-    [
-        ("train.stepz=3", "unknown key train.stepz; allowed keys in train: batch_size, chunk_size"),
-        ("trian.steps=3", "unknown key trian; allowed keys in the config: run, model, data"),
-        ("train.steps=many", "train.steps: got 'many', expected int"),
-        ("train.precision=fp8", "train.precision: got 'fp8', expected one of 'fp32', 'bf16', 'fp16'"),
-        ("loss.name=magic", "loss.name: got 'magic', expected one of"),
-        ("train.batch_size=0", "train.batch_size: must be positive"),
-        ("model.name=ViT-B-16", "set exactly one of model.name"),
-        ("model.pretrained=/nonexistent.pt", "model.pretrained: no file at"),
-        ("train.steps", "must look like section.key=value"),
-    ],
-)
-def test_config_errors_name_the_key(override, expected):
-    with pytest.raises(ConfigError, match=None) as err:
-        load_checked_config(DIGITS_YAML, [override])
-    assert expected in str(err.value)
-
-
-def test_config_overrides_merge_with_the_file():
-    cfg = load_config(DIGITS_YAML, ["train.steps=7", "loss.options.chunk_size=128", "optim.lr=1"])
-    assert cfg.train.steps == 7
-    assert cfg.loss.options == {"chunk_size": 128}
-    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
-    assert cfg.model.custom["vision_cfg"]["patch_size"] == 8  # untouched keys keep the file's values
-
-
-def test_global_batch_must_split_over_the_world():
-    cfg = load_config(DIGITS_YAML, ["train.batch_size=256"])
-    check_world(cfg, 4)
-    with pytest.raises(ConfigError, match="must split evenly over 3 processes"):
-        check_world(cfg, 3)
-
-
-def test_train_py_stops_before_any_work_on_a_bad_key(tmp_path):
-    result = run_train([f"run.output_dir={tmp_path}", "optim.learning_rate=1"], timeout=120)
-    assert result.returncode != 0
-    assert "unknown key optim.learning_rate" in result.stderr
-    assert not any(tmp_path.iterdir())
-
-
-# --- data --------------------------------------------------------------------
-
-
-def test_digits_shards_split_and_captions(digits_root):
-    manifest = json.loads((digits_root / "manifest.json").read_text())
-    assert manifest["num_train"] + manifest["num_val"] == 1797
-    import webdataset as wds
-
-    train = list(wds.WebDataset([str(digits_root / s) for s in manifest["train_shards"]], shardshuffle=False, empty_check=False))
-    val = list(wds.WebDataset([str(digits_root / s) for s in manifest["val_shards"]], shardshuffle=False, empty_check=False))
-    assert len(train) == manifest["num_train"] and len(val) == manifest["num_val"]
-    assert not {s["__key__"] for s in train} & {s["__key__"] for s in val}, "validation images leaked into training"
-    assert all("txt" not in s for s in val)
-    captions = {s["txt"].decode() for s in train}
-    assert len(captions) > 50  # varied templates, every class
-    phrasing = {t.split("{")[0] for t in CAPTION_TEMPLATES}
-    assert not any(t.split("{")[0] in phrasing for t in ZEROSHOT_TEMPLATES if t.split("{")[0])
-
-
-def _stream(digits_root, workers, state=None):
-    manifest = json.loads((digits_root / "manifest.json").read_text())
-    import torchvision.transforms as T
-
-    return ShardStream(
-        [str(digits_root / s) for s in manifest["train_shards"]],
-        piece_size=50, rank=0, world_size=1, num_workers=workers, seed=3,
-        image_transform=T.Compose([T.RandomResizedCrop(32, scale=(0.5, 1.0)), T.ToTensor()]),
-        tokenizer=lambda captions: captions, shuffle_buffer=100, state=state,
-    )
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("workers", [0, 2])
-def test_stream_resumes_exactly(digits_root, workers):
-    """Batches after a resume equal the uninterrupted stream's, crops and worker order included."""
-
-    def batches(state, count):
-        loader = torch.utils.data.DataLoader(_stream(digits_root, workers, state), batch_size=None, num_workers=workers)
-        out = []
-        for batch in loader:
-            out.append(batch)
-            if len(out) == count:
-                return out
-
-    uninterrupted = batches(StreamState(), 40)  # 40 x 50 samples: crosses an epoch boundary
-    state = StreamState()
-    for batch in uninterrupted[:23]:  # odd: the resumed loader must rotate its workers
-        state.update(batch)
-    resumed = batches(state, 17)
-    for a, b in zip(uninterrupted[23:], resumed):
-        assert a["cursor"] == b["cursor"]
-        assert a["texts"] == b["texts"]
-        assert torch.equal(a["images"], b["images"])
-
-
-# --- training ----------------------------------------------------------------
+from tests.helpers.tiny_runs import DIGITS_YAML, REPO, TINY_MODEL, run_train, tiny_run
+from tests.helpers.trainer_harness import checkpointed_run, max_difference, training_records
 
 
 @pytest.mark.slow
@@ -189,65 +86,7 @@ def test_torchrun_two_processes(digits_root, tmp_path):
     assert (run_dir / "eval" / "step_00000012.json").exists()
 
 
-# --- non-finite steps --------------------------------------------------------
-
-from clipscale.losses import build_loss, register_loss  # noqa: E402
-
-NAN_LOSSES: list = []  # every NanOnCalls the trainer built, to read what it saw
-
-
-@register_loss("nan_on_calls")
-class NanOnCalls(torch.nn.Module):
-    """vanilla, except that the listed calls get NaN features; records the scale it saw."""
-
-    def __init__(self, calls=()):
-        super().__init__()
-        self.calls, self.count, self.scales = set(calls), 0, []
-        self.inner = build_loss("vanilla")
-        NAN_LOSSES.append(self)
-
-    def forward(self, image, text, logit_scale):
-        self.count += 1
-        self.scales.append(float(logit_scale.detach()))
-        if self.count in self.calls:
-            image = image * math.nan
-        return self.inner(image, text, logit_scale)
-
-
-def _train_in_process(digits_root, tmp_path, *extra):
-    from clipscale.trainer import train
-
-    overrides = tiny_run(digits_root, tmp_path, "data.workers=0", "eval.zeroshot=false", "loss.name=nan_on_calls", *extra)
-    return train(load_config(DIGITS_YAML, overrides))
-
-
-def test_nonfinite_steps_are_skipped_without_touching_weights(digits_root, tmp_path):
-    _train_in_process(digits_root, tmp_path, "loss.options={calls: [3, 4]}", "train.steps=6")
-    scales = NAN_LOSSES[-1].scales
-    assert scales[2] == scales[3] == scales[4], scales  # steps 3 and 4 skipped: the weights did not move
-    assert scales[1] != scales[2] and scales[4] != scales[5]  # the others stepped
-    metrics = read_metrics(tmp_path / "tiny" / "metrics.jsonl")
-    assert [m["nonfinite_steps"] for m in metrics] == [0, 0, 1, 2, 2, 2]
-    assert metrics[2]["loss"] is None and "loss" in metrics[2]["nonfinite"]  # strict JSON: null and a flag
-    assert math.isfinite(metrics[5]["loss"])
-
-
-def test_a_run_that_keeps_failing_stops_with_a_clear_message(digits_root, tmp_path):
-    with pytest.raises(RuntimeError, match="3 steps in a row had a non-finite loss"):
-        _train_in_process(digits_root, tmp_path, f"loss.options={{calls: {list(range(1, 7))}}}", "train.steps=6",
-                          "train.max_nonfinite_steps=2")
-
-
-def test_wandb_logs_offline_without_a_key(digits_root, tmp_path, monkeypatch):
-    from clipscale.trainer import train
-
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc from a `wandb login`
-    overrides = tiny_run(digits_root, tmp_path, "data.workers=0", "eval.zeroshot=false", "train.steps=2", "wandb.enabled=true")
-    train(load_config(DIGITS_YAML, overrides))
-    runs = list((tmp_path / "tiny" / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+# --- Gradient Cache, offload and LiT through the trainer ---------------------------------------
 
 
 @pytest.mark.slow
@@ -270,6 +109,22 @@ def test_gradient_cache_and_offload_follow_the_plain_curve(digits_root, tmp_path
         curves[name] = [m["loss"] for m in read_metrics(tmp_path / name / "metrics.jsonl")]
     for name in runs:
         assert curves[name] == pytest.approx(curves["plain"], rel=1e-5, abs=1e-5), name
+
+
+SIGLIP_MODEL = TINY_MODEL[:-1] + ", init_logit_bias: -10}"
+
+
+def test_siglip_trains_its_logit_bias_through_gradient_cache_as_in_one_pass(digits_root, tmp_path):
+    """Gradient Cache in chunks of 16 (4 per step) against a plain step: the same curve and the
+    same logit_bias, which moves from its initial -10."""
+    runs = {name: checkpointed_run(digits_root, tmp_path, name, SIGLIP_MODEL, "loss.name=siglip", "train.steps=4", *extra)
+            for name, extra in {"plain": [], "chunked": ["train.chunk_size=16"]}.items()}
+    curves = {name: [m["loss"] for m in training_records(tmp_path / name)] for name in runs}
+    assert curves["chunked"] == pytest.approx(curves["plain"], rel=1e-5)
+    bias = {name: float(checkpoints[4]["state_dict"]["logit_bias"]) for name, checkpoints in runs.items()}
+    assert bias["chunked"] == pytest.approx(bias["plain"], abs=1e-5)
+    assert abs(bias["plain"] + 10) > 1e-4  # Adam moved it by about the learning rate per step
+    assert max_difference(runs["chunked"][4]["state_dict"], runs["plain"][4]["state_dict"]) < 1e-5
 
 
 def test_lit_keeps_the_locked_tower_in_eval_mode(digits_root, tmp_path, monkeypatch):

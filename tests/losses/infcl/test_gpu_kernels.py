@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from clipscale.losses.infcl import infcl_loss, ntxent_loss
-from gloo_world import run_in_gloo_world
-from reference_math import (TiledReference, clip_loss_float64, clip_loss_float64_tiled, ntxent_loss_float64,
+from tests.helpers.gloo_world import run_in_gloo_world
+from tests.helpers.reference_math import (TiledReference, clip_loss_float64, clip_loss_float64_tiled, ntxent_loss_float64,
                             ntxent_loss_float64_tiled)
 
 pytestmark = pytest.mark.timeout(600)

@@ -29,9 +29,10 @@ from clipscale.losses import build_loss
 from clipscale.losses.infcl import infcl_loss, reference
 from clipscale.losses.infcl.precision import tf32_allowed, torch_allows_tf32
 from clipscale.losses.infcl.loss import select_backend
-from gloo_world import run_in_gloo_world
-from reference_math import block_logits_float64, clip_loss_float64
-from test_losses_distributed import Case, assert_matches_reference, relative_error, worker
+from tests.helpers.gloo_world import run_in_gloo_world
+from tests.helpers.loss_cases import Case, assert_matches_reference, relative_error, worker
+from tests.helpers.reference_math import block_logits_float64, clip_loss_float64
+from tests.helpers.tiny_runs import REPO
 
 
 class LargestTensor(TorchDispatchMode):
@@ -182,7 +183,7 @@ def test_one_host_read_per_step(backend, dtype, monkeypatch):
 
 # --- float32 that means float32 ------------------------------------------------------
 
-BENCH_LOSS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_loss.py")
+BENCH_LOSS = str(REPO / "scripts" / "bench_loss.py")
 
 
 def test_tf32_follows_pytorch_and_is_restored():

@@ -1,0 +1,70 @@
+"""The digits as JPEG shards with damaged samples mixed in, and tiny runs on them (the device
+decoder's tests, on the CPU and on the GPU)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import webdataset as wds
+from PIL import Image
+
+from clipscale.config import load_config
+from clipscale.metrics import read_metrics
+from clipscale.step import TrainStep
+from tests.helpers.tiny_runs import DIGITS_YAML, tiny_run
+
+DAMAGED = {7: "truncated", 40: "png", 77: "garbage", 123: "trailing"}  # sample index -> what it holds
+
+
+def jpeg(img: Image.Image) -> bytes:
+    out = io.BytesIO()
+    img.save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def write_jpeg_shards(digits_root: Path, root: Path) -> list[str]:
+    """The digits' training samples as 48-px JPEGs in 3 shards under `root`, with DAMAGED's samples mixed in."""
+    manifest = json.loads((digits_root / "manifest.json").read_text())
+    samples = [s for url in manifest["train_shards"] for s in wds.WebDataset(str(digits_root / url), shardshuffle=False)]
+    urls = [str(root / f"train-{k}.tar") for k in range(3)]
+    sinks = [wds.TarWriter(url) for url in urls]
+    for i, sample in enumerate(samples[:600]):
+        img = Image.open(io.BytesIO(sample["png"])).convert("RGB").resize((48, 48), Image.BICUBIC)
+        data = jpeg(img)
+        kind = DAMAGED.get(i)
+        if kind == "truncated":
+            data = data[: len(data) // 2]
+        elif kind == "png":
+            out = io.BytesIO()
+            img.save(out, format="PNG")
+            data = out.getvalue()
+        elif kind == "garbage":
+            data = b"\xff\xd8\xff" + bytes(range(256)) * 4 + b"\xff\xd9"  # the markers of a JPEG, nothing inside
+        elif kind == "trailing":
+            data += b"\x00" * 16  # decodable, but not whole by the end marker: the worker judges it
+        sinks[i % 3].write({"__key__": sample["__key__"], "jpg": data, "txt": sample["txt"]})
+    for sink in sinks:
+        sink.close()
+    return urls
+
+
+def train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, name, *extra, monkeypatch=None, record=None) -> list[dict]:
+    """Six steps of the tiny model on the JPEG shards, in this process; metrics.jsonl's records.
+    `record` (a list) receives the images column each step gets."""
+    import clipscale.trainer as trainer
+
+    if record is not None:
+        real_call = TrainStep.__call__
+
+        def recording_call(step, images, texts, lr=None):
+            record.append(images)
+            return real_call(step, images, texts, lr)
+
+        monkeypatch.setattr(TrainStep, "__call__", recording_call)
+    shards = jpeg_shards[0].replace("train-0", "train-{0..2}")
+    overrides = tiny_run(digits_root, tmp_path, f"run.name={name}", "eval.zeroshot=false", "train.steps=6",
+                         "train.chunk_size=24", "data.kind=webdataset", f"data.train_shards={shards}", *extra)
+    trainer.train(load_config(DIGITS_YAML, overrides))
+    return read_metrics(tmp_path / name / "metrics.jsonl")
