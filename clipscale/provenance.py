@@ -1,6 +1,6 @@
 """Where a benchmark's numbers come from: the device, the versions, the date, the command and
 the commit, one record that every results JSON starts from (scripts/bench_*.py and
-scripts/reproduce/*.py call `provenance()`; tests/test_results_provenance.py checks every
+scripts/reproduce/*.py call `provenance()`; tests/test_provenance.py checks every
 committed file for it).
 
 A file written before a field was recorded gets it from what is known after the fact, marked as

@@ -42,7 +42,7 @@ COLOURS = {
 # characters on (Schuhmann et al. 2021/2022), keyword lists included, so a further WEB_OVER_LIMIT
 # of captions are such lists of 80-150 words, cut at 77 tokens by the tokenizer: that share is our
 # assumption, not a published figure. Every word below is one token of CLIP's BPE tokenizer
-# (tests/test_synthetic_shards.py), and none names a colour, so a caption of n words takes n + 2
+# (tests/scripts/test_make_synthetic_shards.py), and none names a colour, so a caption of n words takes n + 2
 # positions and names its image's colour only.
 WEB_MEAN_WORDS, WEB_SD_WORDS = 20.2, 16.3
 WEB_SIGMA = math.sqrt(math.log(1 + (WEB_SD_WORDS / WEB_MEAN_WORDS) ** 2))

@@ -31,8 +31,8 @@ def is_gpu_session(config) -> bool:
 
 def pytest_ignore_collect(collection_path, config):
     """The GPU suite's session imports only its own modules (test_gpu_*.py, in any folder): the
-    others run the Triton programs in the interpreter (losses/infcl/test_kernels.py,
-    data/test_crop_resize.py), which needs Triton's library imported for it."""
+    others run the Triton programs in the interpreter (tests/losses/infcl/test_kernels.py,
+    tests/data/test_crop_resize.py), which needs Triton's library imported for it."""
     name = collection_path.name
     if getattr(config, "gpu_session", False) and name.startswith("test_") and not name.startswith("test_gpu_"):
         return True

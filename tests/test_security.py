@@ -162,7 +162,7 @@ def eval_script(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_eval_script_on_a_hostile_shard_runs_nothing_and_gives_the_clean_metrics(tmp_path):
     """The script on the hostile shard against the same evaluation in-process on the clean one
-    (test_eval_script holds the script to the in-process evaluation)."""
+    (scripts/test_eval_zeroshot.py holds the script to the in-process evaluation)."""
     samples = [{"__key__": f"{i:03d}", "jpg": noise_jpeg(i), "cls": i % 5, "txt": f"caption {i}\nanother {i}"}
                for i in range(10)]
     clean, hostile, markers = write_shards(tmp_path / "shards", samples)

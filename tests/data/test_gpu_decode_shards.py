@@ -1,6 +1,6 @@
 """Device decoding (`data.decoder: device`) on the GPU, from shards: nvJPEG or the hardware JPEG
 engines, then the batched crop-and-resize, against the loader's PIL pixels on the same crops,
-and the same samples skipped. (tests/test_gpu_decode.py holds each decoder to PIL on one
+and the same samples skipped. (test_gpu_decode.py holds each decoder to PIL on one
 chunk; this follows the stream, its damaged samples and the trainer.)
 
 The shards hold JPEGs of several sizes (smaller and larger than the 224-px crop, odd sizes,

@@ -149,7 +149,7 @@ def test_builtin_variants_say_what_they_need():
         resolve_task({"name": "x", "data": "d", "clasnames": "folders"})
 
 
-# ---- retrieval: the rigged case of eval/test_metrics.py, as pictures ---------------------
+# ---- retrieval: the rigged case of test_metrics.py, as pictures --------------------------
 
 RETRIEVAL_COLOURS = ["red", "green", "blue", "red"]  # features e0, e1, e2, e0
 

@@ -5,7 +5,7 @@ under FSDP on one process (a world of one: FSDP's device mesh of one) and on two
 uninterrupted one-process curve; the run's final weights are one open_clip file. A whole (DDP)
 checkpoint is read by rank 0 alone, which broadcasts the weights to the other ranks' shards.
 
-As in test_trainer_distributed.py, the shards hold flat-colour images read in file order, so
+As in test_distributed.py, the shards hold flat-colour images read in file order, so
 every world size trains on the same global batches, and the stop falls on an epoch boundary
 (step 4 of 2-step epochs), where the data order that restarts on a new world size is the
 uninterrupted one.

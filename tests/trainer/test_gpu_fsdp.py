@@ -8,7 +8,7 @@ collectives are NCCL's, the shards live on the GPUs and DCP writes them from the
   uninterrupted curve.
 The towers are eager (model.compile=false: eight tiny runs, each compile would take longer than
 the training) and the loss is Inf-CL's reference (deterministic; the Triton kernels have their
-own two-GPU tests in test_gpu_kernels.py).
+own two-GPU tests in tests/losses/infcl/test_gpu_kernels.py).
 """
 
 from __future__ import annotations

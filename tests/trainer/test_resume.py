@@ -82,7 +82,8 @@ def _check_same_curve_and_weights(reference, run_dir):
 def test_a_resumed_run_reads_exactly_the_samples_of_the_uninterrupted_run(runs):
     """Two loader workers, shuffle buffer, corrupt samples skipped: a resumed stream that
     replays from another place than where the run stopped changes every later loss. (A stream
-    that drops samples in every run alike is caught by test_stream_epochs.py's independent count.)"""
+    that drops samples in every run alike is caught by tests/data/test_shards.py's independent
+    count.)"""
     _check_same_curve_and_weights(runs["reference"][1], runs["on_window"][1])
 
 
