@@ -82,9 +82,8 @@ def report_of(steps, *, workers=1, cores=8, gpu=False, compiled=False, accepted=
 
 
 def test_one_slow_batch_among_fast_ones_is_not_advice(monkeypatch):
-    """As in the issue's H100 run, one step waited and the others did not: the window's total wait is a
-    third of its time, but the median step did not wait. The first step's wait (the loader
-    starting) never counts."""
+    """One step waited and the others did not: the window's total wait is a third of its time, but
+    the median step did not wait. The first step's wait (the loader starting) never counts."""
     steps = [(60.0, 59.0)] + [(0.2, 0.0001)] * 4 + [(1.2, 1.0)] + [(0.2, 0.0001)] * 19
     assert report_of(steps, monkeypatch=monkeypatch) == []
 

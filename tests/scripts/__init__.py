@@ -1,0 +1,1 @@
+"""Tests of scripts/: benchmarks, the eval script, the open_clip translator, the reproduction scripts."""

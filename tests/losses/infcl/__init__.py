@@ -1,0 +1,1 @@
+"""Tests of clipscale/losses/infcl/: the Triton kernels, the reference, the ring."""
