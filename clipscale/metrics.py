@@ -34,6 +34,7 @@ from clipscale.checkpoint import write_text_atomic
 from clipscale.compile import seconds_compiling
 from clipscale.config import Config, on_resume
 from clipscale.errors import UserError, storage_errors
+from clipscale.utilization import peak_bf16_flops
 
 if TYPE_CHECKING:
     from clipscale.step import StepResult
@@ -111,25 +112,35 @@ class RecordWindow:
     run began. Its state, the error counts at the previous record, is checkpointed (per rank),
     so the first record after a resume counts from the same record as an uninterrupted run."""
 
-    def __init__(self, batch_size: int, device: torch.device):
-        self.batch_size, self.device = batch_size, device
+    def __init__(self, batch_size: int, device: torch.device, world_size: int, flops_per_sample: dict[int, int]):
+        self.batch_size, self.device, self.world_size = batch_size, device, world_size
+        self.flops_per_sample = flops_per_sample  # model FLOPs of a sample by its text length (utilization.py), for `mfu`
+        self.peak_flops = peak_bf16_flops(device)
         self.logged_data_errors: list[int] | None = None  # [skipped samples, shard errors] at the previous record
+        self._new_window()
+
+    def _new_window(self) -> None:
         self.start, self.steps = time.perf_counter(), 0
+        self.data_wait_s = 0.0  # on this rank
+        self.text_chunks: list[tuple[int, int]] = []  # (samples, text positions) of the steps' text chunks
 
     def open(self, data_errors: list[int]) -> None:
         """At the loop's start, with the counts so far (a run that resumes keeps its saved ones)."""
         if self.logged_data_errors is None:
             self.logged_data_errors = data_errors
-        self.start, self.steps = time.perf_counter(), 0
+        self._new_window()
 
-    def step_done(self) -> None:
+    def step_done(self, data_wait_s: float, text_chunks: list[tuple[int, int]]) -> None:
         self.steps += 1
+        self.data_wait_s += data_wait_s
+        self.text_chunks += text_chunks
 
     def record(self, result: StepResult, lr: float, *, logit_scale: float, nonfinite_steps: int,
-               data_errors: list[int], extra: dict | None = None) -> dict:
-        """The record, and a new window from now. `extra`: further figures, logged as given."""
+               data_errors: list[int]) -> dict:
+        """The record, and a new window from now."""
         elapsed = time.perf_counter() - self.start
         skipped, shard_errors = data_errors
+        samples = sum(n for n, _ in self.text_chunks)
         record = {
             "loss": result.loss.item(),
             "lr": lr,
@@ -143,11 +154,15 @@ class RecordWindow:
             "shard_errors": shard_errors - self.logged_data_errors[1],
             "shard_errors_total": shard_errors,
             "nonfinite_steps": nonfinite_steps,
-            **(extra or {}),
+            "data_wait_s": self.data_wait_s / self.steps,  # per step, on this rank
+            "text_positions_per_sample": sum(n * positions for n, positions in self.text_chunks) / samples,
             "time": time.time(),
         }
+        if self.peak_flops is not None:  # the FLOPs of the text positions computed, not of the padding
+            flops = sum(n * self.flops_per_sample[positions] for n, positions in self.text_chunks) / samples
+            record["mfu"] = flops * record["samples_per_s"] / self.world_size / self.peak_flops
         self.logged_data_errors = list(data_errors)
-        self.start, self.steps = time.perf_counter(), 0
+        self._new_window()
         return record
 
     def state_dict(self) -> dict:

@@ -7,7 +7,7 @@ then metrics, evaluation and the checkpoint. The loop does not know how the loss
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,13 +27,13 @@ from clipscale.gradcache import trainable_towers
 from clipscale.losses import build_loss
 from clipscale.memory import chunk_size
 from clipscale.metrics import DataProblems, MetricsLogger, RecordWindow, StepReport
-from clipscale.models import build_model, image_size, train_mode, write_open_clip_folder
+from clipscale.models import build_model, train_mode, write_open_clip_folder
 from clipscale.optim import build_optimizer, learning_rate
 from clipscale.parallel import ParallelModel, gathered, parallelize
 from clipscale.run_dir import RunFolder, open_run_folder
 from clipscale.signals import StopRequest
 from clipscale.step import StepResult, TrainStep
-from clipscale.utilization import peak_bf16_flops, train_flops_per_sample
+from clipscale.utilization import train_flops_per_sample
 
 
 def train(cfg: Config, *, loss_fn: torch.nn.Module | None = None) -> dict:
@@ -88,13 +88,10 @@ class Run:
     window: RecordWindow
     logger: MetricsLogger
     checkpoints: CheckpointManager
-    flops_per_sample: dict[int, int]  # model FLOPs of a training sample by its text length (utilization.py), for `mfu`
     compiled: bool
     step_report: StepReport
     progress: tqdm | None = None
     data_problems: DataProblems | None = None
-    data_wait_s: float = 0.0  # since the last metrics record
-    text_chunks: list = field(default_factory=list)  # (samples, text positions) of the steps since the last record
 
     @classmethod
     def assemble(cls, cfg: Config, plan: RunPlan, world: World, console: Console, folder: RunFolder,
@@ -120,7 +117,7 @@ class Run:
                          text_order=text_order)
         batches = TrainingBatches(cfg, plan, world, towers.train_transform, towers.tokenizer, chunk)
         try:
-            window = RecordWindow(cfg.train.batch_size, world.device)
+            window = RecordWindow(cfg.train.batch_size, world.device, world.world_size, flops)
             parts = {"model": ModelAndOptimizer(model.module, optimizer, world, sharded=train.parallel == "fsdp"),
                      "step": step, "data": batches, "metrics": window, "rng": RandomState(world.device)}
             checkpoints = CheckpointManager(folder.run_dir / CHECKPOINTS, cfg, world, console, parts)
@@ -144,7 +141,7 @@ class Run:
             raise
         step_report = StepReport(cfg, batches.path, compiled, gpu=world.device.type == "cuda")
         return cls(cfg, world, console, folder, model, step, start_step, batches, evaluator, window, logger,
-                   checkpoints, flops, compiled, step_report)
+                   checkpoints, compiled, step_report)
 
     def fit(self, preemption: StopRequest) -> dict:
         cfg = self.cfg
@@ -157,10 +154,9 @@ class Run:
             lr = learning_rate(step_number, cfg.optim, cfg.train.steps)
             with self.batches.next() as batch:  # its pieces still arriving; used once the step returns
                 result = self.step(batch.images, batch.texts, lr)
-            self.data_wait_s += batch.data_wait_s
             self.report(batch.data_wait_s)
             done = step_number + 1
-            self.log_metrics(done, result, lr)
+            self.log_metrics(done, result, lr, batch.data_wait_s)
             self.evaluate_on_schedule(done)
             signum = preemption.requested(self.world.device)
             self.checkpoints.save(done, stopping=bool(signum))
@@ -171,25 +167,15 @@ class Run:
         self.folder.end(self.model.module, self.world)  # last: the weights and the end marker say that the run has ended
         return results
 
-    def log_metrics(self, step_number: int, result: StepResult, lr: float) -> None:
+    def log_metrics(self, step_number: int, result: StepResult, lr: float, data_wait_s: float) -> None:
         self.progress.update(1)
-        self.window.step_done()
-        self.text_chunks += result.text_chunks
+        self.window.step_done(data_wait_s, result.text_chunks)
         if step_number % self.cfg.train.log_every and step_number != self.cfg.train.steps:
             return
-        steps = self.window.steps  # in this record
-        samples = sum(n for n, _ in self.text_chunks)
-        extra = {"data_wait_s": self.data_wait_s / steps,  # per step, on this rank
-                 "text_positions_per_sample": sum(n * positions for n, positions in self.text_chunks) / samples}
         record = self.window.record(result, lr, logit_scale=result.logit_scale.item(), nonfinite_steps=self.step.nonfinite_total,
-                                    data_errors=self.batches.error_totals(), extra=extra)
-        peak = peak_bf16_flops(self.world.device)
-        if peak is not None:  # the FLOPs of the text positions computed, not of the padding
-            flops = sum(n * self.flops_per_sample[positions] for n, positions in self.text_chunks) / samples
-            record["mfu"] = flops * record["samples_per_s"] / self.world.world_size / peak
+                                    data_errors=self.batches.error_totals())
         self.logger.log(step_number, record)
         self.progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}")
-        self.data_wait_s, self.text_chunks = 0.0, []
 
     def report(self, data_wait_s: float) -> None:
         """Console lines from every step: the compile time, steps waiting for data, data problems."""
