@@ -1,0 +1,238 @@
+"""What slows a training step while the next batch is prepared: the towers' step (its ceiling) alone,
+then beside each part of the data path running in the same process, one part at a time.
+
+The step is the trainer's own `TrainStep` (compiled towers, Gradient Cache, the loss, fused AdamW)
+on one chunk of random pixels handed out for every image chunk and the shards' own captions, given
+as the trainer gives them (`text_order`: length-sorted chunks from the host's tokens) or already
+on the device. Beside it, in threads of this process as `train.py` runs them:
+
+  data path   the run's own `TrainingBatches` (loader workers, the gathering thread, the GPU
+              decoder's threads) built from the same configuration, each batch's image chunks
+              asked for by a thread and dropped: the next batch being prepared, all the time;
+  decoder     `DeviceDecoder` alone, decoding a batch of the shards' JPEGs held in memory;
+  python      a thread running pure Python (a reference for what any GIL holder costs).
+
+Each case reports the step's median seconds and its ratio to the step alone; with --pyspy, py-spy
+samples which threads hold the GIL during the data-path case (collapsed stacks, one file a case).
+
+    python scripts/bench_contention.py --shards '/tmp/shards-web/synthetic-{0000..0127}.tar' \\
+        --model ViT-B-32 --batch 16384 --steps 4 --workers 14 --pyspy --out /tmp/contention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import open_clip
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+from bench_e2e import CONFIG, RepeatedChunk, config_overrides, shard_captions  # noqa: E402
+
+from clipscale.caption_length import text_lengths_for_run  # noqa: E402
+from clipscale.checks import plan_run  # noqa: E402
+from clipscale.compile import compile_towers  # noqa: E402
+from clipscale.config import load_config  # noqa: E402
+from clipscale.data.chunks import Arrivals, KeepBudget  # noqa: E402
+from clipscale.data.encoded import EncodedBatch  # noqa: E402
+from clipscale.data.pipeline import TrainingBatches  # noqa: E402
+from clipscale.distributed import World  # noqa: E402
+from clipscale.losses import build_loss  # noqa: E402
+from clipscale.models import build_model  # noqa: E402
+from clipscale.optim import build_optimizer  # noqa: E402
+from clipscale.provenance import provenance  # noqa: E402
+from clipscale.step import TrainStep  # noqa: E402
+
+
+class Background:
+    """A load run in a daemon thread until `stop`."""
+
+    def __init__(self, name: str, work):
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._loop, args=(work,), name=f"bench-{name}", daemon=True)
+        self.rounds = 0
+
+    def _loop(self, work) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        while not self.stopping.is_set():
+            work(self.stopping)
+            self.rounds += 1
+
+    def start(self) -> "Background":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=60)
+
+
+def prepare_batches(batches: TrainingBatches, chunk: int, device: torch.device):
+    """One batch of the data path, its image chunks asked for (decoded) and dropped."""
+
+    def work(stopping: threading.Event) -> None:
+        with batches.next() as batch:
+            bounds = [(s, min(s + chunk, len(batch))) for s in range(0, len(batch), chunk)]
+            for _ in batch.images.chunks(bounds, device, 1):
+                if stopping.is_set():
+                    break
+            batch.texts.whole()
+            synchronize(device)
+
+    return work
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode_only(batches: TrainingBatches, chunk: int, device: torch.device):
+    """A batch's JPEG bytes, read once from the data path, decoded again and again by its decoder."""
+    with batches.next() as batch:
+        batch.arrivals.wait_for(len(batch))
+        encoded: EncodedBatch = batch.images.rows.encoded
+        size = len(batch)
+    arrived = Arrivals()
+    arrived.add(size)
+    decoder = batches.decoder
+
+    def work(stopping: threading.Event) -> None:
+        pending = [decoder.submit(encoded, arrived, s, min(s + chunk, size)) for s in range(0, size, chunk)]
+        for chunk_on_its_way in pending:
+            chunk_on_its_way.on_device(device, None)
+        synchronize(device)
+
+    return work
+
+
+def pure_python(stopping: threading.Event) -> None:
+    total = 0
+    for k in range(200_000):
+        total += k * k
+
+
+def gil_profile(pid: int, seconds: float, out: Path) -> subprocess.Popen | None:
+    """py-spy sampling the threads that hold the GIL, for `seconds`, into `out` (collapsed stacks)."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        print("py-spy not found: no GIL profile", flush=True)
+        return None
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--gil", "--threads", "--rate", "200", "--nonblocking",
+                             "--duration", str(int(seconds)), "--format", "raw", "--output", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def gil_shares(path: Path) -> dict[str, float]:
+    """Share of the GIL samples each thread held, from py-spy's collapsed stacks ("thread (0x..);frames count")."""
+    counts: dict[str, int] = {}
+    if not path.exists():
+        return {}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        thread = stack.split(";", 1)[0]
+        counts[thread] = counts.get(thread, 0) + int(count)
+    total = sum(counts.values()) or 1
+    return {thread: round(n / total, 4) for thread, n in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shards", required=True)
+    parser.add_argument("--model", default="ViT-B-32")
+    parser.add_argument("--batch", type=int, default=16384)
+    parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=4, help="steps a case; the first of each is dropped")
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    parser.add_argument("--cases", default="alone,tokens_on_device,data_path,decoder,python,data_path_switch")
+    parser.add_argument("--pyspy", action="store_true")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    work_dir = Path(tempfile.mkdtemp(prefix="bench_contention_"))
+    case = {"model": args.model, "batch": args.batch, "chunk": args.chunk, "steps": 1000}
+    cfg = load_config(str(CONFIG), config_overrides(case, args.shards, args.workers, work_dir, args.set))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    world = World(device=device)
+    plan = plan_run(cfg, world)
+
+    towers = build_model(cfg.model)
+    text_order, notes = text_lengths_for_run(towers.model, cfg.model.cut_text_padding, cfg.model.causal_text_attention)
+    model = towers.model.to(device).train()
+    if device.type == "cuda":
+        compile_towers(model, work_dir / "compile_cache")
+    step = TrainStep(model, build_loss(cfg.loss.name, **cfg.loss.options), build_optimizer(model, cfg.optim, fused=device.type == "cuda"),
+                     chunk_size=args.chunk, precision=cfg.train.precision, grad_clip=cfg.optim.grad_clip, text_order=text_order)
+    captions = shard_captions(args.shards, set(cfg.data.caption_key.split(";")), args.batch)
+    tokens = towers.tokenizer(captions).repeat(-(-args.batch // len(captions)), 1)[: args.batch]
+    host_tokens = tokens.pin_memory() if device.type == "cuda" else tokens
+    size = open_clip.get_model_preprocess_cfg(model)["size"]
+    size = (size, size) if isinstance(size, int) else tuple(size)
+    images = RepeatedChunk(torch.randn(args.chunk, 3, *size, device=device), args.batch)
+    batches = TrainingBatches(cfg, plan, world, towers.train_transform, towers.tokenizer, args.chunk)
+
+    def run_steps(texts) -> list[float]:
+        times = []
+        for _ in range(args.steps):
+            synchronize(device)
+            started = time.perf_counter()
+            float(step(images, texts, cfg.optim.lr).loss)
+            times.append(time.perf_counter() - started)
+        return times
+
+    record = {**provenance(argv), "model": args.model, "batch": args.batch, "chunk": args.chunk, "workers": args.workers,
+              "decoder": batches.path.describe(), "notes": notes, "cases": []}
+    print("warming up (compiling)", flush=True)
+    started = time.perf_counter()
+    run_steps(host_tokens)
+    record["first_steps_s"] = time.perf_counter() - started
+    baseline = None
+    for name in args.cases.split(","):
+        texts = tokens.to(device) if name == "tokens_on_device" else host_tokens
+        background = {"data_path": lambda: prepare_batches(batches, args.chunk, device),
+                      "data_path_switch": lambda: prepare_batches(batches, args.chunk, device),
+                      "decoder": lambda: decode_only(batches, args.chunk, device),
+                      "python": lambda: pure_python}.get(name)
+        switch = sys.getswitchinterval()
+        if name.endswith("_switch"):
+            sys.setswitchinterval(0.0002)
+        load = Background(name, background()).start() if background else None
+        if load is not None:
+            time.sleep(2)  # the load running before the first timed step
+        spy = None
+        if args.pyspy and load is not None:
+            spy = gil_profile(os.getpid(), 10, out.with_name(f"{out.stem}_gil_{name}.txt"))
+        times = run_steps(texts)
+        if spy is not None:
+            spy.wait(timeout=60)
+        if load is not None:
+            load.stop()
+        sys.setswitchinterval(switch)
+        median = statistics.median(times[1:])
+        baseline = baseline or median
+        result = {"case": name, "step_s": times, "median_step_s": median, "over_alone": median / baseline,
+                  "samples_per_s": args.batch / median, "background_rounds": load.rounds if load else None}
+        if spy is not None:
+            result["gil_shares"] = gil_shares(out.with_name(f"{out.stem}_gil_{name}.txt"))
+        record["cases"].append(result)
+        print(json.dumps(result), flush=True)
+        out.write_text(json.dumps(record, indent=1) + "\n")
+    batches.close()
+
+
+if __name__ == "__main__":
+    main()
