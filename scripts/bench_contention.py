@@ -164,7 +164,7 @@ def main(argv=None) -> None:
     work_dir = Path(tempfile.mkdtemp(prefix="bench_contention_"))
     case = {"model": args.model, "batch": args.batch, "chunk": args.chunk, "steps": 1000}
     cfg = load_config(str(CONFIG), config_overrides(case, args.shards, args.workers, work_dir, args.set))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     world = World(device=device)
