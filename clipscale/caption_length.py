@@ -268,6 +268,13 @@ class TextChunks:
         return sum((stop - start) * self.positions(start, stop) for start, stop in bounds) / len(self)
 
 
+def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`, copied from page-locked memory on a GPU, so the copy does not wait for the GPU."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
+
+
 class LengthSortedTexts:
     """Gradient Cache's `text_order` for a model whose padding is cut (`cut_padding`): a batch's
     tokens sorted by caption length, in chunks each cut to its bucket, and the permutation."""
@@ -275,10 +282,16 @@ class LengthSortedTexts:
     def __init__(self, model: nn.Module):
         self.model, self.context = model, context_length(model)
 
-    def __call__(self, tokens: torch.Tensor) -> tuple[TextChunks, torch.Tensor]:
+    def __call__(self, tokens: torch.Tensor, device: torch.device | None = None) -> tuple[TextChunks, torch.Tensor]:
+        """`device`: where the chunks are wanted. The batch's tokens go there in one asynchronous copy
+        and are sorted there: a chunk copied from pageable host memory would wait for the GPU to
+        finish all the work queued before it, once per chunk."""
         lengths = caption_lengths(self.model, tokens)
         order = length_order(lengths)
-        return TextChunks(tokens[order], lengths[order], self.context), order
+        sorted_lengths = lengths[order]  # read per chunk on the host
+        if device is not None and device != tokens.device:
+            tokens, order = to_device_async(tokens, device), to_device_async(order, device)
+        return TextChunks(tokens[order], sorted_lengths, self.context), order
 
 
 def text_lengths_for_run(model: nn.Module, cut: bool, causal: bool) -> tuple[LengthSortedTexts | None, list[str]]:

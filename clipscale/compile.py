@@ -1,15 +1,20 @@
-"""Compiled towers (`model.compile`): on by default on a GPU, compiled once per run folder.
+"""Compiled towers (`model.compile`): on by default on a GPU, block by block, with a cache that travels.
 
-torch.compile turns each tower's forward (and, through AOTAutograd, its backward) into fused
-Triton kernels: on an H100 a ViT-B/16 Gradient Cache step runs about 1.5x faster. Gradient
-Cache calls each tower alone, so a tower has two graphs, compiled once: without autograd (pass
-1) and with it (pass 1's last chunk, pass 2). Shapes are static (`dynamic=False`): the full
-chunk and a short last chunk are two graphs each, compiled in the first step and reused by every
-later one, instead of one slower dynamic graph.
+torch.compile turns each transformer block's forward (and, through AOTAutograd, its backward)
+into fused Triton kernels. Regional compilation: the blocks of a tower share one code object, so
+dynamo compiles one block and every other block of that tower reuses its graph (torch's "regional
+compilation" recipe); the patch embedding, the token embedding and the heads stay eager, a few
+kernels a chunk. Gradient Cache calls each tower alone, without autograd (pass 1) and with it
+(pass 2), so a tower's block has two graphs. Image blocks are compiled for static shapes (the
+full chunk, and a short last chunk once); text blocks with dynamic shapes, because length-sorted
+text chunks (`caption_length.py`) come in several lengths, which static shapes would compile
+once each (14 text graphs of the whole tower took most of a four-minute first step).
 
-The compiled code is cached under the run folder (or `model.compile_cache`): a resumed or
-requeued run, or a second run pointed at the same cache, reuses it and its first step costs
-tracing only (Inductor's FX graph and AOTAutograd caches and the Triton kernels they built).
+The compiled code is cached in `cache_dir` (the run folder's, or `model.compile_cache`): Inductor's
+FX graph and AOTAutograd caches and the Triton kernels, and, after the first step,
+`portable_cache.bin`, torch.compiler's cache artifacts: copied with the folder to another machine of
+the same kind (a Slurm node, a second machine), they load before the first step, which then
+compiles nothing.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ import os
 from pathlib import Path
 
 import torch
+from torch import nn
 
-# Graphs of the model's forward: {image, text} x {no grad, grad} x {full chunk, last chunk}, and
-# evaluation's batch sizes in eval mode. Past the limit dynamo runs the model eagerly.
+# Graphs of a block's forward: {image: full and last chunk, text: dynamic} x {no grad, grad}, and
+# evaluation's batch sizes in eval mode. Past the limit dynamo runs the block eagerly.
 RECOMPILE_LIMIT = 64
 COMPILE_TIMERS = ("_compile.compile_inner",)  # torch._dynamo's timers of a graph's compilation
+PORTABLE_CACHE = "portable_cache.bin"
 
 
 def compile_enabled(setting: bool | str, device: torch.device) -> bool:
@@ -30,13 +37,39 @@ def compile_enabled(setting: bool | str, device: torch.device) -> bool:
     return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
-def compile_towers(model: torch.nn.Module, cache_dir: Path, backend: str = "inductor") -> None:
-    """Compile `model`'s forward in place (its state_dict keys stay open_clip's), caching under
-    `cache_dir`. `backend`: torch.compile's (the tests use "aot_eager", which needs no compiler)."""
-    # Inductor's FX graph, AOTAutograd and Triton caches (the trainer calls this once the run folder is claimed).
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir.resolve())
+def compile_towers(model: nn.Module, cache_dir: Path, backend: str = "inductor") -> None:
+    """Compile each block of `model`'s two towers in place (its state_dict keys stay open_clip's;
+    under FSDP the blocks are the sharded units), caching under `cache_dir` and loading its
+    portable cache first. A model without lists of blocks is compiled whole. `backend`:
+    torch.compile's (the tests use "aot_eager", which needs no compiler)."""
+    from clipscale.parallel import ParallelError, tower_blocks  # the blocks FSDP shards are the ones compiled
+
+    cache_dir = cache_dir.resolve()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)  # Inductor's FX graph, AOTAutograd and Triton caches
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    model.compile(backend=backend, dynamic=False)
+    portable = cache_dir / PORTABLE_CACHE
+    if portable.is_file():
+        torch.compiler.load_cache_artifacts(portable.read_bytes())
+    try:
+        towers = tower_blocks(model)
+    except ParallelError:
+        model.compile(backend=backend, dynamic=False)
+        return
+    for tower, blocks in towers:
+        for block in blocks:
+            block.compile(backend=backend, dynamic=tower == "text")
+
+
+def save_portable_cache(cache_dir: Path) -> None:
+    """Write what this process compiled as torch.compiler's cache artifacts into `cache_dir`
+    (atomically), for a first step elsewhere that compiles nothing."""
+    artifacts = torch.compiler.save_cache_artifacts()
+    if artifacts is None:
+        return
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    written = cache_dir / f".{PORTABLE_CACHE}.{os.getpid()}"
+    written.write_bytes(artifacts[0])
+    written.replace(cache_dir / PORTABLE_CACHE)
 
 
 def seconds_compiling() -> float:

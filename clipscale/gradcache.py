@@ -64,7 +64,7 @@ class LazyOrder:
 
     def chunks(self, bounds: Bounds, device: torch.device) -> Iterator[torch.Tensor]:
         tokens = self.texts if isinstance(self.texts, torch.Tensor) else self.texts.whole()
-        self.source, self.rows = self.text_order(tokens)
+        self.source, self.rows = self.text_order(tokens, device)
         yield from self.source.chunks(bounds, device, 1)
 
 
@@ -165,9 +165,9 @@ class GradCache:
                 chunks costs 1.5 forwards instead of 2). Its activations are then held while
                 the loss runs: turn it off where the loss's own memory is the limit (the
                 b x b losses at their largest batches).
-    text_order: None, or a callable taking the batch's tokens [b, context] on the host and
-                returning (a chunk source of the tokens in encoding order, cut per chunk; the
-                permutation it applied), as `LengthSortedTexts`. Pass 1 then encodes every
+    text_order: None, or a callable taking the batch's tokens [b, context] on the host and the
+                device, and returning (a chunk source of the tokens in encoding order, cut per
+                chunk; the permutation it applied, on the device), as `LengthSortedTexts`. Pass 1 then encodes every
                 image chunk before the first text chunk, which needs all of the batch's tokens.
     After each call, `text_chunks` holds (samples, positions) of each text chunk encoded in pass 1.
     """
@@ -180,7 +180,7 @@ class GradCache:
         autocast=None,
         scaler: torch.amp.GradScaler | None = None,
         reuse_last_chunk: bool = True,
-        text_order: Callable[[torch.Tensor], tuple[TextChunks, torch.Tensor]] | None = None,
+        text_order: Callable[[torch.Tensor, torch.device], tuple[TextChunks, torch.Tensor]] | None = None,
     ):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")

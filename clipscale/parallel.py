@@ -4,7 +4,6 @@
     model.module                the open_clip model (sharded in place under FSDP)
     model(images, texts)        a forward whose backward reduces the gradients (through DDP's wrapper)
     model.sync                  when Gradient Cache's backwards reduce them (GradientSync)
-    model.compiled_units        what `model.compile` compiles: the model, or each block under FSDP
     with gathered(model.module): ... forwards without a backward (the FLOP count, evaluation)
 
 ddp:  every rank holds the whole model, its gradients and AdamW's two moments (16 bytes a
@@ -107,13 +106,11 @@ class ParallelModel:
     module:         the open_clip model: its towers, scalars and state dict (sharded in place under FSDP).
     sync:           when the backwards reduce the gradients (GradientSync).
     device:         where it computes (under train.fsdp_offload its parameters live on the host).
-    compiled_units: what `model.compile` compiles.
     Calling it runs the forward whose backward reduces the gradients: through DDP's wrapper under
     DDP, the module itself otherwise."""
 
-    def __init__(self, module: nn.Module, sync: GradientSync, device: torch.device, compiled_units: list[nn.Module],
-                 forward: nn.Module | None = None):
-        self.module, self.sync, self.device, self.compiled_units = module, sync, device, compiled_units
+    def __init__(self, module: nn.Module, sync: GradientSync, device: torch.device, forward: nn.Module | None = None):
+        self.module, self.sync, self.device = module, sync, device
         self.forward = forward if forward is not None else module
 
     @classmethod
@@ -123,7 +120,7 @@ class ParallelModel:
             return model
         module = unwrap(model)
         sync = DDPSync(model) if isinstance(model, DistributedDataParallel) else GradientSync()
-        return cls(module, sync, next(module.parameters()).device, [module], forward=model)
+        return cls(module, sync, next(module.parameters()).device, forward=model)
 
     def __call__(self, images: torch.Tensor | None, texts: torch.Tensor | None):
         return self.forward(images, texts)
@@ -137,9 +134,9 @@ def parallelize(module: nn.Module, world: World, *, parallel: str = "ddp", preci
         return shard(module, world, precision, reduce, offload)
     module = module.to(world.device)
     if not world.distributed:
-        return ParallelModel(module, GradientSync(), world.device, [module])
+        return ParallelModel(module, GradientSync(), world.device)
     ddp = DistributedDataParallel(module, device_ids=[world.device.index] if world.device.type == "cuda" else None)
-    return ParallelModel(module, DDPSync(ddp), world.device, [module], forward=ddp)
+    return ParallelModel(module, DDPSync(ddp), world.device, forward=ddp)
 
 
 def shard(module: nn.Module, world: World, precision: str, reduce: str, offload: bool) -> ParallelModel:
@@ -159,7 +156,7 @@ def shard(module: nn.Module, world: World, precision: str, reduce: str, offload:
     fully_shard(module, ignored_params=set(scalars), **options)
     for name in FORWARD_METHODS:
         register_fsdp_forward_method(module, name)
-    return ParallelModel(module, FSDPSync(module, reduce, scalars), world.device, blocks)
+    return ParallelModel(module, FSDPSync(module, reduce, scalars), world.device)
 
 
 @contextlib.contextmanager

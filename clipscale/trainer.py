@@ -17,7 +17,7 @@ from clipscale.caption_length import text_lengths_computed, text_lengths_for_run
 from clipscale.checkpoint import CHECKPOINTS
 from clipscale.checkpoint_manager import CheckpointManager, ModelAndOptimizer, RandomState
 from clipscale.checks import RunPlan, plan_run
-from clipscale.compile import compile_enabled, compile_towers
+from clipscale.compile import compile_enabled, compile_towers, save_portable_cache
 from clipscale.config import Config
 from clipscale.console import Console, figures, library_noise_kept_off, weights_line
 from clipscale.data.pipeline import TrainingBatches
@@ -88,7 +88,7 @@ class Run:
     window: RecordWindow
     logger: MetricsLogger
     checkpoints: CheckpointManager
-    compiled: bool
+    compile_cache: Path | None  # where the compiled towers' code is cached; None: not compiled
     step_report: StepReport
     progress: tqdm | None = None
     data_problems: DataProblems | None = None
@@ -129,19 +129,19 @@ class Run:
             claim_run_dir(folder, world, console)
             for line in [*batches.path.notes, *text_notes]:
                 console.say(line)
-            compiled = compile_enabled(cfg.model.compile, world.device)
-            if compiled:  # its cache lives in the run folder, so only once the folder is claimed
-                for unit in model.compiled_units:
-                    compile_towers(unit, Path(cfg.model.compile_cache or folder.run_dir / "compile_cache"))
+            compile_cache = None
+            if compile_enabled(cfg.model.compile, world.device):  # its cache lives in the run folder, so only once the folder is claimed
+                compile_cache = Path(cfg.model.compile_cache or folder.run_dir / "compile_cache")
+                compile_towers(model.module, compile_cache)
             if world.is_main:
                 write_open_clip_folder(folder.run_dir, towers)  # with the final weights, open_clip's `local-dir:` loads the run
             logger = MetricsLogger(folder.run_dir, cfg, enabled=world.is_main, resume_step=start_step)
         except BaseException:
             batches.close()
             raise
-        step_report = StepReport(cfg, batches.path, compiled, gpu=world.device.type == "cuda")
+        step_report = StepReport(cfg, batches.path, compile_cache is not None, gpu=world.device.type == "cuda")
         return cls(cfg, world, console, folder, model, step, start_step, batches, evaluator, window, logger,
-                   checkpoints, compiled, step_report)
+                   checkpoints, compile_cache, step_report)
 
     def fit(self, preemption: StopRequest) -> dict:
         cfg = self.cfg
@@ -155,6 +155,8 @@ class Run:
             with self.batches.next() as batch:  # its pieces still arriving; used once the step returns
                 result = self.step(batch.images, batch.texts, lr)
             self.report(batch.data_wait_s)
+            if step_number == self.start_step and self.compile_cache is not None and self.world.is_main:
+                save_portable_cache(self.compile_cache)  # what the first step compiled, for a start elsewhere
             done = step_number + 1
             self.log_metrics(done, result, lr, batch.data_wait_s)
             self.evaluate_on_schedule(done)

@@ -174,7 +174,7 @@ def main(argv=None) -> None:
     text_order, notes = text_lengths_for_run(towers.model, cfg.model.cut_text_padding, cfg.model.causal_text_attention)
     model = towers.model.to(device).train()
     if device.type == "cuda":
-        compile_towers(model, work_dir / "compile_cache")
+        compile_towers(model, Path(cfg.model.compile_cache or work_dir / "compile_cache"))
     step = TrainStep(model, build_loss(cfg.loss.name, **cfg.loss.options), build_optimizer(model, cfg.optim, fused=device.type == "cuda"),
                      chunk_size=args.chunk, precision=cfg.train.precision, grad_clip=cfg.optim.grad_clip, text_order=text_order)
     captions = shard_captions(args.shards, set(cfg.data.caption_key.split(";")), args.batch)

@@ -1,7 +1,9 @@
 """End to end on real shards: `train.py` against `python -m open_clip_train.main`, loader included.
 
 Each case launches the real entry point as its own process on the same webdataset shards
-and measures what a user sees: samples/s over steps 2..N, the first step's time, the
+and measures what a user sees: samples/s over a window of steps that leaves out the first (it compiles)
+and the last (the only one with no next batch being prepared beside it: it runs faster than the
+steps a long run is made of); a window under 10 steps is marked `short_window`, no speed claim. Also the first step's time, the
 process tree's peak host memory (PSS, loader workers included, sampled every 0.5 s) and
 the GPU's peak memory (train.py's allocator peak; for both, the device's used memory as
 nvidia-smi reports it).
@@ -10,7 +12,8 @@ Beside each clipscale case, in the same command, its ceiling: the same model, lo
 chunk and batch in clipscale's own TrainStep (Gradient Cache, compile_towers, the loss, fused
 AdamW) on tensors already on the GPU (one chunk of random pixels handed out for every chunk, and
 the shards' own captions, tokenized), so nothing waits for data. Each clipscale case reports
-`of_ceiling`, its samples/s over the ceiling's (per GPU: over nproc ceilings). The ceiling cuts the text padding
+`of_ceiling`, its window's samples/s over the ceiling's (per GPU: over nproc ceilings), and
+`of_ceiling_per_step` with its median over the window, each step's fraction of the ceiling. The ceiling cuts the text padding
 (clipscale.caption_length: length-sorted chunks, each cut to its bucket, the causal kernel)
 when the run did (its metrics.jsonl logs text_positions_per_sample below the context length),
 else it computes every caption at full length, as the run did. Every row reports data_wait_s,
@@ -195,6 +198,26 @@ def steps_of(case: dict, out_dir: Path, log: str) -> list[dict]:
              "text_positions_per_sample": m.get("text_positions_per_sample")} for m in lines if "step_s" in m]
 
 
+MIN_WINDOW = 10  # steps in a window that makes a speed claim
+
+
+def measured_window(case: dict, steps: list[dict]) -> list[dict]:
+    """The steps a speed figure is taken over: all but the first (it compiles) and, for a training
+    run, but the last, which alone has no next batch being prepared beside it and so runs faster
+    than the steps a long run is made of. The ceiling prepares nothing: all but its first."""
+    return steps[1:] if case["runner"] == "ceiling" else steps[1:-1]
+
+
+def of_ceiling(result: dict, nproc: int) -> None:
+    """Each step's fraction of the ceiling (the ceiling's median step over its own: both compute one
+    process's batch), their median over the window, and the window's samples/s over nproc ceilings."""
+    ceiling_step = result["ceiling"]["steady_step_s"]
+    result["of_ceiling"] = result["samples_per_s"] / (nproc * result["ceiling"]["samples_per_s"])
+    result["of_ceiling_per_step"] = [round(ceiling_step / step, 3) for step in result["step_s"]]
+    window = result["of_ceiling_per_step"][1:-1]
+    result["of_ceiling_median"] = statistics.median(window) if window else None
+
+
 def run_case(case: dict, args, timeout: float) -> dict:
     out_dir = Path(tempfile.mkdtemp(prefix="bench_e2e_"))
     build = {"clipscale": clipscale_command, "openclip": openclip_command, "ceiling": ceiling_command}[case["runner"]]
@@ -219,8 +242,12 @@ def run_case(case: dict, args, timeout: float) -> dict:
               "steps_done": len(steps), "peak_host_gib": sampler.host / GIB, "peak_gpu_used_gib": sampler.gpu / GIB}
     if steps:
         result["first_step_s"] = steps[0]["step_s"]
-        later = steps[1:]
+        result["step_s"] = [s["step_s"] for s in steps]
+        later = measured_window(case, steps)
         if later:
+            result["window"] = f"steps 2..{1 + len(later)} of {len(steps)}"
+            if case["runner"] != "ceiling" and len(later) < MIN_WINDOW:
+                result["short_window"] = f"{len(later)} steps measured, fewer than {MIN_WINDOW}: not a speed claim"
             result["samples_per_s"] = sum(s["samples"] for s in later) / sum(s["step_s"] for s in later)
             result["steady_step_s"] = statistics.median(s["step_s"] for s in later)
             result["first_over_steady"] = result["first_step_s"] / result["steady_step_s"]
@@ -355,7 +382,7 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
             log.flush()
 
 
-SHOWN = ("steps_done", "samples_per_s", "first_step_s", "steady_step_s", "peak_host_gib", "peak_gpu_allocated_gib",
+SHOWN = ("steps_done", "window", "short_window", "samples_per_s", "first_step_s", "steady_step_s", "peak_host_gib", "peak_gpu_allocated_gib",
          "peak_gpu_used_gib", "exit_code", "auto_chunk", "mfu", "data_wait_s", "text_positions_per_sample",
          "of_ceiling", "console", "losses")
 
@@ -399,8 +426,9 @@ def main(argv=None) -> None:
             result["ceiling"] = run_case(ceiling_case(case, result, args), args, left) if left >= 30 else {"not_run": "time budget"}
             report(f"{spec} ceiling:", result["ceiling"])
             if "samples_per_s" in result["ceiling"]:
-                result["of_ceiling"] = result["samples_per_s"] / (int(case.get("nproc", 1)) * result["ceiling"]["samples_per_s"])
-                print(f"{spec} of_ceiling: {result['of_ceiling']:.3f}", flush=True)
+                of_ceiling(result, int(case.get("nproc", 1)))
+                print(f"{spec} of_ceiling: {result['of_ceiling']:.3f}, median step {result['of_ceiling_median']}, "
+                      f"per step {result['of_ceiling_per_step']}", flush=True)
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")  # after each case: a kill keeps what ran
 
 

@@ -88,9 +88,8 @@ def train(rank: int, world: int, parallel: str, loss_name: str, reduce: str = "c
     loss_fn = build_loss(loss_name, **LOSS_OPTIONS[loss_name])
     placed = parallelize(model, World(rank, world), parallel="ddp" if parallel == "one_graph" else parallel, reduce=reduce,
                          offload=offload)
-    if compiled:  # as the trainer does: the model under DDP, each block under FSDP
-        for unit in placed.compiled_units:
-            compile_towers(unit, Path(tempfile.mkdtemp()), backend="aot_eager")
+    if compiled:  # as the trainer does: each block of both towers, under DDP or FSDP
+        compile_towers(placed.module, Path(tempfile.mkdtemp()), backend="aot_eager")
     optimizer = build_optimizer(placed.module, OptimConfig(lr=1e-3, weight_decay=0.1))
     if parallel == "one_graph":
         step = OneGraphStep(placed.module, loss_fn, optimizer)

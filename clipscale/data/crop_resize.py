@@ -29,7 +29,6 @@ which Gradient Cache's two passes over the same bytes need.
 
 from __future__ import annotations
 
-import itertools
 from types import MappingProxyType
 
 import torch
@@ -75,8 +74,7 @@ def filter_taps(in_sizes: torch.Tensor, out_size: int, interpolation: str, large
     return first.to(torch.int32), weights.to(torch.float32)
 
 
-def resized_crops(images: list[torch.Tensor], boxes: list[tuple[int, int, int, int]], size: tuple[int, int],
-                  interpolation: str) -> torch.Tensor:
+def resized_crops(images: list[torch.Tensor], boxes, size: tuple[int, int], interpolation: str) -> torch.Tensor:
     """uint8 [n, 3, size[0], size[1]]: image k (uint8 [3, H, W], all on one device) cropped to
     boxes[k] = (top, left, height, width) and resized with the antialiased `interpolation`
     ("bilinear" or "bicubic"), as torchvision's `resized_crop` on each would give (within one
@@ -87,13 +85,17 @@ def resized_crops(images: list[torch.Tensor], boxes: list[tuple[int, int, int, i
         return torch.empty(0, 3, *size, dtype=torch.uint8)
     device = images[0].device
     out_h, out_w = size
-    offsets = [0, *itertools.accumulate(img.numel() for img in images[:-1])]
-    table = torch.tensor([[offset, img.shape[1], img.shape[2], *box] for offset, img, box in zip(offsets, images, boxes)],
-                         dtype=torch.int64).to(device, non_blocking=True)
+    # The table is built with a few tensor calls, not a Python row per image: this runs in a thread
+    # of the training process, where every Python step competes with the model's kernel launches.
+    boxes = torch.as_tensor(boxes, dtype=torch.int64).reshape(len(images), -1)[:, :4]
+    heights_widths = torch.tensor([img.shape[1:] for img in images], dtype=torch.int64)
+    sizes = heights_widths.prod(1) * 3
+    offsets = torch.cumsum(sizes, 0) - sizes
+    table = torch.cat([offsets[:, None], heights_widths, boxes], 1).to(device, non_blocking=True)
     src = torch.cat([img.reshape(-1) for img in images])
-    max_rows = max(box[2] for box in boxes)
+    max_rows, max_columns = boxes[:, 2:4].max(0).values.tolist()
     row_starts, row_weights = filter_taps(table[:, CROP_H], out_h, interpolation, max_rows)
-    column_starts, column_weights = filter_taps(table[:, CROP_W], out_w, interpolation, max(box[3] for box in boxes))
+    column_starts, column_weights = filter_taps(table[:, CROP_W], out_w, interpolation, max_columns)
     rows = torch.empty(len(images), 3, max_rows, out_w, dtype=torch.float32, device=device)
     out = torch.empty(len(images), 3, out_h, out_w, dtype=torch.uint8, device=device)
     P = programs("clipscale.data.crop_resize_programs", interpreting())  # compiled, or Triton's interpreter

@@ -99,7 +99,8 @@ class JpegEngines:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         streams = [self.nvimgcodec.CodeStream(blob.numpy()) for blob in blobs]
         images = self.decoder.decode(streams, params=self.params, cuda_stream=stream)
-        decoded = [None if image is None else torch.as_tensor(image, device=self.device) for image in images]
+        # DLPack: one C call an image (`torch.as_tensor` parsed each image's __cuda_array_interface__ in Python)
+        decoded = [None if image is None else torch.from_dlpack(image) for image in images]
         refused = [k for k, image in enumerate(decoded) if image is None]
         if refused:
             for k, image in zip(refused, self.fallback([blobs[k] for k in refused])):
@@ -121,11 +122,13 @@ TINY_JPEG = _tiny_jpeg()
 def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop: int,
                 device: torch.device, jpeg: Callable[[list[torch.Tensor]], list] | None = None) -> torch.Tensor:
     """encoded[start:stop] decoded, cropped and resized on `device`: uint8 [n, 3, H, W].
-    `jpeg`: the JPEG decoder (`JpegEngines`, default `TorchvisionJpeg`); what it cannot decode, PIL does."""
+    `jpeg`: the JPEG decoder (`JpegEngines`, default `TorchvisionJpeg`); what it cannot decode, PIL does.
+    It runs in a thread of the training process, beside the threads that launch the model's
+    kernels: the bytes, the JPEG check and the crops are taken for the whole chunk in a few calls."""
     jpeg = jpeg or TorchvisionJpeg(device)
-    blobs = [encoded.blob(i) for i in range(start, stop)]
-    on_device = [k for k, blob in enumerate(blobs) if is_whole_jpeg(blob.numpy())]
-    decoded = {k: image for k, image in zip(on_device, jpeg([blobs[k] for k in on_device])) if image is not None}
+    blobs = encoded.blobs(start, stop)
+    whole = encoded.whole_jpegs(start, stop).nonzero().flatten().tolist()
+    decoded = {k: image for k, image in zip(whole, jpeg([blobs[k] for k in whole])) if image is not None}
     others: dict[int, torch.Tensor] = {}  # not decoded on the device: decoded, cropped and resized by PIL
     for k in range(len(blobs)):
         if k in decoded:
@@ -138,32 +141,35 @@ def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop:
             warnings.warn(f"an image of this batch does not decode ({error!r}); it is trained as a black image")
             black = torch.zeros(3, 1, 1, dtype=torch.uint8, device=device)  # its crop box pads it to size
             others[k] = split.apply_to_tensor(black, encoded.params_of(start + k))
-    order = sorted(decoded)
+    order = list(decoded)  # ascending: the decoder returns the images in the order given
     if not order:
         return torch.stack([others[k] for k in range(len(blobs))])
-    cropped = resized_crops(split, [decoded[k] for k in order], [encoded.params_of(start + k) for k in order], device)
+    boxes = encoded.params[start:stop] if not others else encoded.params[start:stop][order]
+    cropped = resized_crops(split, [decoded[k] for k in order], boxes, device)
     if not others:
         return cropped
     rows = {**dict(zip(order, cropped.unbind())), **others}
     return torch.stack([rows[k] for k in range(len(blobs))])
 
 
-def resized_crops(split: SplitTransform, images: list[torch.Tensor], boxes: list[tuple], device: torch.device) -> torch.Tensor:
-    """Decoded images cropped and resized by `split`'s PIL steps: uint8 [n, 3, H, W]. On a GPU
-    (or under Triton's interpreter) one batched pass for the whole list (`crop_resize`) when the
-    steps are a single RandomResizedCrop it can run; torchvision's kernels image by image otherwise."""
+def resized_crops(split: SplitTransform, images: list[torch.Tensor], boxes: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Decoded images cropped and resized by `split`'s PIL steps (`boxes`: int64 [n, k], each
+    image's drawn crop): uint8 [n, 3, H, W]. On a GPU (or under Triton's interpreter) one batched
+    pass for the whole list (`crop_resize`) when the steps are a single RandomResizedCrop it can
+    run; torchvision's kernels image by image otherwise."""
     crop = split.only_random_resized_crop()
     if crop is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         from clipscale.data import crop_resize  # Triton: imported where it runs
 
         return crop_resize.resized_crops(images, boxes, tuple(crop.size), crop.interpolation.value)
-    return torch.stack([split.apply_to_tensor(img, box) for img, box in zip(images, boxes)])
+    return torch.stack([split.apply_to_tensor(img, tuple(box)) for img, box in zip(images, boxes.tolist())])
 
 
 def decode_parts(split: SplitTransform, parts: list[tuple[EncodedImages, int, int]], device: torch.device,
                  jpeg: Callable[[list[torch.Tensor]], list] | None = None) -> torch.Tensor:
     """A chunk kept as pieces (`EncodedBatch.rows`), decoded in order: uint8 [n, 3, H, W] on `device`."""
-    return torch.cat([decode_rows(split, encoded, lo, hi, device, jpeg) for encoded, lo, hi in parts])
+    decoded = [decode_rows(split, encoded, lo, hi, device, jpeg) for encoded, lo, hi in parts]
+    return decoded[0] if len(decoded) == 1 else torch.cat(decoded)
 
 
 # Decoding threads: two keep the H100's JPEG engines fed while the model computes (one fed them

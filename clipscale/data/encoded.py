@@ -57,6 +57,24 @@ class EncodedImages:
         """Sample i's bytes, a view."""
         return self.data[self.offsets[i] : self.offsets[i + 1]]
 
+    def blobs(self, start: int, stop: int) -> tuple[torch.Tensor, ...]:
+        """Samples [start, stop)'s bytes, views, split in one call: the decoder's thread shares the
+        training process's interpreter, so it spends no Python per sample where one call does."""
+        first = int(self.offsets[start])
+        return torch.tensor_split(self.data[first : int(self.offsets[stop])], self.offsets[start + 1 : stop] - first)
+
+    def whole_jpegs(self, start: int, stop: int) -> torch.Tensor:
+        """bool [stop - start]: `is_whole_jpeg` of each sample, for all at once."""
+        begins, ends = self.offsets[start:stop], self.offsets[start + 1 : stop + 1]
+        long_enough = ends - begins >= len(JPEG_START)  # the markers may overlap, as in is_whole_jpeg
+        whole = long_enough.clone()
+        last = max(len(self.data) - 1, 0)
+        for k, byte in enumerate(JPEG_START):
+            whole &= self.data[(begins + k).clamp(max=last)] == byte
+        for k, byte in enumerate(JPEG_END):
+            whole &= self.data[(ends - len(JPEG_END) + k).clamp(min=0, max=last)] == byte
+        return whole
+
     def params_of(self, i: int) -> tuple:
         return tuple(self.params[i].tolist())
 

@@ -45,6 +45,16 @@ def test_whole_jpegs_are_told_by_their_markers():
     assert not is_whole_jpeg(data[:-1]) and not is_whole_jpeg(data + b"\x00") and not is_whole_jpeg(b"\x89PNG\r\n")
 
 
+def test_a_chunks_bytes_and_jpeg_checks_taken_at_once_equal_those_taken_sample_by_sample():
+    data = jpeg(Image.new("RGB", (8, 8)))
+    samples = (b"\xff", data, data[:-1], b"\x89PNG\r\n", data + b"\x00", b"\xff\xd8\xff\xd9", data, b"", data[:4] + data[-2:])
+    encoded = EncodedImages.from_samples(samples, tuple((k, 0, 1, 1) for k in range(len(samples))))
+    for start, stop in ((0, len(samples)), (1, 4), (6, 9), (3, 4)):
+        blobs = encoded.blobs(start, stop)
+        assert [bytes(b.numpy()) for b in blobs] == list(samples[start:stop])
+        assert encoded.whole_jpegs(start, stop).tolist() == [is_whole_jpeg(s) for s in samples[start:stop]]
+
+
 def test_the_device_path_skips_the_same_samples_and_draws_the_same_crops(jpeg_shards):
     """Over two epochs: the same cursors, skip counts, tokens, bytes and crop boxes as the loader
     path, no pixels from the workers, and pixels decoded on the device within the resampling
