@@ -37,11 +37,20 @@ def compile_enabled(setting: bool | str, device: torch.device) -> bool:
     return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
-def compile_towers(model: nn.Module, cache_dir: Path, backend: str = "inductor") -> None:
+def cuda_graphs_enabled(setting: bool | str, compiled: bool, device: torch.device, parallel: str) -> bool:
+    """model.cuda_graphs as it applies: "auto" where the towers are compiled on a GPU, not under FSDP."""
+    if setting == "auto":
+        return compiled and device.type == "cuda" and parallel != "fsdp"
+    return bool(setting) and compiled
+
+
+def compile_towers(model: nn.Module, cache_dir: Path, backend: str = "inductor", cuda_graphs: bool = False) -> None:
     """Compile each block of `model`'s two towers in place (its state_dict keys stay open_clip's;
     under FSDP the blocks are the sharded units), caching under `cache_dir` and loading its
     portable cache first. A model without lists of blocks is compiled whole. `backend`:
-    torch.compile's (the tests use "aot_eager", which needs no compiler)."""
+    torch.compile's (the tests use "aot_eager", which needs no compiler). `cuda_graphs`: each
+    block replayed as CUDA graphs ("reduce-overhead"); the gradients must then be kept allocated
+    between backwards (`TrainStep(stable_grads=True)`), or a replay would overwrite them."""
     from clipscale.parallel import ParallelError, tower_blocks  # the blocks FSDP shards are the ones compiled
 
     cache_dir = cache_dir.resolve()
@@ -55,9 +64,10 @@ def compile_towers(model: nn.Module, cache_dir: Path, backend: str = "inductor")
     except ParallelError:
         model.compile(backend=backend, dynamic=False)
         return
+    mode = "reduce-overhead" if cuda_graphs else None
     for tower, blocks in towers:
         for block in blocks:
-            block.compile(backend=backend, dynamic=tower == "text")
+            block.compile(backend=backend, dynamic=tower == "text", mode=mode)
 
 
 def save_portable_cache(cache_dir: Path) -> None:

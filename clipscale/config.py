@@ -107,6 +107,12 @@ class ModelConfig:
     # resumed or requeued run does not compile again.
     compile: bool | Literal["auto"] = may_change("auto")
     compile_cache: Optional[str] = may_change(None)
+    # Each compiled block's forward and backward replayed as CUDA graphs (torch.compile's
+    # "reduce-overhead"): "auto" where the towers are compiled on a GPU under DDP or one process
+    # (not FSDP, whose hooks run between the blocks' kernels). The threads launching the model's
+    # kernels then take the interpreter lock once a block, not once a kernel, so the data path's
+    # threads beside them no longer slow the step (docs/architecture.md, "Compiled towers").
+    cuda_graphs: bool | Literal["auto"] = may_change("auto")
     channels_last: bool = may_change(False)  # NHWC image tower: faster convolutions (timm convnets); no gain for ViTs
     # The text tower at its captions' own length (clipscale.caption_length): each step encodes its
     # texts in length order, each chunk only up to its longest caption, where that gives the same

@@ -68,11 +68,15 @@ class TrainStep:
     grad_clip:  max global gradient norm, or None.
     max_nonfinite_steps: consecutive skipped steps before NonFiniteStepsError.
     text_order: Gradient Cache's (`clipscale.caption_length.LengthSortedTexts`), or None.
+    stable_grads: keep every gradient allocated between steps, zeroed in place, so that each
+                backward accumulates into memory of its own: towers replayed as CUDA graphs
+                (`compile_towers(cuda_graphs=True)`) hand out their gradients in the graphs'
+                memory, which the next chunk's replay overwrites.
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer, *, chunk_size: int,
                  precision: str = "fp32", grad_clip: float | None = 1.0, max_nonfinite_steps: int = 10,
-                 reuse_last_chunk: bool = True, text_order=None):
+                 reuse_last_chunk: bool = True, text_order=None, stable_grads: bool = False):
         self.model = ParallelModel.of(model)
         self.optimizer = optimizer
         self.grad_clip = grad_clip if grad_clip is not None else math.inf
@@ -80,6 +84,7 @@ class TrainStep:
         self.scaler = torch.amp.GradScaler(self.model.device.type) if precision == "fp16" else None
         self.gradcache = GradCache(self.model, loss_fn, chunk_size, autocast=AUTOCAST_DTYPES[precision], scaler=self.scaler,
                                    reuse_last_chunk=reuse_last_chunk, text_order=text_order)
+        self.stable_grads = stable_grads
         self.nonfinite_total = 0
         self.nonfinite_in_a_row = 0
         self.steps = 0
@@ -91,6 +96,10 @@ class TrainStep:
         # A GradScaler unscales and updates only after a backward: with no gradient it has no
         # inf check to update from, and it raises.
         scaled = self.scaler is not None
+        if self.stable_grads:
+            for parameter in self.model.module.parameters():
+                if parameter.requires_grad and parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
         try:
             loss = self.gradcache(images, texts)
         except NonFiniteError:  # raised on every rank alike, before any backward
@@ -105,7 +114,7 @@ class TrainStep:
             self.optimizer.step()
         if scaled:
             self.scaler.update()  # after an fp16 overflow this lowers the loss scale
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.stable_grads)
         logit_scale = self.model.module.logit_scale
         with torch.no_grad():
             logit_scale.clamp_(0, MAX_LOGIT_SCALE)

@@ -17,7 +17,7 @@ from clipscale.caption_length import text_lengths_computed, text_lengths_for_run
 from clipscale.checkpoint import CHECKPOINTS
 from clipscale.checkpoint_manager import CheckpointManager, ModelAndOptimizer, RandomState
 from clipscale.checks import RunPlan, plan_run
-from clipscale.compile import compile_enabled, compile_towers, save_portable_cache
+from clipscale.compile import compile_enabled, compile_towers, cuda_graphs_enabled, save_portable_cache
 from clipscale.config import Config
 from clipscale.console import Console, figures, library_noise_kept_off, weights_line
 from clipscale.data.pipeline import TrainingBatches
@@ -112,9 +112,11 @@ class Run:
         loss_fn = loss_fn if loss_fn is not None else build_loss(cfg.loss.name, **cfg.loss.options)
         optimizer = build_optimizer(model.module, cfg.optim, fused=world.device.type == "cuda" and not train.fsdp_offload)
         chunk = chunk_size(plan, model, loss_fn, world, console)
+        compiled = compile_enabled(cfg.model.compile, world.device)
+        cuda_graphs = cuda_graphs_enabled(cfg.model.cuda_graphs, compiled, world.device, train.parallel)
         step = TrainStep(model, loss_fn, optimizer, chunk_size=chunk, precision=train.precision,
                          grad_clip=cfg.optim.grad_clip, max_nonfinite_steps=train.max_nonfinite_steps,
-                         text_order=text_order)
+                         text_order=text_order, stable_grads=cuda_graphs)
         batches = TrainingBatches(cfg, plan, world, towers.train_transform, towers.tokenizer, chunk)
         try:
             window = RecordWindow(cfg.train.batch_size, world.device, world.world_size, flops)
@@ -130,9 +132,9 @@ class Run:
             for line in [*batches.path.notes, *text_notes]:
                 console.say(line)
             compile_cache = None
-            if compile_enabled(cfg.model.compile, world.device):  # its cache lives in the run folder, so only once the folder is claimed
+            if compiled:  # its cache lives in the run folder, so only once the folder is claimed
                 compile_cache = Path(cfg.model.compile_cache or folder.run_dir / "compile_cache")
-                compile_towers(model.module, compile_cache)
+                compile_towers(model.module, compile_cache, cuda_graphs=cuda_graphs)
             if world.is_main:
                 write_open_clip_folder(folder.run_dir, towers)  # with the final weights, open_clip's `local-dir:` loads the run
             logger = MetricsLogger(folder.run_dir, cfg, enabled=world.is_main, resume_step=start_step)

@@ -63,7 +63,7 @@ import torch
 import webdataset as wds
 
 from clipscale.caption_length import TextChunks, caption_lengths, cut_padding, length_order, use_causal_kernel
-from clipscale.compile import compile_enabled, compile_towers
+from clipscale.compile import compile_enabled, compile_towers, cuda_graphs_enabled
 from clipscale.config import load_config
 from clipscale.gradcache import trainable_towers
 from clipscale.losses import build_loss
@@ -138,7 +138,7 @@ class Sampler(threading.Thread):
 
 CONFIG = REPO / "configs" / "vit_b16_infcl.yaml"
 OPTIONAL = {"chunk": "train.chunk_size", "decoder": "data.decoder", "device_decoder": "data.device_decoder",
-            "compile": "model.compile", "cache": "model.compile_cache", "resampled": "data.resampled",
+            "compile": "model.compile", "cuda_graphs": "model.cuda_graphs", "cache": "model.compile_cache", "resampled": "data.resampled",
             "parallel": "train.parallel", "fsdp_offload": "train.fsdp_offload", "grad_checkpointing": "model.grad_checkpointing"}
 
 
@@ -276,7 +276,7 @@ def ceiling_case(case: dict, result: dict, args) -> dict:
     batch, the chunk it used (auto's choice read from its console), its text positions (all of
     them, unless its metrics logged fewer)."""
     nproc = int(case.get("nproc", 1))
-    ceiling = {key: case[key] for key in ("model", "loss", "compile", "cache", "grad_checkpointing") if key in case}
+    ceiling = {key: case[key] for key in ("model", "loss", "compile", "cuda_graphs", "cache", "grad_checkpointing") if key in case}
     ceiling.update(runner="ceiling", batch=case.get("ceiling_batch", int(case["batch"]) // nproc),
                    steps=case.get("ceiling_steps", 3), text=case.get("ceiling_text", "full"))
     if str(case.get("chunk", "")).isdigit():
@@ -361,11 +361,13 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
                      for (start, stop), n in zip(bounds, positions))
     peak = peak_bf16_flops(device)
 
-    if compile_enabled(cfg.model.compile, device):
-        compile_towers(model, Path(cfg.model.compile_cache or out.parent / "compile_cache"))
+    compiled = compile_enabled(cfg.model.compile, device)
+    cuda_graphs = cuda_graphs_enabled(cfg.model.cuda_graphs, compiled, device, cfg.train.parallel)
+    if compiled:
+        compile_towers(model, Path(cfg.model.compile_cache or out.parent / "compile_cache"), cuda_graphs=cuda_graphs)
     optimizer = build_optimizer(model, cfg.optim, fused=device.type == "cuda")
     step = TrainStep(model, build_loss(cfg.loss.name, **cfg.loss.options), optimizer, chunk_size=chunk,
-                     precision=cfg.train.precision, grad_clip=cfg.optim.grad_clip)
+                     precision=cfg.train.precision, grad_clip=cfg.optim.grad_clip, stable_grads=cuda_graphs)
     with out.open("w") as log:
         for _ in range(int(case["steps"])):
             if device.type == "cuda":
