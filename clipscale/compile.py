@@ -49,8 +49,9 @@ def compile_towers(model: nn.Module, cache_dir: Path, backend: str = "inductor",
     under FSDP the blocks are the sharded units), caching under `cache_dir` and loading its
     portable cache first. A model without lists of blocks is compiled whole. `backend`:
     torch.compile's (the tests use "aot_eager", which needs no compiler). `cuda_graphs`: each
-    block replayed as CUDA graphs ("reduce-overhead"); the gradients must then be kept allocated
-    between backwards (`TrainStep(stable_grads=True)`), or a replay would overwrite them."""
+    block replayed as CUDA graphs ("reduce-overhead"), where the model has lists of blocks (their
+    outputs feed the towers' eager heads, so no feature lives in the graphs' memory); the step must
+    know it (`TrainStep(cuda_graphs=True)`)."""
     from clipscale.parallel import ParallelError, tower_blocks  # the blocks FSDP shards are the ones compiled
 
     cache_dir = cache_dir.resolve()
@@ -68,6 +69,14 @@ def compile_towers(model: nn.Module, cache_dir: Path, backend: str = "inductor",
     for tower, blocks in towers:
         for block in blocks:
             block.compile(backend=backend, dynamic=tower == "text", mode=mode)
+
+
+def begin_graph_step() -> None:
+    """The towers' next call begins and what their previous calls returned has been used (copied out
+    of the towers, or backpropagated): towers replayed as CUDA graphs may reuse their graphs' memory
+    (torch.compiler's step marker). Called before each chunk's encoding and each evaluation batch;
+    without CUDA graphs it does nothing."""
+    torch.compiler.cudagraph_mark_step_begin()
 
 
 def save_portable_cache(cache_dir: Path) -> None:

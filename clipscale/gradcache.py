@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 import torch
 import torch.nn as nn
 
+from clipscale.compile import begin_graph_step
 from clipscale.parallel import ParallelModel
 from clipscale.precision import autocast_factory
 
@@ -240,6 +241,7 @@ class GradCache:
         text_chunks = self.chunks(texts, reencoded, 2) if train_text else repeat(None)
         final = len(reencoded) - 1
         for k, ((start, stop), image, text) in enumerate(zip(reencoded, image_chunks, text_chunks)):
+            begin_graph_step()  # the previous chunk is backpropagated
             # DDP all-reduces in the final backward of the step only.
             with self.sync.deferred() if k < final else contextlib.nullcontext():
                 grads.backward(self.reencode(image, text, *states[k]), start, stop, with_scalars=k == final)
@@ -262,6 +264,7 @@ class GradCache:
                        (text_out or image_out).scalars)
 
     def plain_step(self, images: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
+        begin_graph_step()
         with self.autocast():
             out = encode(self.model, images, texts)
             loss = self.loss_fn(out.image, out.text, *out.scalars)
@@ -286,6 +289,7 @@ class GradCache:
         last = {}  # the last chunk's output of each tower, with its graph
 
         def encode_chunk(k: int, image: torch.Tensor | None, text: torch.Tensor | None) -> None:
+            begin_graph_step()  # the previous chunk's features are kept outside the towers
             if text is not None:
                 text_positions.append(text.shape[1])
             if k == count - 1 and self.reuse_last_chunk:

@@ -68,23 +68,25 @@ class TrainStep:
     grad_clip:  max global gradient norm, or None.
     max_nonfinite_steps: consecutive skipped steps before NonFiniteStepsError.
     text_order: Gradient Cache's (`clipscale.caption_length.LengthSortedTexts`), or None.
-    stable_grads: keep every gradient allocated between steps, zeroed in place, so that each
-                backward accumulates into memory of its own: towers replayed as CUDA graphs
-                (`compile_towers(cuda_graphs=True)`) hand out their gradients in the graphs'
-                memory, which the next chunk's replay overwrites.
+    cuda_graphs: the towers' blocks are replayed as CUDA graphs (`compile_towers(cuda_graphs=True)`).
+                They hand out gradients in the graphs' memory, which the next chunk's replay
+                overwrites: every gradient is kept allocated between steps and zeroed in place, so
+                each backward accumulates into memory of its own. And pass 1 keeps no graph of its
+                last chunk (no `reuse_last_chunk`): a chunk's saved activations in the graphs'
+                memory would be overwritten by the text chunks encoded before its backward.
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer, *, chunk_size: int,
                  precision: str = "fp32", grad_clip: float | None = 1.0, max_nonfinite_steps: int = 10,
-                 reuse_last_chunk: bool = True, text_order=None, stable_grads: bool = False):
+                 reuse_last_chunk: bool = True, text_order=None, cuda_graphs: bool = False):
         self.model = ParallelModel.of(model)
         self.optimizer = optimizer
         self.grad_clip = grad_clip if grad_clip is not None else math.inf
         self.max_nonfinite_steps = max_nonfinite_steps
         self.scaler = torch.amp.GradScaler(self.model.device.type) if precision == "fp16" else None
         self.gradcache = GradCache(self.model, loss_fn, chunk_size, autocast=AUTOCAST_DTYPES[precision], scaler=self.scaler,
-                                   reuse_last_chunk=reuse_last_chunk, text_order=text_order)
-        self.stable_grads = stable_grads
+                                   reuse_last_chunk=reuse_last_chunk and not cuda_graphs, text_order=text_order)
+        self.stable_grads = cuda_graphs
         self.nonfinite_total = 0
         self.nonfinite_in_a_row = 0
         self.steps = 0

@@ -116,7 +116,7 @@ class Run:
         cuda_graphs = cuda_graphs_enabled(cfg.model.cuda_graphs, compiled, world.device, train.parallel)
         step = TrainStep(model, loss_fn, optimizer, chunk_size=chunk, precision=train.precision,
                          grad_clip=cfg.optim.grad_clip, max_nonfinite_steps=train.max_nonfinite_steps,
-                         text_order=text_order, stable_grads=cuda_graphs)
+                         text_order=text_order, cuda_graphs=cuda_graphs)
         batches = TrainingBatches(cfg, plan, world, towers.train_transform, towers.tokenizer, chunk)
         try:
             window = RecordWindow(cfg.train.batch_size, world.device, world.world_size, flops)

@@ -179,7 +179,7 @@ def main(argv=None) -> None:
         compile_towers(model, Path(cfg.model.compile_cache or work_dir / "compile_cache"), cuda_graphs=cuda_graphs)
     step = TrainStep(model, build_loss(cfg.loss.name, **cfg.loss.options), build_optimizer(model, cfg.optim, fused=device.type == "cuda"),
                      chunk_size=args.chunk, precision=cfg.train.precision, grad_clip=cfg.optim.grad_clip, text_order=text_order,
-                     stable_grads=cuda_graphs)
+                     cuda_graphs=cuda_graphs)
     captions = shard_captions(args.shards, set(cfg.data.caption_key.split(";")), args.batch)
     tokens = towers.tokenizer(captions).repeat(-(-args.batch // len(captions)), 1)[: args.batch]
     host_tokens = tokens.pin_memory() if device.type == "cuda" else tokens

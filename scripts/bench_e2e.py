@@ -367,7 +367,7 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
         compile_towers(model, Path(cfg.model.compile_cache or out.parent / "compile_cache"), cuda_graphs=cuda_graphs)
     optimizer = build_optimizer(model, cfg.optim, fused=device.type == "cuda")
     step = TrainStep(model, build_loss(cfg.loss.name, **cfg.loss.options), optimizer, chunk_size=chunk,
-                     precision=cfg.train.precision, grad_clip=cfg.optim.grad_clip, stable_grads=cuda_graphs)
+                     precision=cfg.train.precision, grad_clip=cfg.optim.grad_clip, cuda_graphs=cuda_graphs)
     with out.open("w") as log:
         for _ in range(int(case["steps"])):
             if device.type == "cuda":

@@ -71,8 +71,8 @@ def test_compiled_gradient_cache_on_the_gpu(tmp_path, dropout):
 def test_blocks_replayed_as_cuda_graphs_accumulate_every_chunks_gradient(tmp_path):
     """model.cuda_graphs: each block's forward and backward replayed as CUDA graphs. The gradients
     of a block come out in the graphs' memory, which the next chunk's replay overwrites: kept
-    allocated and zeroed in place (TrainStep's stable_grads), every chunk adds into memory of its
-    own. Set them to None before a step instead, and the first chunk's gradient is lost."""
+    allocated and zeroed in place (TrainStep(cuda_graphs=True)), every chunk adds into memory of
+    its own. Set them to None before a step instead, and the first chunk's gradient is lost."""
     torch._dynamo.reset()
     eager = tiny_clip(0.0).cuda()
     graphed = copy.deepcopy(eager)
@@ -84,6 +84,6 @@ def test_blocks_replayed_as_cuda_graphs_accumulate_every_chunks_gradient(tmp_pat
         torch.manual_seed(seed)
         for parameter in graphed.parameters():
             parameter.grad = torch.zeros_like(parameter) if parameter.grad is None else parameter.grad.zero_()
-        GradCache(graphed, build_loss("infcl"), CHUNK, autocast=torch.bfloat16)(images, texts)
+        GradCache(graphed, build_loss("infcl"), CHUNK, autocast=torch.bfloat16, reuse_last_chunk=False)(images, texts)
         got = grads_of(graphed)
         assert relative_error(got, gradcache(eager, images, texts, seed)) < 2e-2, f"step with seed {seed}"

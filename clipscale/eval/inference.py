@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from clipscale.compile import begin_graph_step
 from clipscale.distributed import is_distributed, unwrap
 from clipscale.precision import Autocast, autocast_factory
 
@@ -45,12 +46,14 @@ def normalised_float(features: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def encode_images(model, images: torch.Tensor, device, autocast: Autocast) -> torch.Tensor:
+    begin_graph_step()  # the previous batch's features were copied out (normalised_float)
     with autocast_factory(autocast, device)():
         features = model.encode_image(images.to(device, non_blocking=True), normalize=True)
     return normalised_float(features, "image")
 
 
 def encode_texts(model, tokenizer, texts: list[str], device, autocast: Autocast) -> torch.Tensor:
+    begin_graph_step()
     with autocast_factory(autocast, device)():
         features = model.encode_text(tokenizer(texts).to(device, non_blocking=True), normalize=True)
     return normalised_float(features, "text")
