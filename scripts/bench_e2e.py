@@ -266,8 +266,11 @@ def run_case(case: dict, args, timeout: float) -> dict:
         result["auto_chunk"] = chosen.group(0)
     if case["runner"] == "clipscale":  # what the run said of its data path and compilation
         result["console"] = re.findall(r"^(?:compiling the towers.*|data\.\w+.*|the steps waited.*)$", log, re.M)
-    if case["runner"] == "ceiling":  # what it said of its text tower
-        result["console"] = re.findall(r"^text: .*$", log, re.M)
+    if case["runner"] == "ceiling":  # what it said of its towers and its text tower
+        result["console"] = re.findall(r"^(?:text|towers): .*$", log, re.M)
+        result["compiled"] = "towers: compiled" in log
+    elif case["runner"] == "clipscale":
+        result["compiled"] = "compiling the towers took" in log
     return result
 
 
@@ -363,6 +366,7 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
 
     compiled = compile_enabled(cfg.model.compile, device)
     cuda_graphs = cuda_graphs_enabled(cfg.model.cuda_graphs, compiled, device, cfg.train.parallel)
+    print(f"towers: {'compiled' if compiled else 'eager'}; CUDA graphs: {'yes' if cuda_graphs else 'no'}", flush=True)
     if compiled:
         compile_towers(model, Path(cfg.model.compile_cache or out.parent / "compile_cache"), cuda_graphs=cuda_graphs)
     optimizer = build_optimizer(model, cfg.optim, fused=device.type == "cuda")
@@ -386,7 +390,7 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
 
 SHOWN = ("steps_done", "window", "short_window", "samples_per_s", "first_step_s", "steady_step_s", "peak_host_gib", "peak_gpu_allocated_gib",
          "peak_gpu_used_gib", "exit_code", "auto_chunk", "mfu", "data_wait_s", "text_positions_per_sample",
-         "of_ceiling", "console", "losses")
+         "of_ceiling", "console", "losses", "compiled", "void")
 
 
 def report(name: str, result: dict) -> None:
@@ -427,6 +431,9 @@ def main(argv=None) -> None:
             left = deadline - time.monotonic()
             result["ceiling"] = run_case(ceiling_case(case, result, args), args, left) if left >= 30 else {"not_run": "time budget"}
             report(f"{spec} ceiling:", result["ceiling"])
+            if result["ceiling"].get("compiled") not in (None, result["compiled"]):
+                result["void"] = (f"the ceiling's towers were {'compiled' if result['ceiling']['compiled'] else 'eager'} "
+                                  f"while the run's were {'compiled' if result['compiled'] else 'eager'}: not its ceiling")
             if "samples_per_s" in result["ceiling"]:
                 of_ceiling(result, int(case.get("nproc", 1)))
                 print(f"{spec} of_ceiling: {result['of_ceiling']:.3f}, median step {result['of_ceiling_median']}, "

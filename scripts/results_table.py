@@ -4,7 +4,8 @@
     python scripts/results_table.py --write    # rewrite it in README.md, between its markers
 
 Every case of every results/bench_e2e_*.json file (what scripts/bench_e2e.py writes) is a row,
-unless it has no figures (a process that ended before its first step), or it or its file
+unless it has no figures (a process that ended before its first step), was not measured over a
+window of at least 10 steps without the first and the last (`claims_speed`), or it or its file
 carries "void" (figures known to be wrong) or "superseded" (why a later file replaces it): those
 stay in their files and in docs/benchmarks.md, not in the README. A new file of the same kind
 shows up by running --write; to retire a row, add "superseded": "<why>" to its case.
@@ -33,10 +34,18 @@ def rows(repo: Path = REPO) -> list[tuple[tuple, str]]:
         if "void" in record or "superseded" in record:
             continue
         for result in record["cases"]:
-            if "void" in result or "superseded" in result or not result.get("steps_done"):
+            if "void" in result or "superseded" in result or not result.get("steps_done") or not claims_speed(result):
                 continue
             found.append(row(result, record, path.relative_to(repo)))
     return sorted(found)
+
+
+def claims_speed(result: dict) -> bool:
+    """Measured over a window of at least 10 steps that leaves out the first and the last (bench_e2e
+    writes `window`, and `short_window` when it is shorter); a one-step case reports its time only.
+    Files measured before such windows (steps 2..N, the last step in) stay in results/ and
+    docs/benchmarks.md, not in the README."""
+    return result["steps_done"] == 1 or ("window" in result and "short_window" not in result)
 
 
 def row(result: dict, record: dict, path: Path) -> tuple[tuple, str]:
@@ -56,7 +65,8 @@ def row(result: dict, record: dict, path: Path) -> tuple[tuple, str]:
     else:
         speed = f"{result['samples_per_s']:,.0f}{ratio(result, record)}"
         if "of_ceiling" in result:  # bench_e2e's ceiling: the same compiled towers' step on GPU-resident tensors
-            speed += f" ({result['of_ceiling']:.0%} of its towers' ceiling, same command)"
+            median = f", median step {result['of_ceiling_median']:.0%}" if result.get("of_ceiling_median") else ""
+            speed += f" ({result['of_ceiling']:.0%} of its towers' ceiling{median}, same command)"
         steps = f"{result['first_step_s']:.0f} s / {result['steady_step_s']:.1f} s"
     if result.get("exit_code"):
         speed += f" (stopped after step {result['steps_done']}, exit {result['exit_code']})"

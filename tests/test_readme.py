@@ -102,14 +102,17 @@ def test_the_speed_table_is_made_from_results():
 
 
 def test_the_table_shows_current_cases_only(tmp_path):
-    """A new results file appears once the table is made again; void and superseded cases do not."""
+    """A new results file appears once the table is made again; void and superseded cases do not, nor
+    cases measured over fewer than 10 steps or with the last step in (no `window`)."""
     (tmp_path / "results").mkdir()
-    case = {"case": {"runner": "clipscale", "model": "ViT-B-16", "batch": "65536", "chunk": "512", "steps": "3"},
-            "exit_code": 0, "steps_done": 3, "samples_per_s": 1234.4, "first_step_s": 80.0, "steady_step_s": 50.0,
-            "peak_host_gib": 20.0, "peak_gpu_allocated_gib": 44.0}
+    case = {"case": {"runner": "clipscale", "model": "ViT-B-16", "batch": "65536", "chunk": "512", "steps": "12"},
+            "exit_code": 0, "steps_done": 12, "window": "steps 2..11 of 12", "samples_per_s": 1234.4, "first_step_s": 80.0,
+            "steady_step_s": 50.0, "peak_host_gib": 20.0, "peak_gpu_allocated_gib": 44.0}
     void = {**case, "case": {**case["case"], "batch": "1024"}, "void": "a loss was not finite"}
     superseded = {**case, "case": {**case["case"], "batch": "2048"}, "superseded": "measured again"}
-    record = {"device": "NVIDIA H100 80GB HBM3", "workers": 14, "cases": [case, void, superseded]}
+    short = {**case, "case": {**case["case"], "batch": "4096"}, "short_window": "3 steps measured"}
+    last_step_in = {key: value for key, value in {**case, "case": {**case["case"], "batch": "8192"}}.items() if key != "window"}
+    record = {"device": "NVIDIA H100 80GB HBM3", "workers": 14, "cases": [case, void, superseded, short, last_step_in]}
     (tmp_path / "results" / "bench_e2e_new.json").write_text(json.dumps(record))
     lines = results_table().table(tmp_path).splitlines()
     assert len(lines) == 3
@@ -119,9 +122,10 @@ def test_the_table_shows_current_cases_only(tmp_path):
 
 def test_a_case_measured_beside_its_ceiling_shows_the_fraction(tmp_path):
     (tmp_path / "results").mkdir()
-    case = {"case": {"runner": "clipscale", "model": "ViT-B-32", "batch": "65536", "chunk": "512", "steps": "3"},
-            "exit_code": 0, "steps_done": 3, "samples_per_s": 4800.0, "first_step_s": 80.0, "steady_step_s": 13.6,
-            "peak_host_gib": 9.0, "peak_gpu_allocated_gib": 40.0, "of_ceiling": 0.956}
+    case = {"case": {"runner": "clipscale", "model": "ViT-B-32", "batch": "65536", "chunk": "512", "steps": "12"},
+            "exit_code": 0, "steps_done": 12, "window": "steps 2..11 of 12", "samples_per_s": 4800.0, "first_step_s": 80.0,
+            "steady_step_s": 13.6, "peak_host_gib": 9.0, "peak_gpu_allocated_gib": 40.0, "of_ceiling": 0.956,
+            "of_ceiling_median": 0.95}
     record = {"device": "NVIDIA H100 80GB HBM3", "workers": 14, "cases": [case]}
     (tmp_path / "results" / "bench_e2e_ceiling.json").write_text(json.dumps(record))
-    assert "| 4,800 (96% of its towers' ceiling, same command) |" in results_table().table(tmp_path)
+    assert "| 4,800 (96% of its towers' ceiling, median step 95%, same command) |" in results_table().table(tmp_path)

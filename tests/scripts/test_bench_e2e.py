@@ -50,7 +50,8 @@ def test_a_clipscale_case_reports_its_ceiling_and_the_numbers_of_each_row(shards
     ceiling = result["ceiling"]
     assert ceiling["exit_code"] == 0 and ceiling["steps_done"] == 3, ceiling.get("log_tail")
     assert ceiling["case"]["batch"] == 16 and ceiling["case"]["chunk"] == "8"
-    assert ceiling["console"] == ["text: padding cut; causal kernel: yes"]
+    assert ceiling["console"] == ["text: padding cut; causal kernel: yes", "towers: eager; CUDA graphs: no"]
+    assert ceiling["compiled"] is result["compiled"] is False and "void" not in result  # a CPU run compiles nothing
     assert ceiling["data_wait_s"] == [0.0] * 3 and ceiling["mfu"] == [None] * 3  # no peak known for a CPU
     positions = ceiling["text_positions_per_sample"]
     assert len(set(positions)) == 1 and 8 <= positions[0] < 77
