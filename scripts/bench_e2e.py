@@ -35,8 +35,8 @@ model.compile_cache folder, so a second case reuses what the first compiled), re
 processes, default 1; openclip too), accum (openclip: --accum-freq; batch stays the global batch),
 local_loss (openclip: 1 adds --local-loss --gather-with-grad), pythonpath (prepended for this case
 only: open_clip_train needs webdataset 0.2.x), ceiling (clipscale: 0 skips its ceiling), ceiling_batch
-(default the case's batch over nproc), ceiling_steps (default 3, the first dropped as the compiling
-one) and ceiling_text (cut or full: the ceiling's text positions, instead of the run's). --set
+(default the case's batch over nproc), ceiling_steps (default 5, the first two dropped: compiling, then
+recording CUDA graphs) and ceiling_text (cut or full: the ceiling's text positions, instead of the run's). --set
 KEY=VALUE adds a config override to every clipscale case and its ceiling (a tiny model.custom for a
 CPU smoke run, say). Cases past --budget seconds are recorded as not run.
 """
@@ -204,8 +204,9 @@ MIN_WINDOW = 10  # steps in a window that makes a speed claim
 def measured_window(case: dict, steps: list[dict]) -> list[dict]:
     """The steps a speed figure is taken over: all but the first (it compiles) and, for a training
     run, but the last, which alone has no next batch being prepared beside it and so runs faster
-    than the steps a long run is made of. The ceiling prepares nothing: all but its first."""
-    return steps[1:] if case["runner"] == "ceiling" else steps[1:-1]
+    than the steps a long run is made of. The ceiling prepares nothing: all but its first two (the
+    first compiles; in a plain step, one chunk a step, the second records the CUDA graphs)."""
+    return steps[2:] if case["runner"] == "ceiling" else steps[1:-1]
 
 
 def of_ceiling(result: dict, nproc: int) -> None:
@@ -281,7 +282,7 @@ def ceiling_case(case: dict, result: dict, args) -> dict:
     nproc = int(case.get("nproc", 1))
     ceiling = {key: case[key] for key in ("model", "loss", "compile", "cuda_graphs", "cache", "grad_checkpointing") if key in case}
     ceiling.update(runner="ceiling", batch=case.get("ceiling_batch", int(case["batch"]) // nproc),
-                   steps=case.get("ceiling_steps", 3), text=case.get("ceiling_text", "full"))
+                   steps=case.get("ceiling_steps", 5), text=case.get("ceiling_text", "full"))
     if str(case.get("chunk", "")).isdigit():
         ceiling["chunk"] = case["chunk"]
     elif case.get("chunk") == "none":  # the whole batch of a process in one chunk
