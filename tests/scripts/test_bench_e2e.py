@@ -64,7 +64,7 @@ def test_the_ceiling_follows_the_runs_text_positions_chunk_and_per_process_batch
     ran_full = {"text_positions_per_sample": [None, None]}
     case = {"runner": "clipscale", "batch": "64", "chunk": "16", "steps": "3", "loss": "vanilla"}
     assert bench_e2e.ceiling_case(case, ran_full, args) == {
-        "runner": "ceiling", "loss": "vanilla", "batch": 64, "steps": 3, "text": "full", "chunk": "16"}
+        "runner": "ceiling", "loss": "vanilla", "batch": 64, "steps": 5, "text": "full", "chunk": "16"}
     assert bench_e2e.ceiling_case(case, {"text_positions_per_sample": [30.5, 30.5]}, args)["text"] == "cut"
     assert bench_e2e.ceiling_case(case, {"text_positions_per_sample": [77.0]}, args)["text"] == "full"
     auto = {**case, "chunk": "auto", "nproc": "2", "ceiling_text": "cut"}
