@@ -37,10 +37,13 @@ def compile_enabled(setting: bool | str, device: torch.device) -> bool:
     return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
-def cuda_graphs_enabled(setting: bool | str, compiled: bool, device: torch.device, parallel: str) -> bool:
-    """model.cuda_graphs as it applies: "auto" where the towers are compiled on a GPU, not under FSDP."""
+def cuda_graphs_enabled(setting: bool | str, compiled: bool, device: torch.device, parallel: str, chunks: int) -> bool:
+    """model.cuda_graphs as it applies: "auto" where the towers are compiled on a GPU, not under FSDP,
+    and a batch is encoded in several chunks (Gradient Cache). In a plain step each block runs once
+    a step, so CUDA graph trees warm up and record over the first steps, and at ViT-B/16 512 on an
+    H100 the steady step was no faster (results/bench_e2e_h100_b16_512_cuda_graphs_or_not.json)."""
     if setting == "auto":
-        return compiled and device.type == "cuda" and parallel != "fsdp"
+        return compiled and device.type == "cuda" and parallel != "fsdp" and chunks > 1
     return bool(setting) and compiled
 
 

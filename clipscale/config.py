@@ -109,7 +109,8 @@ class ModelConfig:
     compile_cache: Optional[str] = may_change(None)
     # Each compiled block's forward and backward replayed as CUDA graphs (torch.compile's
     # "reduce-overhead"): "auto" where the towers are compiled on a GPU under DDP or one process
-    # (not FSDP, whose hooks run between the blocks' kernels). The threads launching the model's
+    # (not FSDP, whose hooks run between the blocks' kernels) and a batch is encoded in several
+    # chunks (a plain step gained nothing, measured). The threads launching the model's
     # kernels then take the interpreter lock once a block, not once a kernel, so the data path's
     # threads beside them no longer slow the step (docs/architecture.md, "Compiled towers").
     cuda_graphs: bool | Literal["auto"] = may_change("auto")

@@ -113,7 +113,8 @@ class Run:
         optimizer = build_optimizer(model.module, cfg.optim, fused=world.device.type == "cuda" and not train.fsdp_offload)
         chunk = chunk_size(plan, model, loss_fn, world, console)
         compiled = compile_enabled(cfg.model.compile, world.device)
-        cuda_graphs = cuda_graphs_enabled(cfg.model.cuda_graphs, compiled, world.device, train.parallel)
+        cuda_graphs = cuda_graphs_enabled(cfg.model.cuda_graphs, compiled, world.device, train.parallel,
+                                          chunks=-(-plan.per_rank_batch // chunk))
         step = TrainStep(model, loss_fn, optimizer, chunk_size=chunk, precision=train.precision,
                          grad_clip=cfg.optim.grad_clip, max_nonfinite_steps=train.max_nonfinite_steps,
                          text_order=text_order, cuda_graphs=cuda_graphs)

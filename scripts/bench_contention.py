@@ -174,7 +174,7 @@ def main(argv=None) -> None:
     text_order, notes = text_lengths_for_run(towers.model, cfg.model.cut_text_padding, cfg.model.causal_text_attention)
     model = towers.model.to(device).train()
     compiled = compile_enabled(cfg.model.compile, device)
-    cuda_graphs = cuda_graphs_enabled(cfg.model.cuda_graphs, compiled, device, cfg.train.parallel)
+    cuda_graphs = cuda_graphs_enabled(cfg.model.cuda_graphs, compiled, device, cfg.train.parallel, chunks=-(-args.batch // args.chunk))
     if compiled:
         compile_towers(model, Path(cfg.model.compile_cache or work_dir / "compile_cache"), cuda_graphs=cuda_graphs)
     step = TrainStep(model, build_loss(cfg.loss.name, **cfg.loss.options), build_optimizer(model, cfg.optim, fused=device.type == "cuda"),

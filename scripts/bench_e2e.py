@@ -366,7 +366,7 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
     peak = peak_bf16_flops(device)
 
     compiled = compile_enabled(cfg.model.compile, device)
-    cuda_graphs = cuda_graphs_enabled(cfg.model.cuda_graphs, compiled, device, cfg.train.parallel)
+    cuda_graphs = cuda_graphs_enabled(cfg.model.cuda_graphs, compiled, device, cfg.train.parallel, chunks=-(-batch // chunk))
     print(f"towers: {'compiled' if compiled else 'eager'}; CUDA graphs: {'yes' if cuda_graphs else 'no'}", flush=True)
     if compiled:
         compile_towers(model, Path(cfg.model.compile_cache or out.parent / "compile_cache"), cuda_graphs=cuda_graphs)
