@@ -95,7 +95,8 @@ class TrainingBatches:
         if self.path.offload and split is None:
             raise ConfigError("train.offload needs an image transform whose random crop can be kept with the image bytes "
                               f"(open_clip's RandomResizedCrop pipelines); got {image_transform}")
-        self.state = StreamState()
+        self.workers = cfg.data.workers
+        self.state = StreamState(workers=max(1, cfg.data.workers))
         stream = ShardStream(
             data.train_shards,
             piece_size=piece,
@@ -112,6 +113,7 @@ class TrainingBatches:
             decode=self.path.decoder == "loader",
             max_image_pixels=cfg.data.max_image_pixels,
         )
+        self.order = stream.order
         # A generator of its own: the loader's seed draw leaves the global RNG (dropout's) as restored.
         loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=cfg.data.workers,
                                              persistent_workers=cfg.data.workers > 0, worker_init_fn=ignore_stop_signals,
@@ -142,8 +144,18 @@ class TrainingBatches:
     def state_dict(self) -> dict:
         return self.state.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.state.load_state_dict(state)
+    def load_every_rank(self, saved: list[dict]) -> str:
+        """This rank's share of the stream states that every rank of the checkpoint saved, on this
+        run's shape (`StreamState.resumed`); the line that says where the data order goes on."""
+        if "work" not in saved[0]:  # saved before the order was the same on every shape
+            return "the checkpoint's data cursors predate the order shared by every shape: the data order starts again at the first epoch"
+        resumed = StreamState.resumed(saved, self.world.rank, self.world.world_size, self.state.workers)
+        self.state.load_state_dict(resumed.state_dict())
+        epoch = self.order.slot(StreamState.work_left(saved).frontier).epoch
+        drawn = sum(state["drawn"].get(epoch, 0) for state in saved)
+        ranks = self.world.world_size
+        return (f"resuming at sample {drawn:,} of epoch {epoch} on {ranks} rank{'s' * (ranks != 1)}, "
+                f"{self.workers} worker{'s' * (self.workers != 1)} each")
 
     def close(self) -> None:
         """The gathering thread, the loader's workers and the decoder stop (each batch first: a
