@@ -16,15 +16,13 @@ work list (`WorkList.after`): the slots used up drop out, each slot begun keeps 
 the new consumers take the rest round-robin, begun slots first. So every sample of an epoch is
 used once, whatever shapes the run took.
 
-**One slot** (`ShuffledEpoch`; a slot is the plan's shards, usually one shard, or a part of one):
-
-
-it reads the shards of its `EpochPlan` in order; with a `stride` above 1 it keeps every
-stride-th sample of them, from `phase`. The samples it keeps are
-numbered 0, 1, ... (their *raw index*) and pass through a shuffle buffer of `buffer_size`: once
-it is full, each sample read goes in and one drawn at random comes out (webdataset's shuffle:
-the drawn slot takes the last one); at the end of the epoch the buffer drains. Draw n uses a
-generator seeded by (seed, n) alone, so a draw depends on the buffer's contents and nothing else.
+**One slot** (`ShuffledEpoch`) reads the shards of its `EpochPlan` (a slot's: one shard) in
+order; with a `stride` above 1 (a shard in parts) it keeps every stride-th sample of them, from
+`phase`. The samples it keeps are numbered 0, 1, ... (their *raw index*) and pass through a
+shuffle buffer of `buffer_size`: once it is full, each sample read goes in and one drawn at
+random comes out (webdataset's shuffle: the drawn place takes the last one); at the slot's end
+the buffer drains. Draw n uses a generator seeded by (seed, n) alone, so a draw depends on the
+buffer's contents and nothing else.
 
 Where the slot stands is a small `position`: the draws made, the sizes (in samples, kept or
 not) of the shards read to their end, and the raw indices in the buffer, in buffer order

@@ -1,6 +1,6 @@
 """A stream resumed on another shape goes on where it stopped: loader worker processes and ranks
 (each rank's stream in turn, as the trainer's would run side by side) go 2 ranks x 2 workers ->
-3 x 0 -> 1 x 3 -> 2 x 2, each shape taking a few steps and handing its saved states to the next
+3 x 0 -> 1 x 3 -> 1 x 2 -> 2 x 2, each shape taking a few steps and handing its saved states to the next
 (`StreamState.resumed`, as a checkpoint does). Over the run, every sample of an epoch is used
 exactly once: the same multiset of captions per epoch as a run on one shape never stopped, on
 webdataset shards and CSV tables, one source and `a::b` sources drawn by upsampling factors
@@ -25,7 +25,8 @@ from tests.helpers.tiny_runs import DIGITS_YAML
 from tests.helpers.user_data import write_csv, write_img2dataset_shards
 
 PIECE = 6  # each rank's batch, one piece a step
-SHAPES = [(2, 2, 12), (3, 0, 10), (1, 3, 15), (2, 2, 40)]  # (ranks, data.workers, steps): 894 samples, epochs of 640
+# (ranks, data.workers, steps): 954 samples, epochs of 640; the fourth changes only the workers
+SHAPES = [(2, 2, 12), (3, 0, 10), (1, 3, 15), (1, 2, 10), (2, 2, 40)]
 
 
 def _source(tmp_path, kind: str, resampled: bool):
