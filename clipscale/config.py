@@ -134,7 +134,7 @@ class DataConfig:
     csv_image_key: str = "filepath"  # open_clip's --csv-img-key
     csv_caption_key: str = "title"  # open_clip's --csv-caption-key
     csv_separator: str = "\t"  # open_clip's --csv-separator
-    # Loader processes per rank; every (rank, worker) pair reads its own share of the shards
+    # Loader processes per rank; every (rank, worker) pair takes its share of the epochs' slots (clipscale.data.epoch)
     workers: int = may_change(2, on_resume=REDEAL)
     shuffle_buffer: int = 1000
     # Who decodes training images (clipscale/data/pipeline.py). "loader": the loader workers, with
