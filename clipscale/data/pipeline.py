@@ -9,7 +9,7 @@ down. docs/architecture.md tells how a batch flows.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +19,7 @@ from clipscale.data import prepare_data
 from clipscale.data.batches import BatchStream, ImageDecoder, StreamedBatch, piece_size_for
 from clipscale.data.chunks import KeepBudget
 from clipscale.data.device_decode import DeviceDecoder, JpegEngines, TorchvisionJpeg
+from clipscale.data.epoch import WorkList
 from clipscale.data.offload import DecodePool
 from clipscale.data.shards import ShardStream, StreamState
 from clipscale.data.transforms import SplitTransform
@@ -147,7 +148,9 @@ class TrainingBatches:
     def load_every_rank(self, saved: list[dict]) -> str:
         """This rank's share of the stream states that every rank of the checkpoint saved, on this
         run's shape (`StreamState.resumed`); the line that says where the data order goes on."""
-        if "work" not in saved[0]:  # saved before the order was the same on every shape
+        if "work" not in saved[0]:  # saved before the order was the same on every shape: its cursors mean nothing now
+            begun = [{**state, "cursors": {}, "work": asdict(WorkList()), "workers": 1, "drawn": {}} for state in saved]
+            self.state.load_state_dict(StreamState.reshaped(begun, self.world.rank, self.state.workers).state_dict())
             return "the checkpoint's data cursors predate the order shared by every shape: the data order starts again at the first epoch"
         resumed = StreamState.resumed(saved, self.world.rank, self.world.world_size, self.state.workers)
         self.state.load_state_dict(resumed.state_dict())
