@@ -21,10 +21,12 @@ A checkpoint is one dict in open_clip's layout, so (whole) `open_clip.load_check
     and       "name", "config", and "epoch": the epochs completed, of train.num_samples_per_epoch
               samples (open_clip_train's --train-num-samples; 0 for a run not counted in epochs)
 
-The per-rank parts are restored only where the checkpoint's data order goes on: on the world
-size that saved them, with the same data.workers (every rank and loader worker reads its own
-share of the shards). Otherwise the data order starts again at the first epoch and the console says so, as it says
-which keys that only change speed (clipscale.config, `on_resume`) differ from the checkpoint's.
+The data part takes every saved rank's state and finds its own share on whatever shape the run
+has now (`load_every_rank`: the epoch goes on where it stopped, clipscale.data.shards); the
+console says where, as it says which keys that a resume may change (clipscale.config,
+`on_resume`) differ from the checkpoint's. The other per-rank parts are restored on the world
+size that saved them; on another, the metrics' logged totals (the same on every rank) come from
+rank 0's and the generators start afresh from run.seed + rank.
 
 A whole checkpoint is read by rank 0 alone (clipscale.run_dir), which broadcasts the model and
 optimizer one tensor at a time: the other ranks never hold the file, nor the whole model when
@@ -51,6 +53,7 @@ from clipscale.distributed import World, all_gather_objects
 from clipscale.errors import storage_errors
 
 SHARED = ("model", "step")  # the parts saved once, at the top level; every other part is saved per rank
+SAME_ON_EVERY_RANK = ("metrics",)  # per-rank parts whose saved states are equal: any world size takes rank 0's
 
 
 class Stateful(Protocol):
@@ -177,26 +180,31 @@ class CheckpointManager:
             return 0
         self.model.load(checkpoint, self.folder)
         self.step.load_state_dict(checkpoint)
-        if self.data_order_goes_on(checkpoint):
-            for name, part in self.per_rank.items():
-                if name in checkpoint:  # a part the checkpoint does not hold keeps its fresh state
-                    part.load_state_dict(checkpoint[name][self.world.rank])
+        self.say_changes(checkpoint)
+        same_world = len(checkpoint["rng"]) == self.world.world_size
+        for name, part in self.per_rank.items():
+            saved = checkpoint.get(name)  # a part the checkpoint does not hold keeps its fresh state
+            if saved is None:
+                continue
+            if hasattr(part, "load_every_rank"):
+                self.console.say(part.load_every_rank(saved))
+            elif same_world or name in SAME_ON_EVERY_RANK:
+                part.load_state_dict(saved[self.world.rank if same_world else 0])
         return checkpoint["step"]
 
-    def data_order_goes_on(self, checkpoint: dict) -> bool:
-        """Whether the saved per-rank parts apply: the same world size and data.workers. Says in one
-        line what differs from the checkpoint among the keys a resume may change, and what that does
-        to the data order."""
+    def say_changes(self, checkpoint: dict) -> None:
+        """Says in one line what differs from the checkpoint among the keys a resume may change and
+        in the world size, and what that does to the data order."""
         saved_on = len(checkpoint["rng"])
         changed = {key: values for key, values in config_differences(checkpoint["config"], self.cfg.to_dict()).items()
                    if on_resume(key) in (FREE, REDEAL)}
-        restarts = saved_on != self.world.world_size or any(on_resume(key) == REDEAL for key in changed)
+        reshaped = saved_on != self.world.world_size or any(on_resume(key) == REDEAL for key in changed)
         said = [f"on {self.world.world_size} processes from a run on {saved_on}"] if saved_on != self.world.world_size else []
         said += [f"{key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()]
         if said:
-            effect = "the data order starts again at the first epoch" if restarts else "the data order goes on from the checkpoint"
+            effect = ("the epoch goes on, what is left of it dealt to the new ranks and workers" if reshaped
+                      else "the data order goes on from the checkpoint")
             self.console.say(f"resuming {', '.join(said)}: {effect}")
-        return not restarts
 
     def save(self, step: int, stopping: bool = False) -> None:
         """At the interval, on a stop signal, at the last step; every rank calls it (each contributes

@@ -53,7 +53,7 @@ def relative_note(path: str) -> str:
 ON_RESUME = "on_resume"  # field metadata: what a new value of the key does to a resumed run
 RUN_KEY = "run key"  # names the run folder or says what to do with it
 FREE = "free"  # how fast, where or how the run computes, records or evaluates; the data order goes on
-REDEAL = "redeal"  # as FREE, but the shards are dealt to the loader workers anew: the data order starts again at the first epoch
+REDEAL = "redeal"  # as FREE, but what is left of the epoch is dealt to the loader workers anew (clipscale.data.epoch)
 
 
 def may_change(default=dataclasses.MISSING, *, on_resume: str = FREE, default_factory=dataclasses.MISSING):
@@ -141,7 +141,7 @@ class DataConfig:
     csv_image_key: str = "filepath"  # open_clip's --csv-img-key
     csv_caption_key: str = "title"  # open_clip's --csv-caption-key
     csv_separator: str = "\t"  # open_clip's --csv-separator
-    # Loader processes per rank; every (rank, worker) pair reads its own share of the shards
+    # Loader processes per rank; every (rank, worker) pair takes its share of the epochs' slots (clipscale.data.epoch)
     workers: int = may_change(2, on_resume=REDEAL)
     shuffle_buffer: int = 1000
     # Who decodes training images (clipscale/data/pipeline.py). "loader": the loader workers, with
@@ -311,7 +311,7 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 def schema_help() -> str:
     """Every section and key with its default and type, from the schema (train.py --help)."""
-    marks = {RUN_KEY: "", FREE: "  [may change on resume]", REDEAL: "  [may change on resume: the data order starts again at the first epoch]"}
+    marks = {RUN_KEY: "", FREE: "  [may change on resume]", REDEAL: "  [may change on resume: the epoch goes on, dealt anew]"}
     lines = ["configuration keys, given as section.key=value after the YAML file (defaults shown):"]
     for section in dataclasses.fields(Config):
         cls = section.default_factory

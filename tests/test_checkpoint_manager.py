@@ -66,27 +66,42 @@ def test_a_resume_restores_every_part(tmp_path):
 
 
 @pytest.mark.parametrize("change, line", [
-    (["data.workers=2"], "resuming data.workers: 1 -> 2: the data order starts again at the first epoch"),
+    (["data.workers=2"], "resuming data.workers: 1 -> 2: the epoch goes on, what is left of it dealt to the new ranks and workers"),
     (["train.log_every=5", "data.decoder=loader"],
      "resuming data.decoder: 'auto' -> 'loader', train.log_every: 10 -> 5: the data order goes on from the checkpoint"),
 ])
 def test_a_resume_says_what_changed_knobs_do_to_the_data_order(tmp_path, change, line):
-    """The loader workers each read their own share of the shards: with another number of them the
-    saved cursors do not apply, and the per-rank parts (data cursors, generators) start afresh."""
     checkpoint, _ = _saved(tmp_path)
     manager, parts, said = _manager(tmp_path / "resumed", *change)
     manager.load(checkpoint)
     assert said == [line]
-    assert parts["data"].value == (0 if "starts again" in line else 17)
+    assert parts["data"].value == 17
 
 
-def test_a_resume_on_another_world_size_restarts_the_data_order(tmp_path):
+class EveryRank(Counter):
+    """A part that takes every saved rank's state, as the data stream does (`load_every_rank`)."""
+
+    def load_every_rank(self, saved: list[dict]) -> str:
+        self.value = sum(state["value"] for state in saved)
+        return f"took {len(saved)} ranks' states"
+
+
+def test_a_resume_on_another_world_size_gives_every_ranks_state_to_the_part_that_takes_them(tmp_path):
+    """The data part finds its share of every saved rank's state; the metrics' totals (the same on
+    every rank) come from rank 0's; the generators, one per rank, start afresh."""
     checkpoint, _ = _saved(tmp_path)
     checkpoint["rng"] *= 2  # saved by two ranks
     checkpoint["data"] *= 2
+    checkpoint["metrics"] = [{"value": 5}, {"value": 5}]
     manager, parts, said = _manager(tmp_path / "resumed")
+    parts["data"] = manager.per_rank["data"] = EveryRank()
+    parts["metrics"] = manager.per_rank["metrics"] = Counter()
+    rng_before = torch.get_rng_state()
     manager.load(checkpoint)
-    assert said == ["resuming on 1 processes from a run on 2: the data order starts again at the first epoch"] and parts["data"].value == 0
+    assert said == ["resuming on 1 processes from a run on 2: the epoch goes on, what is left of it dealt to the new "
+                    "ranks and workers", "took 2 ranks' states"]
+    assert parts["data"].value == 34 and parts["metrics"].value == 5
+    assert torch.equal(torch.get_rng_state(), rng_before)
 
 
 def test_the_epoch_counts_epochs_of_train_num_samples_per_epoch(tmp_path):

@@ -91,7 +91,7 @@ def test_train_py_help_lists_every_section_and_key_with_its_default():
         for key in dataclasses.fields(section.default_factory):
             assert f"\n    {key.name}: " in shown, f"{section.name}.{key.name}"
     assert "\n    batch_size: 256  (int)\n" in shown
-    assert "\n    workers: 2  (int)  [may change on resume: the data order starts again at the first epoch]\n" in shown
+    assert "\n    workers: 2  (int)  [may change on resume: the epoch goes on, dealt anew]\n" in shown
 
 
 def test_keys_that_only_change_speed_may_change_on_resume_and_the_others_may_not():

@@ -249,8 +249,8 @@ def test_image_bombs_are_skipped_and_counted_and_the_stream_goes_on(tmp_path, de
     first_epoch = [next(pieces) for _ in range(4)]  # 16 usable samples of 18
     assert sum(p["skipped_samples"] for p in first_epoch) == 2
     texts = [t for p in first_epoch for t in p["texts"]]
-    assert texts == [f"caption {i:03d}" for i in range(18) if f"{i:03d}" not in bombs]
-    assert next(pieces)["texts"][0] == "caption 000"  # and on into the next epoch
+    assert sorted(texts) == [f"caption {i:03d}" for i in range(18) if f"{i:03d}" not in bombs]
+    assert {epoch for epoch, _ in next(pieces)["sample_keys"]} == {1}  # and on into the next epoch
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["loader-decodes", "device-header-parse"])

@@ -9,7 +9,7 @@ down. docs/architecture.md tells how a batch flows.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +19,7 @@ from clipscale.data import prepare_data
 from clipscale.data.batches import BatchStream, ImageDecoder, StreamedBatch, piece_size_for
 from clipscale.data.chunks import KeepBudget
 from clipscale.data.device_decode import DeviceDecoder, JpegEngines, TorchvisionJpeg
+from clipscale.data.epoch import WorkList
 from clipscale.data.offload import DecodePool
 from clipscale.data.shards import ShardStream, StreamState
 from clipscale.data.transforms import SplitTransform
@@ -95,7 +96,8 @@ class TrainingBatches:
         if self.path.offload and split is None:
             raise ConfigError("train.offload needs an image transform whose random crop can be kept with the image bytes "
                               f"(open_clip's RandomResizedCrop pipelines); got {image_transform}")
-        self.state = StreamState()
+        self.workers = cfg.data.workers
+        self.state = StreamState(workers=max(1, cfg.data.workers))
         stream = ShardStream(
             data.train_shards,
             piece_size=piece,
@@ -112,6 +114,7 @@ class TrainingBatches:
             decode=self.path.decoder == "loader",
             max_image_pixels=cfg.data.max_image_pixels,
         )
+        self.order = stream.order
         # A generator of its own: the loader's seed draw leaves the global RNG (dropout's) as restored.
         loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=cfg.data.workers,
                                              persistent_workers=cfg.data.workers > 0, worker_init_fn=ignore_stop_signals,
@@ -142,8 +145,20 @@ class TrainingBatches:
     def state_dict(self) -> dict:
         return self.state.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.state.load_state_dict(state)
+    def load_every_rank(self, saved: list[dict]) -> str:
+        """This rank's share of the stream states that every rank of the checkpoint saved, on this
+        run's shape (`StreamState.resumed`); the line that says where the data order goes on."""
+        if "work" not in saved[0]:  # saved before the order was the same on every shape: its cursors mean nothing now
+            begun = [{**state, "cursors": {}, "work": asdict(WorkList()), "workers": 1, "drawn": {}} for state in saved]
+            self.state.load_state_dict(StreamState.reshaped(begun, self.world.rank, self.state.workers).state_dict())
+            return "the checkpoint's data cursors predate the order shared by every shape: the data order starts again at the first epoch"
+        resumed = StreamState.resumed(saved, self.world.rank, self.world.world_size, self.state.workers)
+        self.state.load_state_dict(resumed.state_dict())
+        epoch = self.order.slot(StreamState.work_left(saved).frontier).epoch
+        drawn = sum(state["drawn"].get(epoch, 0) for state in saved)
+        ranks = self.world.world_size
+        return (f"resuming at sample {drawn:,} of epoch {epoch} on {ranks} rank{'s' * (ranks != 1)}, "
+                f"{self.workers} worker{'s' * (self.workers != 1)} each")
 
     def close(self) -> None:
         """The gathering thread, the loader's workers and the decoder stop (each batch first: a

@@ -1,19 +1,22 @@
 """An endless, exactly resumable stream of training samples from webdataset shards, in pieces (`ShardStream`),
-and where one rank's stream stands (`StreamState`: its cursors and data-error counts).
+and where one rank's stream stands (`StreamState`: its cursors, how far each epoch was drawn, its
+data-error counts).
 
-Each (rank, loader worker) pair is a consumer reading its own share of each epoch's shards (drawn
-with replacement with resampled shards), shuffled through a buffer (`clipscale.data.epoch`); the
+The epochs' order is the same on any number of ranks and loader workers (`clipscale.data.epoch`):
+a global sequence of slots (shards or parts of them), each shuffled through a buffer of its own.
+Each (rank, loader worker) pair is a consumer taking every C-th slot of what is left of it; the
 DataLoader hands pieces out round-robin, piece k of a rank from logical worker (k + first) mod W. A
-piece holds uint8 pixels (or the whole transform's floats), token ids, its worker's cursor and the
-samples and shards it skipped; with `keep_encoded` also the images' bytes and crops
-(`EncodedImages`), without `decode` only those. Nothing in the data stops a run or shrinks a batch.
-docs/architecture.md tells the order and how a resumed stream finds its place.
+piece holds uint8 pixels (or the whole transform's floats), token ids, its worker's cursor, the
+(epoch, key) of its samples and how many it drew from each epoch, and the samples and shards it
+skipped; with `keep_encoded` also the images' bytes and crops (`EncodedImages`), without `decode`
+only those. Nothing in the data stops a run or shrinks a batch. docs/architecture.md tells the
+order and how a resumed stream, on any shape, finds its place.
 """
 
 from __future__ import annotations
 
-import random
 import zlib
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -21,17 +24,25 @@ import torch
 import webdataset as wds
 
 from clipscale.data.encoded import EncodedImages, decodes_at_reduced_scale, is_whole_jpeg
-from clipscale.data.epoch import EpochPlan, ShuffledEpoch
+from clipscale.data.epoch import EpochOrder, EpochPlan, ShuffledEpoch, WorkList
 from clipscale.data.members import DATA_ERRORS, decode_text, first_member, open_image
 from clipscale.data.sources import IMAGE_KEYS, TEXT_KEYS, ShardSource
 from clipscale.data.transforms import SplitTransform
 
+EPOCHS_COUNTED = 4  # how many of the latest epochs `StreamState.drawn` keeps
+
 
 @dataclass
 class StreamState:
-    """Where each logical worker of one rank stands: {worker: (epoch, *ShuffledEpoch.position())}."""
+    """Where one rank's stream stands. `cursors`: {logical worker: (work-list item, its epoch,
+    *ShuffledEpoch.position())} of the last piece used from each; `work`: the work list its
+    consumers take their items from (`WorkList`, the same on every rank), `workers`: the logical
+    workers of each rank that took them (the world size is the number of ranks saved)."""
 
     cursors: dict = field(default_factory=dict)
+    work: dict = field(default_factory=lambda: asdict(WorkList()))
+    workers: int = 1
+    drawn: dict = field(default_factory=dict)  # {epoch: raw samples drawn by the used pieces}, the latest epochs
     pieces: int = 0  # pieces consumed by the trainer; decides the worker rotation on resume
     batches: int = 0  # batches the trainer used: the run's steps on this rank, so its stream gathers no more
     skipped_samples: int = 0  # undecodable samples in those pieces' stretch of the stream
@@ -48,8 +59,40 @@ class StreamState:
         worker, *cursor = piece["cursor"]
         self.cursors[worker] = tuple(cursor)
         self.pieces += 1
+        for epoch, drawn in piece["drawn"].items():
+            self.drawn[epoch] = self.drawn.get(epoch, 0) + drawn
+        self.drawn = {epoch: n for epoch, n in self.drawn.items() if epoch > max(self.drawn) - EPOCHS_COUNTED}
         self.skipped_samples += piece["skipped_samples"]
         self.shard_errors += piece["shard_errors"]
+
+    @staticmethod
+    def work_left(saved: list[dict]) -> WorkList:
+        """The work list left by the ranks that saved `saved` (one state each): their consumers'
+        cursors folded in."""
+        workers = saved[0]["workers"]
+        cursors = {rank * workers + worker: (item, *position) for rank, state in enumerate(saved)
+                   for worker, (item, _, *position) in state["cursors"].items()}
+        return WorkList(**saved[0]["work"]).after(len(saved) * workers, cursors)
+
+    @classmethod
+    def resumed(cls, saved: list[dict], rank: int, world_size: int, workers: int) -> "StreamState":
+        """Rank `rank`'s state, of `world_size` ranks with `workers` logical loader workers each,
+        from the states every rank of a checkpoint saved: its own where the shape is the saved one
+        (the same batches as an uninterrupted run), else its share of the work they left."""
+        if len(saved) == world_size and saved[0]["workers"] == workers:
+            return cls(**saved[rank])
+        return cls.reshaped(saved, rank, workers)
+
+    @classmethod
+    def reshaped(cls, saved: list[dict], rank: int, workers: int) -> "StreamState":
+        """Rank `rank`'s state on a new shape from every saved rank's: the work left, the steps done;
+        the counts that the run logs as sums over ranks go to rank 0."""
+        totals = {key: sum(state[key] for state in saved) if rank == 0 else 0 for key in ("skipped_samples", "shard_errors")}
+        drawn = Counter()
+        for state in saved:
+            drawn.update(state["drawn"])
+        return cls(work=asdict(cls.work_left(saved)), workers=workers, drawn=dict(drawn) if rank == 0 else {},
+                   batches=saved[0]["batches"], **totals)
 
 
 class ShardErrors:
@@ -57,17 +100,19 @@ class ShardErrors:
     the next shard (the trainer's console says so, `metrics.DataProblems`).
 
     It counts shards, not exceptions: webdataset reports a tar file cut short
-    once or twice (from the member read and again from the archive iterator)."""
+    once or twice (from the member read and again from the archive iterator). A shard read in
+    parts (fewer shards than `MIN_SLOTS`) counts in the read of its first part only (`counting`)."""
 
     def __init__(self):
         self.count = 0
         self.shards: list[str] = []  # those cut short since the last piece
         self.current_shard = ""
         self.current_shard_failed = False
+        self.counting = True
 
     def __call__(self, exn: Exception) -> bool:
         if not self.current_shard_failed:
-            self.count += 1
+            self.count += self.counting
             self.shards.append(self.current_shard)
             self.current_shard_failed = True
         return True
@@ -116,12 +161,14 @@ def load_sample(raw: dict, transform: Callable, split: Optional[SplitTransform],
 
 
 class ShardStream(torch.utils.data.IterableDataset):
-    """Pieces of `piece_size` samples from one rank's share of the shards (see the module doc).
+    """Pieces of `piece_size` samples from one rank's share of the order (see the module doc).
 
     A piece is a dict: "images" (uint8 [n, 3, H, W] with `split`, else the transform's float
     tensor; absent without `decode`), "texts" (token ids), "encoded" (offload, or without
-    `decode`: an `EncodedImages` of the same samples),
-    "cursor" (worker, epoch, raw samples consumed), "skipped_samples", "shard_errors"."""
+    `decode`: an `EncodedImages` of the same samples), "cursor" (worker, work-list item, its epoch,
+    *position in its slot), "sample_keys" ((epoch, key) of each sample), "drawn" ({epoch: raw
+    samples drawn for the piece, skipped ones included}), "skipped_samples", "shard_errors",
+    "problem_shards"."""
 
     def __init__(
         self,
@@ -156,29 +203,24 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.keep_encoded = keep_encoded or not decode
         self.decode = decode
         self.max_image_pixels = max_image_pixels  # None: PIL's Image.MAX_IMAGE_PIXELS
-        self.state = state or StreamState()  # read when iterated: it may be restored after this is built
+        self.state = state or StreamState(workers=self.num_workers)  # read when iterated: it may be restored after this is built
+        self.order = EpochOrder(self.source, seed)
 
-    def _plan(self, epoch: int, consumer: int, consumers: int) -> EpochPlan:
-        """The shards `consumer` reads in `epoch`, and which of their samples are its own."""
-        shards = self.source.shards
-        if self.source.resampled:  # drawn with replacement, weighted by the sources' upsampling factors
-            draw = random.Random(f"{self.seed}/resampled/{epoch}/{consumer}")
-            return EpochPlan(draw.choices(shards, weights=self.source.weights, k=max(1, len(shards) // consumers)))
-        order = list(shards)
-        random.Random(f"{self.seed}/shards/{epoch}").shuffle(order)
-        if len(order) >= consumers:
-            return EpochPlan(order[consumer::consumers])
-        return EpochPlan(order, stride=consumers, phase=consumer)
+    def shuffled_slot(self, number: int, errors: ShardErrors) -> ShuffledEpoch:
+        """The samples of slot `number` of the order, through a shuffle buffer of their own."""
+        slot = self.order.slot(number)
+        errors.counting = slot.phase == 0
+        return ShuffledEpoch(self.source, EpochPlan([slot.shard], stride=slot.parts, phase=slot.phase),
+                             self.shuffle_buffer, f"{self.seed}/{number}", errors)
 
-    def shuffled_epoch(self, epoch: int, consumer: int, consumers: int, errors: ShardErrors) -> ShuffledEpoch:
-        return ShuffledEpoch(self.source, self._plan(epoch, consumer, consumers), self.shuffle_buffer,
-                             f"{self.seed}/{epoch}/{consumer}", errors)
-
-    def _piece(self, samples: list[tuple], cursor: tuple, skipped: int, errors: ShardErrors, problem_shards: list) -> dict:
-        pixels, encoded, captions = zip(*samples)
+    def _piece(self, samples: list[tuple], cursor: tuple, drawn: Counter, skipped: int, errors: ShardErrors,
+               problem_shards: list) -> dict:
+        pixels, encoded, captions, keys = zip(*samples)
         piece = {
             "texts": self.tokenizer(list(captions)),
             "cursor": cursor,
+            "sample_keys": list(keys),
+            "drawn": dict(drawn),
             "skipped_samples": skipped,
             "shard_errors": errors.count,
             "problem_shards": [shard for shard in dict.fromkeys(problem_shards + errors.shards) if shard],  # where skips and cuts were met
@@ -195,18 +237,22 @@ class ShardStream(torch.utils.data.IterableDataset):
         worker = (slot + self.state.pieces) % self.num_workers  # the first loader slot serves the next worker
         consumer = self.rank * self.num_workers + worker
         consumers = self.world_size * self.num_workers
-        epoch, *position = self.state.cursors.get(worker, (0,))
-        samples, skipped, errors, problem_shards = [], 0, ShardErrors(), []
-        epochs_without_a_sample = 0
+        work = WorkList(**self.state.work)
+        item, _, *position = self.state.cursors.get(worker, (consumer, None))
+        samples, drawn, skipped, errors, problem_shards = [], Counter(), 0, ShardErrors(), []
+        barren, drew = 0, False  # items in a row without a usable sample; whether they held any sample
         while True:
+            number, saved = work.item(item)
+            epoch = self.order.slot(number).epoch
             usable = 0
-            shuffled = self.shuffled_epoch(epoch, consumer, consumers, errors)
-            for raw in shuffled.samples(*position):
-                # Augmentation randomness is a function of the sample's place in the
-                # stream, so a resumed run draws the same crops as an uninterrupted one.
+            shuffled = self.shuffled_slot(number, errors)
+            for raw in shuffled.samples(*(position or saved)):
+                drawn[epoch] += 1
+                # Augmentation randomness is a function of the sample's place in the order, so a
+                # resumed run, on any shape, draws the same crops as an uninterrupted one.
                 # Only the CPU generator: torch.manual_seed also queues a CUDA reseed, whose stack capture
                 # cost a third of a sample's loading time, and reseeded a GPU's RNG under an in-process loader.
-                sample_seed = zlib.crc32(f"{self.seed}/{epoch}/{consumer}/{shuffled.draws}".encode())
+                sample_seed = zlib.crc32(f"{self.seed}/{number}/{shuffled.draws}".encode())
                 with torch.random.fork_rng(devices=[]):
                     torch.random.default_generator.manual_seed(sample_seed)
                     sample = None if raw is None else load_sample(raw, self.image_transform, self.split,
@@ -216,15 +262,16 @@ class ShardStream(torch.utils.data.IterableDataset):
                     problem_shards.append((raw or {}).get("__url__") or errors.current_shard)
                     continue
                 usable += 1
-                samples.append(sample)
+                samples.append((*sample, (epoch, raw["__key__"])))
                 if len(samples) == self.piece_size:
-                    yield self._piece(samples, (worker, epoch, *shuffled.position()), skipped, errors, problem_shards)
-                    samples, skipped, errors.count, errors.shards, problem_shards = [], 0, 0, [], []
-            if shuffled.draws == 0:
+                    yield self._piece(samples, (worker, item, epoch, *shuffled.position()), drawn, skipped, errors,
+                                      problem_shards)
+                    samples, drawn, skipped, errors.count, errors.shards, problem_shards = [], Counter(), 0, 0, [], []
+            # Slots move between consumers every epoch, so a barren stretch can be bad luck; an epoch's
+            # worth of them in a row means the data itself is broken, and waiting would hang the run.
+            barren, drew = (0, False) if usable else (barren + 1, drew or shuffled.draws > 0)
+            if barren == self.order.per_epoch and not drew:
                 raise RuntimeError(f"consumer {consumer} found no samples in its shards: {self.source.shards}")
-            # Shards move between consumers every epoch, so one bad pass can be bad luck;
-            # several in a row mean the data itself is broken, and waiting would hang the run.
-            epochs_without_a_sample = 0 if usable else epochs_without_a_sample + 1
-            if epochs_without_a_sample == 3:
+            if barren == 3 * self.order.per_epoch:
                 raise RuntimeError(f"consumer {consumer} decoded no sample in 3 passes over its shards ({skipped} skipped)")
-            epoch, position = epoch + 1, ()
+            item, position = item + consumers, ()

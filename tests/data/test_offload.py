@@ -13,6 +13,7 @@ import copy
 import json
 import os
 import signal
+from itertools import chain, count
 
 import pytest
 import torch
@@ -111,7 +112,8 @@ class _CountedPieces:
         while True:
             self.taken += 1
             yield {"images": torch.zeros(2, 3, 4, 4, dtype=torch.uint8), "texts": torch.full((2, 1), self.taken),
-                   "cursor": (0, 0, self.taken), "skipped_samples": 1, "shard_errors": 0, "problem_shards": []}
+                   "cursor": (0, 0, self.taken), "drawn": {0: 3}, "sample_keys": [(0, "a"), (0, "b")],
+                   "skipped_samples": 1, "shard_errors": 0, "problem_shards": []}
 
 
 def test_a_batch_moves_the_stream_on_when_its_step_is_done_and_not_when_the_step_fails():
@@ -123,7 +125,7 @@ def test_a_batch_moves_the_stream_on_when_its_step_is_done_and_not_when_the_step
     assert state == StreamState(), "a batch whose step failed was not used"
     with stream.next() as batch:
         assert torch.cat(list(batch.texts.chunks([(0, 4)], torch.device("cpu")))).flatten().tolist() == [3, 3, 4, 4]
-    assert state == StreamState(cursors={0: (0, 4)}, pieces=2, batches=1, skipped_samples=2)
+    assert state == StreamState(cursors={0: (0, 4)}, drawn={0: 6}, pieces=2, batches=1, skipped_samples=2)
     stream.close()
 
 
@@ -152,7 +154,7 @@ def test_the_offloaded_piece_keeps_the_encoded_bytes(digits_root):
     """What the loader hands over with offload is the shards' PNG bytes, in stream order."""
     stream = _stream(digits_root, OPEN_CLIP_TRAIN, offload=True)
     piece = next(iter(stream))
-    shuffled = stream.shuffled_epoch(0, 0, 1, ShardErrors()).samples()
+    shuffled = chain.from_iterable(stream.shuffled_slot(number, ShardErrors()).samples() for number in count())
     raw = [s[IMAGE] for s, _ in zip(shuffled, range(50))]  # digits: none skipped
     encoded = piece["encoded"]
     assert encoded.data.numpy().tobytes() == b"".join(raw)

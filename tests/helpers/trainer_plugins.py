@@ -1,15 +1,17 @@
 """Losses registered for trainer tests: a real loss with faults scripted per call; kill points;
-a record of the checkpoint files each process reads; a loss that records which GPUs its
+a record of the checkpoint files each process reads and of the samples its steps use; a loss that records which GPUs its
 process holds a context on.
 
 Imported by tests that train in-process and by `train_with_plugins.py`, which runs the
 real `train.py` with these losses registered (train.py has no plugin option of its own)
-and, when the environment names one (KILL_AT), a kill point (`install_kill_point`), and
-(READS_TO) the record of reads (`record_checkpoint_reads`).
+and, when the environment names one (KILL_AT), a kill point (`install_kill_point`),
+(READS_TO) the record of reads (`record_checkpoint_reads`), and (USED_TO) the record of the
+samples the steps used (`record_used_samples`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -21,6 +23,7 @@ from clipscale.losses import build_loss, register_loss
 
 KILL_AT = "CLIPSCALE_TEST_KILL_AT"  # "<when>:<file name prefix>" or "metrics_line", see install_kill_point
 READS_TO = "CLIPSCALE_TEST_READS_TO"  # a folder: see record_checkpoint_reads
+USED_TO = "CLIPSCALE_TEST_USED_TO"  # a folder: see record_used_samples
 
 
 class _InfGradient(torch.autograd.Function):
@@ -42,17 +45,21 @@ class ScriptedFaults(torch.nn.Module):
     nan_loss_calls:  the returned loss is NaN, its gradients are the inner loss's (finite);
     inf_grad_calls:  the loss is finite, the image features' gradient is infinite;
     overflow_calls:  the loss times 1e6, which overflows fp16 gradients under a GradScaler;
-    signal_calls:    SIGUSR1 to this process during the step (only on rank `signal_rank` if
-                     given, and only once per `signal_marker` file, so a resumed run goes on).
+    signal_calls:    `signal_name` (SIGUSR1) to this process during the step (only on rank
+                     `signal_rank` if given, and only `signal_times` times per `signal_marker`
+                     file, one line each, so a resumed run goes on); with `signal_group`, to its
+                     whole process group, its loader workers too, as Slurm signals a job's processes.
     """
 
     def __init__(self, inner="vanilla", inner_options=None, nan_loss_calls=(), inf_grad_calls=(), overflow_calls=(),
-                 signal_calls=(), signal_rank=None, signal_marker=None):
+                 signal_calls=(), signal_rank=None, signal_marker=None, signal_name="SIGUSR1", signal_times=1,
+                 signal_group=False):
         super().__init__()
         self.inner = build_loss(inner, **(inner_options or {}))
         self.nan_loss_calls, self.inf_grad_calls = set(nan_loss_calls), set(inf_grad_calls)
         self.overflow_calls, self.signal_calls = set(overflow_calls), set(signal_calls)
         self.signal_rank, self.signal_marker = signal_rank, signal_marker
+        self.signum, self.signal_times, self.signal_group = signal.Signals[signal_name], signal_times, signal_group
         self.calls = 0
 
     def forward(self, image, text, *scalars):
@@ -65,7 +72,10 @@ class ScriptedFaults(torch.nn.Module):
         if self.calls in self.overflow_calls:
             loss = loss * 1e6
         if self.calls in self.signal_calls and self._signal_here():
-            os.kill(os.getpid(), signal.SIGUSR1)
+            if self.signal_group:
+                os.killpg(os.getpgrp(), self.signum)
+            else:
+                os.kill(os.getpid(), self.signum)
         return loss
 
     def _signal_here(self) -> bool:
@@ -73,9 +83,10 @@ class ScriptedFaults(torch.nn.Module):
             return False
         if self.signal_marker is not None:
             marker = Path(self.signal_marker)
-            if marker.exists():
+            sent = marker.read_text().count("\n") if marker.exists() else 0
+            if sent >= self.signal_times:
                 return False
-            marker.write_text("signalled\n")
+            marker.write_text("signalled\n" * (sent + 1))
         return True
 
 
@@ -92,8 +103,6 @@ class GpusInUse(torch.nn.Module):
     def forward(self, image, text, *scalars):
         self.calls += 1
         if self.calls == self.at_call:
-            import json
-
             import pynvml
 
             pynvml.nvmlInit()
@@ -161,7 +170,24 @@ def record_checkpoint_reads(folder: str) -> None:
     torch.load = recording_load
 
 
+def record_used_samples(folder: str) -> None:
+    """Each rank appends the (epoch, key) of every sample of each piece its steps used (the stream's
+    `StreamState.update`) to <folder>/rank<RANK>-<pid>.jsonl, a line a piece."""
+    from clipscale.data.shards import StreamState
+
+    update = StreamState.update
+
+    def recording_update(self, piece):
+        with open(Path(folder) / f"rank{os.environ.get('RANK', '0')}-{os.getpid()}.jsonl", "a") as record:
+            record.write(json.dumps(piece["sample_keys"]) + "\n")
+        update(self, piece)
+
+    StreamState.update = recording_update
+
+
 if os.environ.get(KILL_AT):
     install_kill_point(os.environ[KILL_AT])
 if os.environ.get(READS_TO):
     record_checkpoint_reads(os.environ[READS_TO])
+if os.environ.get(USED_TO):
+    record_used_samples(os.environ[USED_TO])

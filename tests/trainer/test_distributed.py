@@ -2,21 +2,24 @@
 in DDP (gradients averaged), ranks agree on the step a signal stops them at, and a run resumes
 on another number of processes.
 
-The data are shards of flat-colour images (any random crop gives the same pixels) read in file
-order (shuffle buffer 1), one shard: with 1, 2 or 3 processes each step's global batch is the
-same set of samples, so the weights must agree up to float rounding. Inf-CL with a tile of 4
-runs several tiles per rank.
+The data are shards of flat-colour images (any random crop gives the same pixels), one shard of
+`MIN_SLOTS` samples: each slot of the epochs' order holds one sample, so with 1, 2 or 3 processes
+each step's global batch is the same set of samples (the next 24 of the order), before and after
+a resume on another number of processes, and the weights must agree up to float rounding. Inf-CL
+with a tile of 4 runs several tiles per rank.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from clipscale.data.epoch import MIN_SLOTS
+
 from tests.helpers.trainer_harness import checked, launch, load, max_difference, newest_checkpoint, shard_run, step_checkpoints, training_records, write_shards
 
 pytestmark = pytest.mark.slow
 
-STEPS, BATCH = 6, 24  # 48 samples: an epoch is 2 steps
+STEPS, BATCH = 6, 24
 
 
 def _overrides(shards, root, name, **faults):
@@ -29,10 +32,10 @@ def _overrides(shards, root, name, **faults):
 @pytest.fixture(scope="module")
 def runs(module_tmp):
     """'single': one process. 'split': two processes, only rank 1 signalled (SIGUSR1 in step 4),
-    then the same command on three processes, which resumes from step 4 (an epoch boundary, so
-    the data order that restarts on a new world size is the uninterrupted one)."""
+    then the same command on three processes, which resumes from step 4 and goes on in the same
+    order."""
     root = module_tmp("ddp")
-    shards = write_shards(root / "shards", shards=1, per_shard=2 * BATCH, uniform=True)
+    shards = write_shards(root / "shards", shards=1, per_shard=MIN_SLOTS, uniform=True)
     checked(launch(_overrides(shards, root, "single")))
     faults = dict(signal_calls=[4], signal_rank=1, signal_marker=root / "signalled")
     two = launch(_overrides(shards, root, "split", **faults), nproc=2, timeout=240)

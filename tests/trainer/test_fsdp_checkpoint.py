@@ -5,10 +5,9 @@ under FSDP on one process (a world of one: FSDP's device mesh of one) and on two
 uninterrupted one-process curve; the run's final weights are one open_clip file. A whole (DDP)
 checkpoint is read by rank 0 alone, which broadcasts the weights to the other ranks' shards.
 
-As in test_distributed.py, the shards hold flat-colour images read in file order, so
-every world size trains on the same global batches, and the stop falls on an epoch boundary
-(step 4 of 2-step epochs), where the data order that restarts on a new world size is the
-uninterrupted one.
+As in test_distributed.py, one shard of `MIN_SLOTS` flat-colour images (a sample a slot of the
+epochs' order), so every world size trains on the same global batches, before and after a resume
+on another one.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from clipscale.checkpoint import load_latest, remove_partial_saves, save_checkpoint, sharded_folder, temporary_name
+from clipscale.data.epoch import MIN_SLOTS
 from clipscale.models import OPEN_CLIP_WEIGHTS
 from tests.helpers.trainer_harness import checked, launch, load, max_difference, newest_checkpoint, shard_run, step_checkpoints, training_records, write_shards
 from tests.helpers.trainer_plugins import READS_TO
@@ -46,7 +46,7 @@ def _stopped_at_step_4(shards, root, name, parallel, nproc):
 @pytest.fixture(scope="module")
 def runs(module_tmp):
     root = module_tmp("fsdp_checkpoints")
-    shards = write_shards(root / "shards", shards=1, per_shard=2 * BATCH, uniform=True)
+    shards = write_shards(root / "shards", shards=1, per_shard=MIN_SLOTS, uniform=True)
     checked(launch(_overrides(shards, root, "single", "ddp")))
     faults = _stopped_at_step_4(shards, root, "fsdp", "fsdp", nproc=2)
     shutil.copytree(root / "fsdp", root / "fsdp_then_ddp")
