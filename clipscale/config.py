@@ -20,6 +20,7 @@ the others change what is trained, and a run folder that holds another value ref
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import sys
@@ -378,6 +379,11 @@ def _override_to_nested(override: str) -> dict:
     if "=" not in override:
         raise ConfigError(f"override {override!r} must look like section.key=value")
     dotted, raw = override.split("=", 1)
+    section_names = [section.name for section in dataclasses.fields(Config)]
+    if "." not in dotted and dotted.strip() not in section_names:
+        nearest = nearest_key(dotted.strip())
+        suggestion = f"; the nearest key is {nearest}: {nearest}={raw}" if nearest else f" (sections: {', '.join(section_names)})"
+        raise ConfigError(f"override {override!r}: keys are section.key{suggestion}")
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as err:
@@ -389,6 +395,19 @@ def _override_to_nested(override: str) -> dict:
         node = node.setdefault(part, {})
     node[parts[-1]] = value
     return nested
+
+
+def nearest_key(name: str) -> str | None:
+    """The schema's section.key closest to `name` (a bare key such as 'steps', or a misspelt dotted
+    one), by its key alone or by the whole dotted name; None when nothing is close."""
+    dotted = [f"{section.name}.{key.name}" for section in dataclasses.fields(Config)
+              for key in dataclasses.fields(section.default_factory)]
+    by_key = {key.split(".", 1)[1]: key for key in reversed(dotted)}  # a key in two sections: the first section's
+    close = difflib.get_close_matches(name, by_key, n=1) if "." not in name else []
+    if close:
+        return by_key[close[0]]
+    close = difflib.get_close_matches(name, dotted, n=1)
+    return close[0] if close else None
 
 
 def _merge(base: dict, extra: dict) -> dict:

@@ -30,6 +30,9 @@ from tests.helpers.tiny_runs import DIGITS_YAML, REPO, TRAIN, run_train
         ("model.name=ViT-B-16", "set exactly one of model.name"),
         ("model.pretrained=/nonexistent.pt", "model.pretrained: no file at"),
         ("train.steps", "must look like section.key=value"),
+        ("steps=10", "override 'steps=10': keys are section.key; the nearest key is train.steps: train.steps=10"),
+        ("batchsize=8", "keys are section.key; the nearest key is train.batch_size: train.batch_size=8"),
+        ("colour=red", "keys are section.key (sections: run, model, data, loss, optim, train, eval, wandb, tensorboard)"),
     ],
 )
 def test_config_errors_name_the_key(override, expected):
