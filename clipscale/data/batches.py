@@ -217,7 +217,7 @@ class BatchStream:
                     raise RuntimeError(f"a loader piece has {len(piece['texts'])} samples, expected {self.piece_size}")
                 images.put(rows, piece)
                 texts.put(rows, piece)
-                batch.records.append({key: piece[key] for key in ("cursor", "skipped_samples", "shard_errors", "problem_shards")})
+                batch.records.append({key: piece[key] for key in ("cursor", "skipped_samples", "shard_errors", "captions_cut", "problem_shards")})
                 arrivals.add(self.piece_size)
         except BaseException as error:
             arrivals.fail(error)

@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import webdataset as wds
 
+from clipscale.caption_length import captions_cut
 from clipscale.data.encoded import EncodedImages, decodes_at_reduced_scale, is_whole_jpeg
 from clipscale.data.epoch import EpochPlan, ShuffledEpoch
 from clipscale.data.members import DATA_ERRORS, decode_text, first_member, open_image
@@ -36,6 +37,7 @@ class StreamState:
     batches: int = 0  # batches the trainer used: the run's steps on this rank, so its stream gathers no more
     skipped_samples: int = 0  # undecodable samples in those pieces' stretch of the stream
     shard_errors: int = 0  # shards that could not be read to their end
+    captions_cut: int = 0  # captions in those pieces longer than the context length, cut by the tokenizer
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -50,6 +52,7 @@ class StreamState:
         self.pieces += 1
         self.skipped_samples += piece["skipped_samples"]
         self.shard_errors += piece["shard_errors"]
+        self.captions_cut += piece["captions_cut"]
 
 
 class ShardErrors:
@@ -176,10 +179,12 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def _piece(self, samples: list[tuple], cursor: tuple, skipped: int, errors: ShardErrors, problem_shards: list) -> dict:
         pixels, encoded, captions = zip(*samples)
+        texts = self.tokenizer(list(captions))
         piece = {
-            "texts": self.tokenizer(list(captions)),
+            "texts": texts,
             "cursor": cursor,
             "skipped_samples": skipped,
+            "captions_cut": captions_cut(self.tokenizer, list(captions), texts),  # longer than the context length
             "shard_errors": errors.count,
             "problem_shards": [shard for shard in dict.fromkeys(problem_shards + errors.shards) if shard],  # where skips and cuts were met
         }
