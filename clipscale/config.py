@@ -633,6 +633,22 @@ def check_parallel(train: TrainConfig) -> None:
                           "the chunk as a number")
 
 
+def _given(overrides: list[dict], data_key: str) -> bool:
+    """Whether a command-line override sets data.<data_key>."""
+    return any(isinstance(nested.get("data"), dict) and data_key in nested["data"] for nested in overrides)
+
+
+def _factors_for_the_sources(data: dict, file_factors) -> None:
+    """The YAML file's data.upsampling_factors are one per source of its data.train_shards. Where the
+    command line names a different number of sources (your own shards in place of the example's
+    two) and no factors of its own, the file's cannot weigh them and are dropped: every shard is
+    then drawn alike, as without factors."""
+    factors = file_factors.split("::") if isinstance(file_factors, str) else file_factors
+    shards = data.get("train_shards")
+    if isinstance(shards, str) and isinstance(factors, list) and len(factors) != len(shards.split("::")):
+        data["upsampling_factors"] = None
+
+
 def _yaml_problem(err: yaml.YAMLError) -> str:
     """PyYAML's complaint and where (1-based line and column), in one line."""
     mark = getattr(err, "problem_mark", None)
@@ -659,8 +675,12 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
         raw = _read_yaml(Path(path))
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    for override in overrides:
-        _merge(raw, _override_to_nested(override))
+    given = [_override_to_nested(override) for override in overrides]
+    file_factors = (raw.get("data") or {}).get("upsampling_factors") if isinstance(raw.get("data"), dict) else None
+    for override in given:
+        _merge(raw, override)
+    if file_factors is not None and _given(given, "train_shards") and not _given(given, "upsampling_factors"):
+        _factors_for_the_sources(raw["data"], file_factors)
     cfg = Config()
     _apply(cfg, raw, "")
     check_sections(cfg)

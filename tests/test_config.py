@@ -49,6 +49,16 @@ def test_config_overrides_merge_with_the_file():
     assert cfg.model.custom["vision_cfg"]["patch_size"] == 8  # untouched keys keep the file's values
 
 
+def test_the_files_upsampling_factors_follow_its_sources():
+    """The example's factors weigh its two sources: one source of the user's on the command line
+    leaves them out; two sources keep them; factors given beside the sources are the ones used."""
+    example = str(REPO / "configs" / "webdataset_example.yaml")
+    assert load_config(example, ["data.train_shards=data/mine/{00000..00009}.tar"]).data.upsampling_factors is None
+    assert load_config(example, ["data.train_shards=a/{0..1}.tar::b/{0..1}.tar"]).data.upsampling_factors == [1.0, 4.0]
+    with pytest.raises(ConfigError, match="2 factors for 1 sources"):
+        load_config(example, ["data.train_shards=a/{0..1}.tar", "data.upsampling_factors=[1, 2]"])
+
+
 def test_global_batch_must_split_over_the_world():
     cfg = load_config(DIGITS_YAML, ["train.batch_size=256"])
     check_world(cfg, 4)
