@@ -46,7 +46,7 @@ def test_config_overrides_merge_with_the_file():
     assert cfg.train.steps == 7
     assert cfg.loss.options == {"chunk_size": 128}
     assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
-    assert cfg.model.custom["vision_cfg"]["patch_size"] == 8  # untouched keys keep the file's values
+    assert cfg.model.custom["vision_cfg"]["patch_size"] == 4  # untouched keys keep the file's values
 
 
 def test_the_files_upsampling_factors_follow_its_sources():
