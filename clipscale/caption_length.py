@@ -226,6 +226,24 @@ def caption_lengths(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return pooled[:, 0] + 1
 
 
+def captions_cut(tokenizer, captions: list[str], tokens) -> int:
+    """How many of `captions` the tokenizer cut to `tokens`' width, the context length (open_clip's
+    keeps a caption's first context_length - 2 tokens between its start and end-of-text tokens, so
+    the rest of the caption is never seen). A caption was cut when the same tokenizer, given one
+    position more, writes other tokens into the first context_length positions; only a row whose
+    last position is not padding can differ, so only those captions are tokenized again. 0 for a
+    tokenizer that gives no tensor (a test's stand-in)."""
+    if not isinstance(tokens, torch.Tensor):
+        return 0
+    width = tokens.shape[1]
+    padding = getattr(getattr(tokenizer, "tokenizer", None), "pad_token_id", None) or 0  # a Hugging Face tokenizer's own
+    full = (tokens[:, -1] != padding).nonzero().flatten().tolist()
+    if not full:
+        return 0
+    longer = tokenizer([captions[i] for i in full], context_length=width + 1)
+    return int((longer[:, :width] != tokens[full]).any(dim=1).sum())
+
+
 def length_order(lengths: torch.Tensor) -> torch.Tensor:
     """The permutation that sorts a batch's pairs by caption length, longest first (ties keep
     their order, so a batch always sorts the same way: a resumed run repeats it). Longest first:

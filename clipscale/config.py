@@ -20,6 +20,7 @@ the others change what is trained, and a run folder that holds another value ref
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import sys
@@ -385,6 +386,11 @@ def _override_to_nested(override: str) -> dict:
     if "=" not in override:
         raise ConfigError(f"override {override!r} must look like section.key=value")
     dotted, raw = override.split("=", 1)
+    section_names = [section.name for section in dataclasses.fields(Config)]
+    if "." not in dotted and dotted.strip() not in section_names:
+        nearest = nearest_key(dotted.strip())
+        suggestion = f"; the nearest key is {nearest}: {nearest}={raw}" if nearest else f" (sections: {', '.join(section_names)})"
+        raise ConfigError(f"override {override!r}: keys are section.key{suggestion}")
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as err:
@@ -396,6 +402,19 @@ def _override_to_nested(override: str) -> dict:
         node = node.setdefault(part, {})
     node[parts[-1]] = value
     return nested
+
+
+def nearest_key(name: str) -> str | None:
+    """The schema's section.key closest to `name` (a bare key such as 'steps', or a misspelt dotted
+    one), by its key alone or by the whole dotted name; None when nothing is close."""
+    dotted = [f"{section.name}.{key.name}" for section in dataclasses.fields(Config)
+              for key in dataclasses.fields(section.default_factory)]
+    by_key = {key.split(".", 1)[1]: key for key in reversed(dotted)}  # a key in two sections: the first section's
+    close = difflib.get_close_matches(name, by_key, n=1) if "." not in name else []
+    if close:
+        return by_key[close[0]]
+    close = difflib.get_close_matches(name, dotted, n=1)
+    return close[0] if close else None
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -621,6 +640,22 @@ def check_parallel(train: TrainConfig) -> None:
                           "the chunk as a number")
 
 
+def _given(overrides: list[dict], data_key: str) -> bool:
+    """Whether a command-line override sets data.<data_key>."""
+    return any(isinstance(nested.get("data"), dict) and data_key in nested["data"] for nested in overrides)
+
+
+def _factors_for_the_sources(data: dict, file_factors) -> None:
+    """The YAML file's data.upsampling_factors are one per source of its data.train_shards. Where the
+    command line names a different number of sources (your own shards in place of the example's
+    two) and no factors of its own, the file's cannot weigh them and are dropped: every shard is
+    then drawn alike, as without factors."""
+    factors = file_factors.split("::") if isinstance(file_factors, str) else file_factors
+    shards = data.get("train_shards")
+    if isinstance(shards, str) and isinstance(factors, list) and len(factors) != len(shards.split("::")):
+        data["upsampling_factors"] = None
+
+
 def _yaml_problem(err: yaml.YAMLError) -> str:
     """PyYAML's complaint and where (1-based line and column), in one line."""
     mark = getattr(err, "problem_mark", None)
@@ -647,8 +682,12 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
         raw = _read_yaml(Path(path))
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    for override in overrides:
-        _merge(raw, _override_to_nested(override))
+    given = [_override_to_nested(override) for override in overrides]
+    file_factors = (raw.get("data") or {}).get("upsampling_factors") if isinstance(raw.get("data"), dict) else None
+    for override in given:
+        _merge(raw, override)
+    if file_factors is not None and _given(given, "train_shards") and not _given(given, "upsampling_factors"):
+        _factors_for_the_sources(raw["data"], file_factors)
     cfg = Config()
     _apply(cfg, raw, "")
     check_sections(cfg)

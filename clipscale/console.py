@@ -5,7 +5,9 @@
     bar = console.progress_bar(total=steps, initial=start, name=cfg.run.name)
 
 Lines go through `tqdm.write` so an open progress bar is not torn, and are flushed at once
-(a Slurm log or a pipe shows them now, not when the buffer fills).
+(a Slurm log or a pipe shows them now, not when the buffer fills). The bar is tqdm's only on a
+terminal: its redraws are carriage returns and cursor moves, which a log file keeps as noise, so
+where stderr is a file or a pipe a plain line says the same every half minute (`PlainProgress`).
 
 Libraries' expected noise stays off the console: `library_noise_kept_off()` drops open_clip's "No
 pretrained weights loaded ... initialized randomly" (a run says what it loads, once, in its own
@@ -23,6 +25,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 from typing import Iterator, Optional
 
 from tqdm import tqdm
@@ -45,8 +48,53 @@ class Console:
             tqdm.write(line)
             sys.stdout.flush()
 
-    def progress_bar(self, total: int, initial: int, name: str) -> tqdm:
+    def progress_bar(self, total: int, initial: int, name: str) -> tqdm | PlainProgress:
+        if not on_terminal():
+            return PlainProgress(total, initial, name, enabled=self.is_main)
         return tqdm(total=total, initial=initial, disable=not self.is_main, desc=name, dynamic_ncols=True)
+
+
+def on_terminal() -> bool:
+    """Whether progress bars (written to stderr) reach a terminal rather than a file or a pipe."""
+    return sys.stderr.isatty()
+
+
+class PlainProgress:
+    """The progress bar where stderr is a file or a pipe (a Slurm log, `2> train.log`): one plain
+    line at most every `interval_s` seconds and one at the end, with what tqdm's bar would show.
+
+        digits: step 120/200 (60%), 3.41 steps/s, 35 s so far, loss=3.2956, lr=8.44e-04
+    """
+
+    def __init__(self, total: int, initial: int, name: str, enabled: bool = True, interval_s: float = 30.0):
+        self.total, self.n, self.name, self.enabled, self.interval_s = total, initial, name, enabled, interval_s
+        self.start_n, self.start = initial, time.monotonic()
+        self.next_at = self.start + interval_s
+        self.postfix = ""
+        self.said_n = initial  # the step of the last line
+
+    def update(self, steps: int = 1) -> None:
+        self.n += steps
+        if time.monotonic() >= self.next_at:
+            self._say()
+
+    def set_postfix(self, figures: dict) -> None:
+        self.postfix = ", ".join(f"{key}={value}" for key, value in figures.items())
+
+    def close(self) -> None:
+        if self.n != self.said_n:
+            self._say()
+
+    def _say(self) -> None:
+        now = time.monotonic()
+        self.next_at, self.said_n = now + self.interval_s, self.n
+        if not self.enabled:
+            return
+        elapsed = now - self.start
+        rate = (self.n - self.start_n) / elapsed if elapsed > 0 else 0.0
+        line = (f"{self.name}: step {self.n}/{self.total} ({100 * self.n / max(self.total, 1):.0f}%), {rate:.3g} steps/s, "
+                f"{elapsed:.0f} s so far" + (f", {self.postfix}" if self.postfix else ""))
+        print(line, file=sys.stderr, flush=True)
 
 
 def _not_open_clip_random_init(record: logging.LogRecord) -> bool:

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from clipscale.step import StepResult
 
 NONFINITE = "nonfinite"  # the key listing a record's values that were NaN or infinite
+DATA_COUNTS = ("skipped samples", "shard errors", "captions cut")  # TrainingBatches.error_totals, in its order
 TENSORBOARD = "tensorboard"  # the event files' folder in the run folder
 
 
@@ -116,7 +117,7 @@ class RecordWindow:
         self.batch_size, self.device, self.world_size = batch_size, device, world_size
         self.flops_per_sample = flops_per_sample  # model FLOPs of a sample by its text length (utilization.py), for `mfu`
         self.peak_flops = peak_bf16_flops(device)
-        self.logged_data_errors: list[int] | None = None  # [skipped samples, shard errors] at the previous record
+        self.logged_data_errors: list[int] | None = None  # [skipped samples, shard errors, captions cut] at the previous record
         self._new_window()
 
     def _new_window(self) -> None:
@@ -139,7 +140,7 @@ class RecordWindow:
                data_errors: list[int]) -> dict:
         """The record, and a new window from now."""
         elapsed = time.perf_counter() - self.start
-        skipped, shard_errors = data_errors
+        skipped, shard_errors, captions_cut = data_errors
         samples = sum(n for n, _ in self.text_chunks)
         record = {
             "loss": result.loss.item(),
@@ -153,6 +154,8 @@ class RecordWindow:
             "skipped_samples_total": skipped,
             "shard_errors": shard_errors - self.logged_data_errors[1],
             "shard_errors_total": shard_errors,
+            "captions_cut_share": (captions_cut - self.logged_data_errors[2]) / (self.steps * self.batch_size),
+            "captions_cut_total": captions_cut,
             "nonfinite_steps": nonfinite_steps,
             "data_wait_s": self.data_wait_s / self.steps,  # per step, on this rank
             "text_positions_per_sample": sum(n * positions for n, positions in self.text_chunks) / samples,
@@ -165,11 +168,21 @@ class RecordWindow:
         self._new_window()
         return record
 
+    @staticmethod
+    def progress_figures(record: dict, context_length: int) -> dict:
+        """What the progress line shows of a record: its loss and lr, and the text positions
+        computed per sample where cutting the padding computes fewer than the context length."""
+        figures = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}"}
+        if record["text_positions_per_sample"] < context_length:
+            figures["text"] = f"{record['text_positions_per_sample']:.1f}/{context_length} positions"
+        return figures
+
     def state_dict(self) -> dict:
         return {"logged_data_errors": self.logged_data_errors}
 
     def load_state_dict(self, state: dict) -> None:
-        self.logged_data_errors = state["logged_data_errors"]
+        saved = state["logged_data_errors"]
+        self.logged_data_errors = saved + [0] * (len(DATA_COUNTS) - len(saved))  # a checkpoint from before captions were counted
 
 
 class StepReport:
@@ -228,20 +241,33 @@ class DataProblems:
     """Console lines for data problems: samples skipped (undecodable, missing a member) and shards
     cut short, each line saying how many since the previous line, in which shard, and the totals
     so far; at most one line every `interval_s` seconds (what happens meanwhile is summed into the
-    next line). `after_step` takes the run's totals over all ranks and the shards the problems
-    were last seen in (the pieces' records), and returns the line when one is due."""
+    next line), except after the run's last step (`steps` of them in this process), whose line
+    brings the totals to the end. `after_step` takes the run's totals over all ranks and the shards
+    the problems were last seen in (the pieces' records), and returns the line when one is due.
 
-    def __init__(self, interval_s: float = 60.0, totals: tuple[int, int] = (0, 0)):
+    Captions longer than the context length are cut, not skipped: the first step that cuts one gets
+    a line with the share cut so far (of `batch_size` captions a step), once; metrics.jsonl has the
+    share at every record."""
+
+    def __init__(self, interval_s: float = 60.0, totals: tuple[int, ...] = (0, 0, 0), steps: int | None = None,
+                 batch_size: int = 0):
         self.interval_s = interval_s
-        self.said = totals  # (skipped samples, shard errors) at the previous line (a resume: the checkpoint's)
+        self.said = totals[:2]  # (skipped samples, shard errors) at the previous line (a resume: the checkpoint's)
+        self.captions_cut_before = totals[2]  # at this process's start
+        self.captions_said = False
+        self.steps, self.batch_size, self.steps_done = steps, batch_size, 0
         self.shards: list[str] = []
         self.next_at = 0.0
 
-    def after_step(self, skipped_total: int, shard_errors_total: int, shards: list[str] = ()) -> list[str]:
+    def after_step(self, skipped_total: int, shard_errors_total: int, captions_cut_total: int,
+                   shards: list[str] = ()) -> list[str]:
+        self.steps_done += 1
+        lines = self.captions_line(captions_cut_total)
         self.shards += [shard for shard in shards if shard not in self.shards]
         skipped, cut = skipped_total - self.said[0], shard_errors_total - self.said[1]
-        if not (skipped or cut) or time.monotonic() < self.next_at:
-            return []
+        last = self.steps_done == self.steps
+        if not (skipped or cut) or (time.monotonic() < self.next_at and not last):
+            return lines
         self.next_at = time.monotonic() + self.interval_s
         news = [text for count, text in ((skipped, _count(skipped, "sample") + " skipped"),
                                          (cut, _count(cut, "shard") + " cut short")) if count]
@@ -249,8 +275,19 @@ class DataProblems:
         if self.shards:
             where = f" in {self.shards[-1]}" + (f" and {len(self.shards) - 1} other shards" if len(self.shards) > 1 else "")
         self.said, self.shards = (skipped_total, shard_errors_total), []
-        return [f"data: {' and '.join(news)}{where}; so far {_count(skipped_total, 'sample')} skipped and "
+        return [*lines, f"data: {' and '.join(news)}{where}; so far {_count(skipped_total, 'sample')} skipped and "
                 f"{_count(shard_errors_total, 'shard')} cut short (metrics.jsonl: skipped_samples, shard_errors)"]
+
+    def captions_line(self, captions_cut_total: int) -> list[str]:
+        cut = captions_cut_total - self.captions_cut_before
+        if self.captions_said or not cut:
+            return []
+        self.captions_said = True
+        captions = self.steps_done * self.batch_size
+        return [f"text: {cut:,} of {captions:,} captions so far ({100 * cut / captions:.1f}%) were longer than the text "
+                "tower's context length and are cut to it: the tokenizer keeps a caption's first context_length - 2 "
+                "tokens and ends it with the end-of-text token, and the rest is never seen (metrics.jsonl: "
+                "captions_cut_share)"]
 
 
 def _count(n: int, noun: str) -> str:

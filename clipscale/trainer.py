@@ -152,7 +152,7 @@ class Run:
         self.progress = self.console.progress_bar(cfg.train.steps, self.start_step, cfg.run.name)
         totals = self.batches.error_totals()
         self.window.open(totals)
-        self.data_problems = DataProblems(totals=tuple(totals))
+        self.data_problems = DataProblems(totals=tuple(totals), steps=cfg.train.steps - self.start_step, batch_size=cfg.train.batch_size)
         for step_number in range(self.start_step, cfg.train.steps):
             lr = learning_rate(step_number, cfg.optim, cfg.train.steps)
             with self.batches.next() as batch:  # its pieces still arriving; used once the step returns
@@ -180,7 +180,7 @@ class Run:
         record = self.window.record(result, lr, logit_scale=result.logit_scale.item(), nonfinite_steps=self.step.nonfinite_total,
                                     data_errors=self.batches.error_totals())
         self.logger.log(step_number, record)
-        self.progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}")
+        self.progress.set_postfix(self.window.progress_figures(record, self.model.module.context_length))
 
     def report(self, data_wait_s: float) -> None:
         """Console lines from every step: the compile time, steps waiting for data, data problems."""

@@ -1,4 +1,4 @@
-"""Zero-shot classification or retrieval of a checkpoint, written as CLIP_benchmark-style JSON.
+r"""Zero-shot classification or retrieval of a checkpoint, written as CLIP_benchmark-style JSON.
 
 After the README's first command (which writes runs/digits and data/digits), from the clone's root:
 
@@ -37,12 +37,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 from pathlib import Path
 
 import open_clip
 import torch
 
-from clipscale.checkpoint import refusing_pickled_objects, resolve_checkpoint
+from clipscale.checkpoint import CHECKPOINTS, CheckpointError, latest_checkpoint, refusing_pickled_objects, resolve_checkpoint
 from clipscale.checks import check_model
 from clipscale.config import PREPROCESS_KEYS, ModelConfig
 from clipscale.distributed import init_distributed, shutdown_distributed
@@ -50,6 +51,13 @@ from clipscale.errors import UserError, run_main
 from clipscale.console import library_noise_kept_off
 from clipscale.eval.tasks import TaskError, check_data, resolve_task, run_task
 from clipscale.models import OPEN_CLIP_CONFIG, build_model
+
+
+def default_workers() -> int:
+    """Loader workers for this process: its share of the cores it may run on (torchrun's processes
+    split the machine), at most 4; more than the cores makes torch's DataLoader warn and wait."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,7 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--csv-separator", help="csv: the column separator (default a tab)")
     p.add_argument("--csv-label-key", help="csv: the column of labels, class names or indices (default label)")
     p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--workers", type=int, default=default_workers(),
+                   help="image loading processes (default: this process's cores, at most 4)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on GPU")
     p.add_argument("--output", help="write the results JSON here")
@@ -98,6 +107,34 @@ def flags_named(args: argparse.Namespace):
         raise UserError(f"{where}: {err.reason}" + ("" if err.field == "task" else f" (task {err.task})")) from None
 
 
+def checkpoint_file(given: str) -> str:
+    """--checkpoint as the file to load (a run folder: its latest checkpoint). Where there is none,
+    one error line names the flag and the checkpoints that do exist nearby."""
+    try:
+        return str(resolve_checkpoint(given))
+    except CheckpointError:
+        path = Path(given)
+        why = "a folder without a checkpoint" if path.is_dir() else "no such file or folder"
+        raise UserError(f"--checkpoint {given}: {why}; {checkpoints_near(path)}") from None
+
+
+def checkpoints_near(path: Path) -> str:
+    """The checkpoints in the nearest existing folder of `path` (or, when it holds none, its parent):
+    its .pt files and its run folders' latest checkpoints, as --checkpoint takes them."""
+    folder = next(p for p in [path, *path.parents] if p.is_dir())
+    searched = list(dict.fromkeys([folder, folder.parent]))  # a run folder's parent is runs/
+    for where in searched:
+        found = [str(file) for file in sorted(where.glob("*.pt"))]
+        for run in sorted(p for p in [where, *where.iterdir()] if (p / CHECKPOINTS).is_dir()):
+            latest = latest_checkpoint(run / CHECKPOINTS)
+            if latest is not None:
+                found.append(f"{run} (latest: {latest.name})")
+        if found:
+            return f"checkpoints in {where}: " + ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
+    return (f"no checkpoint in {' nor '.join(map(str, searched))} (give a .pt file, or a run folder that train.py "
+            "has written a checkpoint in)")
+
+
 def model_config(checkpoint: str, model: str | None) -> ModelConfig:
     if model is None:
         # mmap: read the config without loading every tensor into memory.
@@ -120,7 +157,7 @@ def model_config(checkpoint: str, model: str | None) -> ModelConfig:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    args.checkpoint = str(resolve_checkpoint(args.checkpoint))
+    args.checkpoint = checkpoint_file(args.checkpoint)
     model_cfg = model_config(args.checkpoint, args.model)
     check_model(model_cfg)  # the same model checks as a training run, before any work
     with flags_named(args):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from clipscale.caption_length import (POSITION_BUCKETS, LengthSortedTexts, TextChunks, caption_lengths,
+from clipscale.caption_length import (POSITION_BUCKETS, LengthSortedTexts, TextChunks, caption_lengths, captions_cut,
                                       causal_kernel_refusal, context_length, cut_padding, length_order,
                                       padding_refusal, positions_for, use_causal_kernel)
 from clipscale.compile import compile_towers
@@ -132,6 +132,15 @@ def test_caption_lengths_come_from_open_clips_tokenizer_and_pooling():
     tokenizer = open_clip.get_tokenizer("ViT-B-32")
     tokens = tokenizer(["a photo of a cat", "cat", "", " ".join(["dog"] * 200)])
     assert caption_lengths(model, tokens).tolist() == [7, 3, 2, 77]  # words + SOT + EOT; a long one cut at 77
+
+
+def test_captions_cut_are_those_longer_than_the_context_length():
+    """At 8 positions open_clip's tokenizer keeps 6 words between its start and end-of-text tokens:
+    a caption of 6 words fits exactly (its end token in the last position), 7 words are cut."""
+    tokenizer = open_clip.tokenizer.SimpleTokenizer(context_length=8)
+    captions = [" ".join(["dog"] * words) for words in (1, 5, 6, 7, 8, 40)]
+    assert captions_cut(tokenizer, captions, tokenizer(captions)) == 3
+    assert captions_cut(tokenizer, captions[:3], tokenizer(captions[:3])) == 0
 
 
 def test_eos_pooling_counts_up_to_the_first_eos_token():

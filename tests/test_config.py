@@ -30,6 +30,9 @@ from tests.helpers.tiny_runs import DIGITS_YAML, REPO, TRAIN, run_train
         ("model.name=ViT-B-16", "set exactly one of model.name"),
         ("model.pretrained=/nonexistent.pt", "model.pretrained: no file at"),
         ("train.steps", "must look like section.key=value"),
+        ("steps=10", "override 'steps=10': keys are section.key; the nearest key is train.steps: train.steps=10"),
+        ("batchsize=8", "keys are section.key; the nearest key is train.batch_size: train.batch_size=8"),
+        ("colour=red", "keys are section.key (sections: run, model, data, loss, optim, train, eval, wandb, tensorboard)"),
     ],
 )
 def test_config_errors_name_the_key(override, expected):
@@ -43,7 +46,17 @@ def test_config_overrides_merge_with_the_file():
     assert cfg.train.steps == 7
     assert cfg.loss.options == {"chunk_size": 128}
     assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
-    assert cfg.model.custom["vision_cfg"]["patch_size"] == 8  # untouched keys keep the file's values
+    assert cfg.model.custom["vision_cfg"]["patch_size"] == 4  # untouched keys keep the file's values
+
+
+def test_the_files_upsampling_factors_follow_its_sources():
+    """The example's factors weigh its two sources: one source of the user's on the command line
+    leaves them out; two sources keep them; factors given beside the sources are the ones used."""
+    example = str(REPO / "configs" / "webdataset_example.yaml")
+    assert load_config(example, ["data.train_shards=data/mine/{00000..00009}.tar"]).data.upsampling_factors is None
+    assert load_config(example, ["data.train_shards=a/{0..1}.tar::b/{0..1}.tar"]).data.upsampling_factors == [1.0, 4.0]
+    with pytest.raises(ConfigError, match="2 factors for 1 sources"):
+        load_config(example, ["data.train_shards=a/{0..1}.tar", "data.upsampling_factors=[1, 2]"])
 
 
 def test_global_batch_must_split_over_the_world():

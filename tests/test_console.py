@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import pytest
 import torch.nn as nn
 
-from clipscale import metrics
+from clipscale import console, metrics
 from clipscale.config import load_config
-from clipscale.console import library_noise_kept_off, native_noise_filtered, weights_line
+from clipscale.console import PlainProgress, library_noise_kept_off, native_noise_filtered, weights_line
 from clipscale.losses import build_loss
-from clipscale.metrics import DataProblems, StepReport, read_metrics
+from clipscale.metrics import DataProblems, RecordWindow, StepReport, read_metrics
 from clipscale.trainer import train
 
 from tests.helpers.tiny_runs import DIGITS_YAML, tiny_run
@@ -112,22 +112,53 @@ def test_the_compile_line_follows_the_first_step_whatever_the_log_interval(monke
 def test_data_problems_are_one_line_at_a_time_with_the_shard_and_the_totals(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(metrics.time, "monotonic", clock)
-    problems = DataProblems(interval_s=60)
-    assert problems.after_step(0, 0) == []
-    assert problems.after_step(3, 0, ["shards/00012.tar"]) == [
+    problems = DataProblems(interval_s=60, steps=6)
+    assert problems.after_step(0, 0, 0) == []
+    assert problems.after_step(3, 0, 0, ["shards/00012.tar"]) == [
         "data: 3 samples skipped in shards/00012.tar; so far 3 samples skipped and 0 shards cut short "
         "(metrics.jsonl: skipped_samples, shard_errors)"]
     clock.now = 30  # within the interval: summed into the next line
-    assert problems.after_step(4, 1, ["shards/00040.tar"]) == []
-    assert problems.after_step(9, 1, ["shards/00041.tar"]) == []
+    assert problems.after_step(4, 1, 0, ["shards/00040.tar"]) == []
+    assert problems.after_step(9, 1, 0, ["shards/00041.tar"]) == []
     clock.now = 61
-    assert problems.after_step(9, 1) == [
+    assert problems.after_step(9, 1, 0) == [
         "data: 6 samples skipped and 1 shard cut short in shards/00041.tar and 1 other shards; so far 9 samples "
         "skipped and 1 shard cut short (metrics.jsonl: skipped_samples, shard_errors)"]
-    clock.now = 200
-    assert problems.after_step(9, 1) == []  # nothing new
-    resumed = DataProblems(totals=(9, 1))  # a resume starts from the checkpoint's totals
-    assert resumed.after_step(9, 1) == []
+    clock.now = 62  # the last step's news is said within the interval: the console's totals end as the run's
+    assert problems.after_step(10, 1, 0) == [
+        "data: 1 sample skipped; so far 10 samples skipped and 1 shard cut short (metrics.jsonl: skipped_samples, shard_errors)"]
+    resumed = DataProblems(totals=(10, 1, 0))  # a resume starts from the checkpoint's totals
+    assert resumed.after_step(10, 1, 0) == []
+
+
+def test_captions_cut_are_said_once_with_their_share(monkeypatch):
+    problems = DataProblems(totals=(0, 0, 5), batch_size=320)  # a resume: 5 cut before it
+    assert problems.after_step(0, 0, 5) == []
+    assert problems.after_step(0, 0, 88) == [
+        "text: 83 of 640 captions so far (13.0%) were longer than the text tower's context length and are cut to it: "
+        "the tokenizer keeps a caption's first context_length - 2 tokens and ends it with the end-of-text token, and "
+        "the rest is never seen (metrics.jsonl: captions_cut_share)"]
+    assert problems.after_step(0, 0, 90) == []
+
+
+def test_the_progress_line_shows_the_text_positions_where_the_padding_cut_computes_fewer():
+    record = {"loss": 3.14159, "lr": 0.002, "text_positions_per_sample": 27.94}
+    assert RecordWindow.progress_figures(record, 77) == {"loss": "3.1416", "lr": "2.00e-03", "text": "27.9/77 positions"}
+    assert RecordWindow.progress_figures({**record, "text_positions_per_sample": 77.0}, 77) == {"loss": "3.1416", "lr": "2.00e-03"}
+
+
+def test_plain_progress_is_a_line_every_interval_and_one_at_the_end(monkeypatch, capsys):
+    clock = Clock()
+    monkeypatch.setattr(console.time, "monotonic", clock)
+    progress = PlainProgress(total=10, initial=2, name="digits", interval_s=30)
+    progress.set_postfix({"loss": "3.1416"})
+    for now in (10, 20, 31, 40):
+        clock.now = now
+        progress.update(1)
+    progress.close()
+    assert capsys.readouterr().err.splitlines() == [
+        "digits: step 5/10 (50%), 0.0968 steps/s, 31 s so far, loss=3.1416",
+        "digits: step 6/10 (60%), 0.1 steps/s, 40 s so far, loss=3.1416"]
 
 
 def test_open_clips_random_init_warning_is_kept_off_and_our_line_says_what_loads(caplog):

@@ -218,7 +218,7 @@ class BatchStream:
                 images.put(rows, piece)
                 texts.put(rows, piece)
                 batch.records.append({key: piece[key] for key in ("cursor", "drawn", "sample_keys", "skipped_samples",
-                                                                   "shard_errors", "problem_shards")})
+                                                                   "shard_errors", "captions_cut", "problem_shards")})
                 arrivals.add(self.piece_size)
         except BaseException as error:
             arrivals.fail(error)

@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import webdataset as wds
 
+from clipscale.caption_length import captions_cut
 from clipscale.data.encoded import EncodedImages, decodes_at_reduced_scale, is_whole_jpeg
 from clipscale.data.epoch import EpochOrder, EpochPlan, ShuffledEpoch, WorkList
 from clipscale.data.members import DATA_ERRORS, decode_text, first_member, open_image
@@ -47,6 +48,7 @@ class StreamState:
     batches: int = 0  # batches the trainer used: the run's steps on this rank, so its stream gathers no more
     skipped_samples: int = 0  # undecodable samples in those pieces' stretch of the stream
     shard_errors: int = 0  # shards that could not be read to their end
+    captions_cut: int = 0  # captions in those pieces longer than the context length, cut by the tokenizer
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -64,6 +66,7 @@ class StreamState:
         self.drawn = {epoch: n for epoch, n in self.drawn.items() if epoch > max(self.drawn) - EPOCHS_COUNTED}
         self.skipped_samples += piece["skipped_samples"]
         self.shard_errors += piece["shard_errors"]
+        self.captions_cut += piece["captions_cut"]
 
     @staticmethod
     def work_left(saved: list[dict]) -> WorkList:
@@ -87,7 +90,8 @@ class StreamState:
     def reshaped(cls, saved: list[dict], rank: int, workers: int) -> "StreamState":
         """Rank `rank`'s state on a new shape from every saved rank's: the work left, the steps done;
         the counts that the run logs as sums over ranks go to rank 0."""
-        totals = {key: sum(state[key] for state in saved) if rank == 0 else 0 for key in ("skipped_samples", "shard_errors")}
+        totals = {key: sum(state.get(key, 0) for state in saved) if rank == 0 else 0
+                  for key in ("skipped_samples", "shard_errors", "captions_cut")}
         drawn = Counter()
         for state in saved:
             drawn.update(state["drawn"])
@@ -216,12 +220,14 @@ class ShardStream(torch.utils.data.IterableDataset):
     def _piece(self, samples: list[tuple], cursor: tuple, drawn: Counter, skipped: int, errors: ShardErrors,
                problem_shards: list) -> dict:
         pixels, encoded, captions, keys = zip(*samples)
+        texts = self.tokenizer(list(captions))
         piece = {
-            "texts": self.tokenizer(list(captions)),
+            "texts": texts,
             "cursor": cursor,
             "sample_keys": list(keys),
             "drawn": dict(drawn),
             "skipped_samples": skipped,
+            "captions_cut": captions_cut(self.tokenizer, list(captions), texts),  # longer than the context length
             "shard_errors": errors.count,
             "problem_shards": [shard for shard in dict.fromkeys(problem_shards + errors.shards) if shard],  # where skips and cuts were met
         }

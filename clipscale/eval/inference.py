@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from clipscale.compile import begin_graph_step
+from clipscale.console import on_terminal
 from clipscale.distributed import is_distributed, unwrap
 from clipscale.precision import Autocast, autocast_factory
 
@@ -60,11 +61,12 @@ def encode_texts(model, tokenizer, texts: list[str], device, autocast: Autocast)
 
 
 def progress_bar(iterable: Iterable, enabled: bool, desc: str, total: Optional[int] = None):
-    """A tqdm bar on rank 0 only, so a multi-GPU run prints one bar, not one per rank."""
+    """A tqdm bar on rank 0 only, so a multi-GPU run prints one bar, not one per rank; none where
+    stderr is a file (its redraws are noise there, and the results follow in one line)."""
     on_main_rank = not is_distributed() or dist.get_rank() == 0
     if total is None and hasattr(iterable, "__len__"):
         try:
             total = len(iterable)
         except TypeError:  # an IterableDataset's loader may not know its length
             total = None
-    return tqdm(iterable, desc=desc, total=total, disable=not (enabled and on_main_rank), leave=False)
+    return tqdm(iterable, desc=desc, total=total, disable=not (enabled and on_main_rank and on_terminal()), leave=False)

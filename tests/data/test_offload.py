@@ -113,7 +113,7 @@ class _CountedPieces:
             self.taken += 1
             yield {"images": torch.zeros(2, 3, 4, 4, dtype=torch.uint8), "texts": torch.full((2, 1), self.taken),
                    "cursor": (0, 0, self.taken), "drawn": {0: 3}, "sample_keys": [(0, "a"), (0, "b")],
-                   "skipped_samples": 1, "shard_errors": 0, "problem_shards": []}
+                   "skipped_samples": 1, "shard_errors": 0, "captions_cut": 1, "problem_shards": []}
 
 
 def test_a_batch_moves_the_stream_on_when_its_step_is_done_and_not_when_the_step_fails():
@@ -125,7 +125,7 @@ def test_a_batch_moves_the_stream_on_when_its_step_is_done_and_not_when_the_step
     assert state == StreamState(), "a batch whose step failed was not used"
     with stream.next() as batch:
         assert torch.cat(list(batch.texts.chunks([(0, 4)], torch.device("cpu")))).flatten().tolist() == [3, 3, 4, 4]
-    assert state == StreamState(cursors={0: (0, 4)}, drawn={0: 6}, pieces=2, batches=1, skipped_samples=2)
+    assert state == StreamState(cursors={0: (0, 4)}, drawn={0: 6}, pieces=2, batches=1, skipped_samples=2, captions_cut=2)
     stream.close()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,18 +59,41 @@ def test_script_matches_in_process_evaluation_for_both_checkpoint_layouts(tmp_pa
     assert from_ours["task"] == "zeroshot_classification" and expected["num_samples"] == 10
 
 
+def _help_text() -> str:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "eval_zeroshot.py"), "--help"], capture_output=True,
+                          text=True, check=True, cwd=REPO).stdout
+
+
 def _help_examples(section_end: str) -> list[str]:
     """The example command lines of the script's --help before `section_end`, continued lines joined."""
-    text = subprocess.run([sys.executable, str(REPO / "scripts" / "eval_zeroshot.py"), "--help"], capture_output=True,
-                          text=True, check=True, cwd=REPO).stdout
-    runnable = text.split(section_end, 1)[0].replace("\\\n", " ")
+    runnable = _help_text().split(section_end, 1)[0].replace("\\\n", " ")
     return [line.strip() for line in runnable.splitlines() if line.strip().startswith("python scripts/eval_zeroshot.py")]
+
+
+def test_the_help_shows_the_examples_as_the_script_writes_them():
+    """Continued lines keep their backslash and line break, so a copied example runs in a shell."""
+    source = (REPO / "scripts" / "eval_zeroshot.py").read_text().split('"""', 2)[1]
+    examples = [line for line in source.splitlines() if line.startswith("    python ") or line.startswith("        --")]
+    assert any(line.endswith("\\") for line in examples)
+    shown = _help_text().splitlines()
+    assert [line for line in examples if line not in shown] == []
+
+
+def test_the_default_workers_fit_the_cores(monkeypatch):
+    """torch's DataLoader warns when its workers outnumber the cores: on 2 cores the default is 2,
+    and under torchrun each process takes its share."""
+    required = ["--checkpoint", "x.pt", "--task", "digits"]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert eval_zeroshot.parse_args(required).workers == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert eval_zeroshot.parse_args(required).workers == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert eval_zeroshot.parse_args(required).workers == 4
 
 
 def test_the_help_examples_run_from_a_clone_after_the_readmes_first_command(tmp_path, digits_root):
     """runs/digits (here a tiny checkpoint with clipscale's config) and data/digits as the first command
     leaves them; the CSV examples' tables beside them, made of held-out digits."""
-    import shutil
 
     from clipscale.data.digits import CLASSNAMES
     from clipscale.eval.datasets import shard_classification
@@ -95,9 +119,10 @@ def test_the_help_examples_run_from_a_clone_after_the_readmes_first_command(tmp_
     assert len(examples) == 4
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for example in examples:
-        command = example.replace("python ", f"{sys.executable} ", 1) + " --no-progress --workers 0"
+        command = example.replace("python ", f"{sys.executable} ", 1) + " --no-progress"  # the default --workers
         result = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, (example, result.stderr[-2000:])
+        assert "worker processes in total" not in result.stderr, result.stderr  # torch's warning: more workers than cores
         metrics = json.loads(result.stdout)["metrics"]
         assert metrics.get("num_samples", 12) >= 12, example
         assert "initialized randomly" not in result.stderr, result.stderr
@@ -117,6 +142,15 @@ def test_the_help_examples_run_from_a_clone_after_the_readmes_first_command(tmp_
                                                  "(task imagenet-r)"),
     (["--task", "nope"], "error: --task nope: no such file, nor one of imagenet, imagenet-v2, imagenet-r, imagenet-a, "
                          "objectnet, imagefolder, wds, coco, wds-retrieval, csv, csv-retrieval, digits"),
+    (["--checkpoint", "{tmp}/runs/digitz", "--task", "digits"],
+     "error: --checkpoint {tmp}/runs/digitz: no such file or folder; checkpoints in {tmp}/runs: {tmp}/runs/digits "
+     "(latest: step_00000003.pt)"),
+    (["--checkpoint", "{tmp}/runs/empty", "--task", "digits"],
+     "error: --checkpoint {tmp}/runs/empty: a folder without a checkpoint; checkpoints in {tmp}/runs: {tmp}/runs/digits "
+     "(latest: step_00000003.pt)"),
+    (["--checkpoint", "{tmp}/runs/digits/checkpoints/step_00000009.pt", "--task", "digits"],
+     "error: --checkpoint {tmp}/runs/digits/checkpoints/step_00000009.pt: no such file or folder; checkpoints in "
+     "{tmp}/runs/digits/checkpoints: {tmp}/runs/digits/checkpoints/step_00000003.pt"),
 ])
 def test_every_bad_input_is_one_error_line_naming_the_flag_and_the_path(tmp_path, capsys, arguments, line):
     """In this process (the script's main under run_main, as `python scripts/eval_zeroshot.py` runs it);
@@ -124,7 +158,11 @@ def test_every_bad_input_is_one_error_line_naming_the_flag_and_the_path(tmp_path
     (tmp_path / "table.csv").write_text("image,text\n0.png,a zero\n")
     checkpoint = tmp_path / "step_3.pt"
     torch.save({"state_dict": {}, "config": {"model": {"name": None, "custom": TINY_CLIP}}}, checkpoint)
-    argv = ["--checkpoint", str(checkpoint), *[a.format(tmp=tmp_path) for a in arguments]]
+    run_checkpoints = tmp_path / "runs" / "digits" / "checkpoints"  # a run folder, and an empty one beside it
+    run_checkpoints.mkdir(parents=True)
+    shutil.copy(checkpoint, run_checkpoints / "step_00000003.pt")
+    (tmp_path / "runs" / "empty").mkdir()
+    argv = ["--checkpoint", str(checkpoint), *[a.format(tmp=tmp_path) for a in arguments]]  # a later --checkpoint wins
     with pytest.raises(SystemExit) as exited:
         run_main(lambda: eval_zeroshot.main(argv))
     assert exited.value.code == 2
