@@ -19,6 +19,7 @@ compiles nothing.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -47,31 +48,49 @@ def cuda_graphs_enabled(setting: bool | str, compiled: bool, device: torch.devic
     return bool(setting) and compiled
 
 
-def compile_towers(model: nn.Module, cache_dir: Path, backend: str = "inductor", cuda_graphs: bool = False) -> None:
+def compile_towers(model: nn.Module, cache_dir: Path, backend: str = "inductor", cuda_graphs: bool = False) -> list[str]:
     """Compile each block of `model`'s two towers in place (its state_dict keys stay open_clip's;
     under FSDP the blocks are the sharded units), caching under `cache_dir` and loading its
     portable cache first. A model without lists of blocks is compiled whole. `backend`:
     torch.compile's (the tests use "aot_eager", which needs no compiler). `cuda_graphs`: each
     block replayed as CUDA graphs ("reduce-overhead"), where the model has lists of blocks (their
     outputs feed the towers' eager heads, so no feature lives in the graphs' memory); the step must
-    know it (`TrainStep(cuda_graphs=True)`)."""
+    know it (`TrainStep(cuda_graphs=True)`). Returns the lines the run says of the cache."""
     from clipscale.parallel import ParallelError, tower_blocks  # the blocks FSDP shards are the ones compiled
 
     cache_dir = cache_dir.resolve()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)  # Inductor's FX graph, AOTAutograd and Triton caches
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    portable = cache_dir / PORTABLE_CACHE
-    if portable.is_file():
-        torch.compiler.load_cache_artifacts(portable.read_bytes())
+    notes = load_portable_cache(cache_dir / PORTABLE_CACHE)
     try:
         towers = tower_blocks(model)
     except ParallelError:
         model.compile(backend=backend, dynamic=False)
-        return
+        return notes
     mode = "reduce-overhead" if cuda_graphs else None
     for tower, blocks in towers:
         for block in blocks:
             block.compile(backend=backend, dynamic=tower == "text", mode=mode)
+    return notes
+
+
+def load_portable_cache(path: Path) -> list[str]:
+    """Load torch.compiler's cache artifacts from `path` if it is there; one line when they do not
+    load (another torch version wrote them, or the file is damaged): the run then compiles anew.
+    torch's own report of that is a traceback in a warning, kept off the console."""
+    if not path.is_file():
+        return []
+    cache_log = logging.getLogger("torch.compiler._cache")
+    level = cache_log.level
+    cache_log.setLevel(logging.ERROR)
+    try:
+        loaded = torch.compiler.load_cache_artifacts(path.read_bytes())
+    finally:
+        cache_log.setLevel(level)
+    if loaded is None:
+        return [f"model.compile_cache: {path} does not load in this torch {torch.__version__} (written by another "
+                "version, or damaged); compiling anew, and the first step writes it again"]
+    return [f"model.compile_cache: compiled code loaded from {path}"]
 
 
 def begin_graph_step() -> None:

@@ -135,7 +135,8 @@ class Run:
             compile_cache = None
             if compiled:  # its cache lives in the run folder, so only once the folder is claimed
                 compile_cache = Path(cfg.model.compile_cache or folder.run_dir / "compile_cache")
-                compile_towers(model.module, compile_cache, cuda_graphs=cuda_graphs)
+                for line in compile_towers(model.module, compile_cache, cuda_graphs=cuda_graphs):
+                    console.say(line)
             if world.is_main:
                 write_open_clip_folder(folder.run_dir, towers)  # with the final weights, open_clip's `local-dir:` loads the run
             logger = MetricsLogger(folder.run_dir, cfg, enabled=world.is_main, resume_step=start_step)

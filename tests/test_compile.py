@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from clipscale.compile import compile_enabled, compile_towers
+from clipscale.compile import PORTABLE_CACHE, compile_enabled, compile_towers
 from clipscale.gradcache import GradCache
 
 from tests.helpers.gradients import float64_clip_loss, grads_of, make_batch, plain_grads, relative_error, tiny_clip
@@ -66,3 +66,15 @@ def test_compiled_code_is_cached_in_the_folder_given(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     compile_towers(tiny_clip(0.0), tmp_path / "runs" / "x" / "compile_cache", backend="aot_eager")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "runs" / "x" / "compile_cache").resolve())
+
+
+def test_a_portable_cache_that_does_not_load_is_one_line_and_the_towers_compile_anew(tmp_path):
+    """model.compile_cache copied from elsewhere: torch.compiler's artifacts written by another torch,
+    or damaged, are refused with one line (not torch's traceback), and the towers still compile."""
+    (tmp_path / PORTABLE_CACHE).write_bytes(b"written by another torch")
+    model = tiny_clip(0.0)
+    notes = compile_towers(model, tmp_path, backend="aot_eager")
+    assert len(notes) == 1 and "does not load" in notes[0] and str(tmp_path / PORTABLE_CACHE) in notes[0]
+    images, texts = make_batch(4, seed=0)
+    assert model(images, texts)[0].shape[0] == 4
+    assert compile_towers(tiny_clip(0.0), tmp_path / "none", backend="aot_eager") == []  # no cache there: nothing to say
