@@ -232,8 +232,8 @@ def captions_cut(tokenizer, captions: list[str], tokens) -> int:
     the rest of the caption is never seen). A caption was cut when the same tokenizer, given one
     position more, writes other tokens into the first context_length positions; only a row whose
     last position is not padding can differ, so only those captions are tokenized again. 0 for a
-    tokenizer that gives no tensor (a test's stand-in)."""
-    if not isinstance(tokens, torch.Tensor):
+    tokenizer that gives no [captions, positions] tensor (a test's stand-in)."""
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
         return 0
     width = tokens.shape[1]
     padding = getattr(getattr(tokenizer, "tokenizer", None), "pad_token_id", None) or 0  # a Hugging Face tokenizer's own

@@ -683,7 +683,7 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     given = [_override_to_nested(override) for override in overrides]
-    file_factors = (raw.get("data") or {}).get("upsampling_factors") if isinstance(raw.get("data"), dict) else None
+    file_factors = raw["data"].get("upsampling_factors") if isinstance(raw.get("data"), dict) else None
     for override in given:
         _merge(raw, override)
     if file_factors is not None and _given(given, "train_shards") and not _given(given, "upsampling_factors"):
