@@ -86,7 +86,7 @@ class TrainStep:
         self.scaler = torch.amp.GradScaler(self.model.device.type) if precision == "fp16" else None
         self.gradcache = GradCache(self.model, loss_fn, chunk_size, autocast=AUTOCAST_DTYPES[precision], scaler=self.scaler,
                                    reuse_last_chunk=reuse_last_chunk and not cuda_graphs, text_order=text_order)
-        self.stable_grads = cuda_graphs
+        self.cuda_graphs = cuda_graphs
         self.nonfinite_total = 0
         self.nonfinite_in_a_row = 0
         self.steps = 0
@@ -98,7 +98,7 @@ class TrainStep:
         # A GradScaler unscales and updates only after a backward: with no gradient it has no
         # inf check to update from, and it raises.
         scaled = self.scaler is not None
-        if self.stable_grads:
+        if self.cuda_graphs:
             for parameter in self.model.module.parameters():
                 if parameter.requires_grad and parameter.grad is None:
                     parameter.grad = torch.zeros_like(parameter)
@@ -116,7 +116,7 @@ class TrainStep:
             self.optimizer.step()
         if scaled:
             self.scaler.update()  # after an fp16 overflow this lowers the loss scale
-        self.optimizer.zero_grad(set_to_none=not self.stable_grads)
+        self.optimizer.zero_grad(set_to_none=not self.cuda_graphs)
         logit_scale = self.model.module.logit_scale
         with torch.no_grad():
             logit_scale.clamp_(0, MAX_LOGIT_SCALE)

@@ -99,7 +99,8 @@ class JpegEngines:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         streams = [self.nvimgcodec.CodeStream(blob.numpy()) for blob in blobs]
         images = self.decoder.decode(streams, params=self.params, cuda_stream=stream)
-        # DLPack: one C call an image (`torch.as_tensor` parsed each image's __cuda_array_interface__ in Python)
+        # DLPack instead of __cuda_array_interface__: measured no cheaper in GIL time (torch's from_dlpack is Python
+        # per image too; bench_contention's GIL samples), kept because the GPU decode tests ran on it
         decoded = [None if image is None else torch.from_dlpack(image) for image in images]
         refused = [k for k, image in enumerate(decoded) if image is None]
         if refused:
