@@ -25,7 +25,8 @@ text_positions_per_sample, each per step, where there are such numbers.
         --case runner=openclip,model=ViT-B-16,batch=256,steps=30 \\
         --case runner=clipscale,model=ViT-B-16,batch=32768,chunk=512,steps=3 --out results/bench_e2e.json
 
-Case keys: runner (clipscale | openclip), model, batch (global), chunk (clipscale: an int,
+Case keys: runner (clipscale | openclip | ceiling: the ceiling alone, to compare chunks or profile
+it; its keys are the clipscale case's and text: cut or full), model, batch (global), chunk (clipscale: an int,
 auto or none; default the config's), steps, offload (0/1), loss (clipscale, default infcl),
 decoder and device_decoder (clipscale; default the config's: auto), compile (clipscale: 0/1,
 default the config's: auto; openclip: 1 adds --torchcompile), cache (clipscale: a
@@ -36,7 +37,8 @@ processes, default 1; openclip too), accum (openclip: --accum-freq; batch stays 
 local_loss (openclip: 1 adds --local-loss --gather-with-grad), pythonpath (prepended for this case
 only: open_clip_train needs webdataset 0.2.x), ceiling (clipscale: 0 skips its ceiling), ceiling_batch
 (default the case's batch over nproc), ceiling_steps (default 5, the first two dropped: compiling, then
-recording CUDA graphs) and ceiling_text (cut or full: the ceiling's text positions, instead of the run's). --set
+recording CUDA graphs), profile (a ceiling case run as runner=ceiling: 1 adds one step under
+torch.profiler, `profiled_step`) and ceiling_text (cut or full: the ceiling's text positions, instead of the run's). --set
 KEY=VALUE adds a config override to every clipscale case and its ceiling (a tiny model.custom for a
 CPU smoke run, say). Cases past --budget seconds are recorded as not run.
 """
@@ -191,11 +193,16 @@ def steps_of(case: dict, out_dir: Path, log: str) -> list[dict]:
     batch = int(case["batch"])
     if case["runner"] == "openclip":
         return [{"samples": batch, "step_s": batch / float(rate)} for _, rate in OPENCLIP_STEP.findall(log)]
-    metrics = out_dir / ("ceiling.jsonl" if case["runner"] == "ceiling" else "bench/metrics.jsonl")
-    lines = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.exists() else []
+    lines = metrics_lines(out_dir / ("ceiling.jsonl" if case["runner"] == "ceiling" else "bench/metrics.jsonl"), "step_s")
     return [{"samples": batch, "step_s": m["step_s"], "peak_gpu_allocated_gib": m["peak_memory_gib"], "loss": m["loss"],
              "data_wait_s": m.get("data_wait_s"), "mfu": m.get("mfu"),
-             "text_positions_per_sample": m.get("text_positions_per_sample")} for m in lines if "step_s" in m]
+             "text_positions_per_sample": m.get("text_positions_per_sample")} for m in lines]
+
+
+def metrics_lines(path: Path, key: str) -> list[dict]:
+    """The JSON lines of `path` that hold `key` (none when it is missing)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    return [line for line in lines if key in line]
 
 
 MIN_WINDOW = 10  # steps in a window that makes a speed claim
@@ -267,6 +274,8 @@ def run_case(case: dict, args, timeout: float) -> dict:
         result["auto_chunk"] = chosen.group(0)
     if case["runner"] == "clipscale":  # what the run said of its data path and compilation
         result["console"] = re.findall(r"^(?:compiling the towers.*|data\.\w+.*|the steps waited.*)$", log, re.M)
+    if case["runner"] == "ceiling" and metrics_lines(out_dir / "ceiling.jsonl", "profile"):
+        result["profile"] = metrics_lines(out_dir / "ceiling.jsonl", "profile")[0]["profile"]
     if case["runner"] == "ceiling":  # what it said of its towers and its text tower
         result["console"] = re.findall(r"^(?:text|towers): .*$", log, re.M)
         result["compiled"] = "towers: compiled" in log
@@ -387,6 +396,54 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
                 "peak_memory_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
             }) + "\n")
             log.flush()
+        if case.get("profile") == "1":  # one more step, under the profiler: where the ceiling's own time goes
+            log.write(json.dumps({"profile": profiled_step(lambda: float(step(images, text_column, cfg.optim.lr).loss),
+                                                           device)}) + "\n")
+
+
+GEMM_KERNELS = re.compile(r"gemm|nvjet|cutlass|sm90_xmma|matmul|flash|fmha|attention", re.I)  # matmuls and attention
+HOST_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+
+
+def profiled_step(run_step, device: torch.device) -> dict:
+    """One step under torch.profiler: the GPU's busy share of the step's wall time (kernels and
+    copies, overlaps counted once), the kernels' count and the share of their time in matmuls and
+    attention, the longest idle gaps, host synchronisations, and the kernels taking most time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        run_step()
+        wall_us = (time.perf_counter() - started) * 1e6
+    gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, gaps, reach = 0.0, [], None
+    for start, end, _ in gpu:
+        if reach is None or start > reach:
+            if reach is not None:
+                gaps.append(start - reach)
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    kernel_us: dict[str, float] = {}
+    for start, end, name in gpu:
+        kernel_us[name] = kernel_us.get(name, 0.0) + end - start
+    total = sum(kernel_us.values()) or 1.0
+    syncs = {name: sum(1 for e in prof.events() if e.name == name) for name in HOST_SYNCS}
+    return {
+        "step_s": wall_us / 1e6,
+        "gpu_busy_share": busy / wall_us,
+        "gpu_events": len(gpu),
+        "matmul_attention_share": sum(us for name, us in kernel_us.items() if GEMM_KERNELS.search(name)) / total,
+        "idle_gaps_ms": {"count_over_0.1ms": sum(g > 100 for g in gaps), "sum": sum(gaps) / 1e3,
+                         "longest": [round(g / 1e3, 2) for g in sorted(gaps)[-5:]]},
+        "host_syncs": syncs,
+        "top_kernels": [{"name": name[:90], "share": round(us / total, 4)}
+                        for name, us in sorted(kernel_us.items(), key=lambda item: -item[1])[:15]],
+    }
 
 
 SHOWN = ("steps_done", "window", "short_window", "samples_per_s", "first_step_s", "steady_step_s", "peak_host_gib", "peak_gpu_allocated_gib",
@@ -415,8 +472,12 @@ def main(argv=None) -> None:
         measure_ceiling(json.loads(args.measure_ceiling), args.shards, args.set, Path(args.out))
         return
     cases = [dict(item.split("=", 1) for item in spec.split(",")) for spec in args.case]
-    if not cases or any(case.get("runner") not in ("clipscale", "openclip") for case in cases):
-        parser.error("give cases with --case runner=clipscale|openclip,...")
+    if not cases or any(case.get("runner") not in ("clipscale", "openclip", "ceiling") for case in cases):
+        parser.error("give cases with --case runner=clipscale|openclip|ceiling,...")
+    for case in cases:
+        if case["runner"] == "ceiling":  # alone: the defaults it takes beside a run
+            case.setdefault("steps", "5")
+            case.setdefault("text", "cut")
 
     record = {**provenance(argv), "shards": args.shards, "workers": args.workers, "cases": []}
     deadline = time.monotonic() + args.budget

@@ -9,12 +9,21 @@ through train.py; it does not replace it.
 
     python scripts/bench_loader.py --shards '/tmp/shards/synthetic-{0000..0129}.tar' --workers 14 \\
         --case decoder=device,batch=65536 --case decoder=loader,batch=65536 --out results/bench_loader.json
+
+`--profile-worker PIECES` first runs what one loader worker runs (`ShardStream` with the device
+decoder's settings: header, crop draw, reduced-scale check, tokenizer) in this process, alone,
+for that many pieces of 512 under cProfile: milliseconds a sample without the profiler and with
+it, and where the profiled time goes (`worker_profile`). Its rate times the workers is what the
+workers could deliver with a core each; the cases say what they deliver.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import os
 import sys
 import time
@@ -53,16 +62,77 @@ def run_case(case: dict, shards: str, workers: int) -> dict:
             "samples_per_s": batch * len(later) / sum(later) if later else None}
 
 
+# Where a worker's time goes, by the functions that own it (cumulative time of each, profiled).
+WORKER_PARTS = {
+    "tar reading (webdataset, tarfile)": ("tariterators.py", "group_by_keys"),
+    "image header (PIL open)": ("members.py", "open_image"),
+    "crop draw (RandomResizedCrop.get_params)": ("transforms.py", "draw"),
+    "reduced-scale decode (the JPEG check)": ("encoded.py", "decodes_at_reduced_scale"),
+    "per-sample RNG seeding (fork_rng)": ("random.py", "fork_rng"),
+    "tokenizer (the piece's captions)": ("tokenizer.py", "__call__"),
+    "captions cut (tokenized again)": ("caption_length.py", "captions_cut"),
+    "encoded bytes into one tensor": ("encoded.py", "from_samples"),
+}
+
+
+def profile_worker(shards: str, pieces: int, model: str = "ViT-B-32", piece_size: int = 512) -> dict:
+    """What one loader worker does for the device decoder, in this process, alone (see the module doc)."""
+    import open_clip
+    import torch
+    import webdataset as wds
+
+    from clipscale.data.shards import ShardStream
+    from clipscale.data.transforms import SplitTransform
+
+    torch.set_num_threads(1)  # as in a DataLoader worker
+    _, transform, _ = open_clip.create_model_and_transforms(model)
+    tokenizer = open_clip.get_tokenizer(model)
+    stream = ShardStream(wds.shardlists.expand_urls(shards), piece_size=piece_size, rank=0, world_size=1, num_workers=1,
+                         seed=0, image_transform=transform, tokenizer=tokenizer, split=SplitTransform.split(transform),
+                         keep_encoded=True, decode=False)
+    pieces_of = iter(stream)
+    next(pieces_of)  # the shuffle buffer fills first
+
+    def timed(profiler=None) -> float:
+        started = time.perf_counter()
+        if profiler:
+            profiler.enable()
+        for _ in range(pieces):
+            next(pieces_of)
+        if profiler:
+            profiler.disable()
+        return (time.perf_counter() - started) * 1e3 / (pieces * piece_size)
+
+    plain = timed()
+    profiler = cProfile.Profile()
+    profiled = timed(profiler)
+    stats = pstats.Stats(profiler, stream=io.StringIO()).stats
+    total = sum(tottime for _, _, tottime, _, _ in stats.values())
+    parts = {}
+    for name, (filename, function) in WORKER_PARTS.items():
+        cumulative = [cum for (file, _, func), (_, _, _, cum, _) in stats.items() if file.endswith(filename) and func == function]
+        parts[name] = round(max(cumulative, default=0.0) / total, 3)
+    return {"model": model, "piece_size": piece_size, "pieces": pieces, "ms_per_sample": plain,
+            "ms_per_sample_profiled": profiled, "share_of_profiled_time": parts,
+            "one_worker_samples_per_s": 1e3 / plain}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shards", required=True, help="brace pattern of webdataset shards")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
-    parser.add_argument("--case", action="append", required=True,
+    parser.add_argument("--case", action="append", default=[],
                         help="decoder=loader|device,batch=N[,chunk=512][,batches=3][,model=ViT-B-32]")
+    parser.add_argument("--profile-worker", type=int, default=0, metavar="PIECES",
+                        help="first profile one worker's work in this process for PIECES pieces (see above)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
     record = {**provenance(argv), "shards": args.shards, "workers": args.workers, "cases": []}
+    if args.profile_worker:
+        record["worker_profile"] = profile_worker(args.shards, args.profile_worker)
+        print("worker profile", record["worker_profile"], flush=True)
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     for spec in args.case:
         result = run_case(dict(item.split("=", 1) for item in spec.split(",")), args.shards, args.workers)
         record["cases"].append(result)

@@ -92,3 +92,15 @@ def test_a_killed_case_takes_its_workers_with_it():
     time.sleep(2)  # the worker has started
     bench_e2e.kill_tree(launcher.pid)
     launcher.communicate(timeout=10)  # raises if a worker still holds the pipe
+
+
+@pytest.mark.slow
+def test_a_profiled_ceiling_reports_where_its_step_went(shards, tmp_path):
+    out = tmp_path / "ceiling.json"
+    bench_e2e.main(["--shards", shards, "--set", "model.name=null", "--set", TINY_MODEL,
+                    "--case", "runner=ceiling,batch=16,chunk=8,steps=3,text=cut,profile=1", "--out", str(out)])
+    result = json.loads(out.read_text())["cases"][0]
+    assert result["steps_done"] == 3, result.get("log_tail")  # the profiled step is not a timed one
+    profile = result["profile"]
+    assert profile["step_s"] > 0 and profile["gpu_events"] == 0  # a CPU run: no GPU events to count
+    assert set(profile["host_syncs"]) == set(bench_e2e.HOST_SYNCS)
