@@ -10,9 +10,12 @@ on the device. Beside it, in threads of this process as `train.py` runs them:
               decoder's threads) built from the same configuration, each batch's image chunks
               asked for by a thread and dropped: the next batch being prepared, all the time;
   decoder     `DeviceDecoder` alone, decoding a batch of the shards' JPEGs held in memory;
+  decoder_alone  the same with no step beside it (12 s): the decoder's own rate;
   python      a thread running pure Python (a reference for what any GIL holder costs).
 
-Each case reports the step's median seconds and its ratio to the step alone; with --pyspy, py-spy
+Each case reports the step's median seconds and its ratio to the step alone, how many images a
+second the load delivered beside it (`data_path_images_per_s`: whole batches) and the decoder's
+threads' time per image (`decoded`); with --pyspy, py-spy
 samples which threads hold the GIL during the data-path case (collapsed stacks, one file a case).
 
     python scripts/bench_contention.py --shards '/tmp/shards-web/synthetic-{0000..0127}.tar' \\
@@ -209,26 +212,35 @@ def main(argv=None) -> None:
         background = {"data_path": lambda: prepare_batches(batches, args.chunk, device),
                       "data_path_switch": lambda: prepare_batches(batches, args.chunk, device),
                       "decoder": lambda: decode_only(batches, args.chunk, device),
+                      "decoder_alone": lambda: decode_only(batches, args.chunk, device),
                       "python": lambda: pure_python}.get(name)
         switch = sys.getswitchinterval()
         if name.endswith("_switch"):
             sys.setswitchinterval(0.0002)
         load = Background(name, background()).start() if background else None
+        decoder = batches.decoder
+        decoded_before = (decoder.images_decoded, decoder.decode_s) if decoder is not None else None
         if load is not None:
             time.sleep(2)  # the load running before the first timed step
         spy = None
         if args.pyspy and load is not None:
             spy = gil_profile(os.getpid(), 10, out.with_name(f"{out.stem}_gil_{name}.txt"))
-        times = run_steps(texts)
+        times = run_steps(texts) if name != "decoder_alone" else [time.sleep(5) or 5.0 for _ in range(2)]
         if spy is not None:
             spy.wait(timeout=60)
+        rounds = load.rounds if load else None  # rounds done while the steps ran (stopping ends one early)
         if load is not None:
             load.stop()
         sys.setswitchinterval(switch)
+        if decoded_before is not None:  # what the decoder's threads did meanwhile, the 2 s before the steps included
+            count, seconds = decoder.images_decoded - decoded_before[0], decoder.decode_s - decoded_before[1]
+            decoded = {"images": count, "thread_s": seconds, "ms_per_image_in_a_thread": 1e3 * seconds / count if count else None}
         median = statistics.median(times[1:])
         baseline = baseline or median
         result = {"case": name, "step_s": times, "median_step_s": median, "over_alone": median / baseline,
-                  "samples_per_s": args.batch / median, "background_rounds": load.rounds if load else None}
+                  "samples_per_s": args.batch / median, "background_rounds": rounds,
+                  "data_path_images_per_s": rounds * args.batch / (2 + sum(times)) if load else None,
+                  "decoded": decoded if decoded_before is not None else None}
         if spy is not None:
             result["gil_shares"] = gil_shares(out.with_name(f"{out.stem}_gil_{name}.txt"))
         record["cases"].append(result)
