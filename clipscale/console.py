@@ -33,8 +33,9 @@ from tqdm import tqdm
 # open_clip warns on the root logger for any model it builds without its own weights, also when a
 # checkpoint loads next; the run says what it loads instead (weights_line).
 OPEN_CLIP_RANDOM_INIT = "No pretrained weights loaded for model"
-# What nvImageCodec prints at every start where its optional TIFF extension has no libnvtiff.
-NVIMGCODEC_NOISE = re.compile(r"nvtiff", re.IGNORECASE)
+# What nvImageCodec prints at every start where its optional TIFF and JPEG 2000 extensions have
+# no libnvtiff or libnvjpeg2k (with their install advice): codecs no run of ours uses.
+NVIMGCODEC_NOISE = re.compile(r"nvtiff|nvjpeg2k|nvjpeg2000", re.IGNORECASE)
 
 PERCENT_METRICS = ("acc", "recall")  # fractions shown as percentages
 

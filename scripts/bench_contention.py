@@ -4,12 +4,12 @@ then beside each part of the data path running in the same process, one part at 
 The step is the trainer's own `TrainStep` (compiled towers, Gradient Cache, the loss, fused AdamW)
 on one chunk of random pixels handed out for every image chunk and the shards' own captions, given
 as the trainer gives them (`text_order`: length-sorted chunks from the host's tokens) or already
-on the device. Beside it, in threads of this process as `train.py` runs them:
+on the device. Beside it, as `train.py` runs them:
 
   data path   the run's own `TrainingBatches` (loader workers, the gathering thread, the GPU
-              decoder's threads) built from the same configuration, each batch's image chunks
+              decoder's process) built from the same configuration, each batch's image chunks
               asked for by a thread and dropped: the next batch being prepared, all the time;
-  decoder     `DeviceDecoder` alone, decoding a batch of the shards' JPEGs held in memory;
+  decoder     the run's decoder alone, decoding a batch of the shards' JPEGs again and again;
   decoder_alone  the same with no step beside it (12 s): the decoder's own rate;
   python      a thread running pure Python (a reference for what any GIL holder costs).
 
@@ -25,6 +25,7 @@ samples which threads hold the GIL during the data-path case (collapsed stacks, 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -46,8 +47,6 @@ from clipscale.caption_length import text_lengths_for_run  # noqa: E402
 from clipscale.checks import plan_run  # noqa: E402
 from clipscale.compile import compile_enabled, compile_towers, cuda_graphs_enabled  # noqa: E402
 from clipscale.config import load_config  # noqa: E402
-from clipscale.data.chunks import Arrivals, KeepBudget  # noqa: E402
-from clipscale.data.encoded import EncodedBatch  # noqa: E402
 from clipscale.data.pipeline import TrainingBatches  # noqa: E402
 from clipscale.distributed import World  # noqa: E402
 from clipscale.losses import build_loss  # noqa: E402
@@ -102,17 +101,15 @@ def synchronize(device: torch.device) -> None:
 
 
 def decode_only(batches: TrainingBatches, chunk: int, device: torch.device):
-    """A batch's JPEG bytes, read once from the data path, decoded again and again by its decoder."""
-    with batches.next() as batch:
-        batch.arrivals.wait_for(len(batch))
-        encoded: EncodedBatch = batch.images.rows.encoded
-        size = len(batch)
-    arrived = Arrivals()
-    arrived.add(size)
-    decoder = batches.decoder
+    """One batch of the data path, held (its bytes stay with the run's decoder), its chunks decoded
+    again and again."""
+    batch = batches.next()  # never left: the benchmark ends with it
+    size = len(batch)
+    batch.arrivals.wait_for(size)
+    rows = batch.images.rows
 
     def work(stopping: threading.Event) -> None:
-        pending = [decoder.submit(encoded, arrived, s, min(s + chunk, size)) for s in range(0, size, chunk)]
+        pending = [rows.prepare(s, min(s + chunk, size), 2) for s in range(0, size, chunk)]
         for chunk_on_its_way in pending:
             chunk_on_its_way.on_device(device, None)
         synchronize(device)
@@ -207,12 +204,13 @@ def main(argv=None) -> None:
     run_steps(host_tokens)
     record["first_steps_s"] = time.perf_counter() - started
     baseline = None
+    held_batch_decoded = functools.cache(lambda: decode_only(batches, args.chunk, device))  # one batch held for both cases
     for name in args.cases.split(","):
         texts = tokens.to(device) if name == "tokens_on_device" else host_tokens
         background = {"data_path": lambda: prepare_batches(batches, args.chunk, device),
                       "data_path_switch": lambda: prepare_batches(batches, args.chunk, device),
-                      "decoder": lambda: decode_only(batches, args.chunk, device),
-                      "decoder_alone": lambda: decode_only(batches, args.chunk, device),
+                      "decoder": held_batch_decoded,
+                      "decoder_alone": held_batch_decoded,
                       "python": lambda: pure_python}.get(name)
         switch = sys.getswitchinterval()
         if name.endswith("_switch"):

@@ -178,6 +178,10 @@ NVIMGCODEC_START = (
     "Failed to load nvtiff library! Please install nvTIFF (see https://docs.nvidia.com/cuda/nvtiff/userguide.html).\n"
     "Note: If using nvImageCodec's Python distribution, it is enough to install the nvTIFF wheel\n"
     "\x1b[31m[ERROR] [nvtiff_ext] Failed to load nvTIFF library or retrieve version.\x1b[0m\n"
+    # as an H100 printed them (results/bench_contention_h100_b32_data_path_rate.json's run)
+    "Failed to load nvjpeg2k library! Please install nvJPEG2000 (see https://docs.nvidia.com/cuda/nvjpeg2000/userguide.html#installing-nvjpeg2000).\n"
+    "Note: If using nvImageCodec's Python distribution, it is enough to install the nvJPEG2000 wheel: e.g. `python3 -m pip install nvidia-nvjpeg2k-cu13`\n"
+    "\x1b[0;31m[ERROR] \x1b[0m[nvjpeg2k_ext] Failed to load nvJPEG2000 library or retrieve version. Decoders and encoders will not be registered.\n"
     "a line that matters\n"
 )
 

@@ -193,6 +193,9 @@ class Rows(Protocol):
 
     def prepare(self, start: int, stop: int, pass_number: int) -> Prepared: ...
 
+    def release(self) -> None:
+        """The step is done with the batch: what its rows hold outside this process can go."""
+
 
 class PinnedRows:
     """A column held whole in one pinned host tensor (uint8 images, token ids), filled from the
@@ -211,6 +214,9 @@ class PinnedRows:
 
     def prepare(self, start: int, stop: int, pass_number: int) -> PinnedSlice:
         return PinnedSlice(self.tensor[start:stop], self.arrivals, stop)
+
+    def release(self) -> None:
+        """Nothing is held elsewhere: the tensor is the batch slot's."""
 
     def whole(self) -> torch.Tensor:
         if self.arrivals is not None:
@@ -327,5 +333,6 @@ class ChunkSource:
         for _, size in self.kept.values():
             self.budget.give_back(size)
         self.kept.clear()
+        self.rows.release()
         if self.budget is not None:
             self.budget.wake()

@@ -274,3 +274,6 @@ class DeviceDecodedRows:
 
     def prepare(self, start: int, stop: int, pass_number: int) -> DecodedChunk:
         return self.decoder.submit(self.encoded, self.arrivals, start, stop)
+
+    def release(self) -> None:
+        """Nothing is held elsewhere: the bytes are this process's, dropped with the batch."""

@@ -125,3 +125,6 @@ class OffloadedRows:
             return LoaderPixels(self.pixels, self.arrivals, start, stop)
         return DecodedInPool([future for encoded, lo, hi in self.encoded.rows(start, stop)
                               for future in self.pool.decode(encoded, lo, hi)])
+
+    def release(self) -> None:
+        """Nothing is held elsewhere: the bytes are this process's, dropped with the batch."""

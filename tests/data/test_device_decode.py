@@ -20,7 +20,8 @@ from open_clip.transform import image_transform
 from PIL import Image
 
 from clipscale.data.chunks import Arrivals, ChunkSource, KeepBudget
-from clipscale.data.device_decode import DeviceDecodedRows, DeviceDecoder, decode_rows
+from clipscale.data.decode_process import DecodeProcess, ProcessDecodedRows
+from clipscale.data.device_decode import DeviceDecoder, decode_rows
 from clipscale.data.encoded import EncodedImages, is_whole_jpeg
 from clipscale.data.shards import ShardStream
 from clipscale.data.transforms import SplitTransform
@@ -31,6 +32,13 @@ from tests.helpers.jpeg_shards import jpeg, train_on_jpeg_shards
 # Shards of 48-px JPEGs (so the crop is resized down, through the antialiasing kernels) cropped to 32.
 TRAIN = image_transform(32, is_train=True, aug_cfg={"scale": (0.5, 1.0)})
 SPLIT = SplitTransform.split(TRAIN)
+
+
+def _decoder(where: str, chunk_size: int | None = None):
+    """The device decoder in the training process's threads, or in a process of its own (the trainer's)."""
+    if where == "thread":
+        return DeviceDecoder(SPLIT, torch.device("cpu"), chunk_size=chunk_size)
+    return DecodeProcess(SPLIT, torch.device("cpu"), "nvjpeg", chunk_size=chunk_size)
 
 
 def _stream(urls, decode: bool, piece_size=50):
@@ -79,9 +87,10 @@ def test_the_device_path_skips_the_same_samples_and_draws_the_same_crops(jpeg_sh
     assert skipped >= 4  # the truncated and the garbage sample, in each of two epochs
 
 
+@pytest.mark.parametrize("where", ["thread", "process"])
 @pytest.mark.parametrize("kept,ahead", [(True, True), (True, False), (False, False)],
                          ids=["decoded-ahead", "kept-on-device", "decoded-again"])
-def test_device_decoded_chunks_give_gradient_cache_identical_pixels_in_both_passes(jpeg_shards, kept, ahead):
+def test_device_decoded_chunks_give_gradient_cache_identical_pixels_in_both_passes(jpeg_shards, kept, ahead, where):
     """Chunks decoded as their pieces arrive (before pass 1 asks) or when pass 1 asks; pass 2
     takes the pixels pass 1 kept on the device (each image decoded once a step) or, without
     room for them, decodes its chunks again: either way the gradients equal those of the same
@@ -90,7 +99,7 @@ def test_device_decoded_chunks_give_gradient_cache_identical_pixels_in_both_pass
     whole = decode_rows(SPLIT, piece["encoded"], 0, 12, torch.device("cpu"))
     model, (_, texts) = tiny_clip(), make_batch(12, seed=1)
     arrivals = Arrivals()
-    decoder = DeviceDecoder(SPLIT, torch.device("cpu"), chunk_size=4 if ahead else None)
+    decoder = _decoder(where, chunk_size=4 if ahead else None)
     budget = KeepBudget(2**30) if kept else None
     images = decoder.column(12, arrivals, SPLIT.to_float, budget)
 
@@ -140,10 +149,11 @@ def test_what_pass_one_keeps_stays_within_the_budget(jpeg_shards):
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-def test_a_batch_released_before_its_step_frees_what_was_decoded_ahead(jpeg_shards):
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_a_batch_released_before_its_step_frees_what_was_decoded_ahead(jpeg_shards, where):
     """The step's budget holds no bytes of a batch that no step will use (a run that stopped)."""
     piece = next(iter(_stream(jpeg_shards, decode=False, piece_size=12)))
-    budget, decoder, arrivals = KeepBudget(2 * 4 * 3 * 32 * 32), DeviceDecoder(SPLIT, torch.device("cpu"), chunk_size=4), Arrivals()
+    budget, decoder, arrivals = KeepBudget(2 * 4 * 3 * 32 * 32), _decoder(where, chunk_size=4), Arrivals()
     images = decoder.column(12, arrivals, SPLIT.to_float, budget)
     images.put(slice(0, 12), piece)
     arrivals.add(12)
@@ -157,16 +167,15 @@ def test_a_batch_released_before_its_step_frees_what_was_decoded_ahead(jpeg_shar
 
 
 def test_the_trainer_decodes_on_the_device_on_the_loaders_curve(digits_root, tmp_path, jpeg_shards, monkeypatch):
-    """With the default loader workers: the step gets the device column, the host holds bytes
-    only, and the run follows the loader-decoded run's curve (the same samples and crops; the
+    """With the default loader workers: the step gets the device column (its bytes in the decode
+    process, none in the training process), and the run follows the loader-decoded run's curve (the same samples and crops; the
     pixels differ by the resize kernels' rounding) and counts the same skipped samples."""
     record: list = []
     device = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "device", "data.decoder=device",
                                   monkeypatch=monkeypatch, record=record)
     monkeypatch.undo()
     loader = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "loader")
-    assert len(record) == 6 and all(isinstance(images.rows, DeviceDecodedRows) for images in record)
-    assert all(images.rows.encoded.nbytes < 64 * 3 * 32 * 32 for images in record)
+    assert len(record) == 6 and all(isinstance(images.rows, ProcessDecodedRows) for images in record)
     assert [m["loss"] for m in device] == pytest.approx([m["loss"] for m in loader], rel=1e-3)
     assert [m["skipped_samples_total"] for m in device] == [m["skipped_samples_total"] for m in loader]
     assert device[-1]["skipped_samples_total"] >= 1  # the stretch of six steps holds one damaged sample
@@ -185,3 +194,23 @@ def test_an_image_whose_data_does_not_decode_is_trained_black_with_a_warning():
     assert pixels.shape == (3, 3, 32, 32)
     assert torch.equal(pixels[1], torch.zeros(3, 32, 32, dtype=torch.uint8))
     assert torch.equal(pixels[0], pixels[2]) and pixels[0].float().mean() > 50
+
+
+@pytest.mark.timeout(120)  # what it holds against is a wait forever
+def test_a_decode_process_that_dies_fails_the_chunks_asked_of_it(jpeg_shards):
+    """A chunk asked of a decode process that is gone raises, naming its exit code, instead of
+    waiting forever: both one asked before it died and one asked after."""
+    piece = next(iter(_stream(jpeg_shards, decode=False, piece_size=12)))
+    decoder = _decoder("process")
+    images = decoder.column(12, Arrivals(), SPLIT.to_float, None)
+    images.put(slice(0, 8), {"encoded": EncodedImages.from_samples(*zip(*(piece["encoded"][i] for i in range(8))))})
+    first = images.rows.prepare(0, 8, 1).on_device(torch.device("cpu"), None)
+    assert first.shape == (8, 3, 32, 32)
+    waiting = images.rows.prepare(8, 12, 1)  # its rows never arrive
+    decoder.process.kill()
+    with pytest.raises(RuntimeError, match="decoding process ended .exit code -9"):
+        waiting.on_device(torch.device("cpu"), None)
+    decoder.process.join()
+    with pytest.raises(RuntimeError, match="exit code -9"):
+        images.rows.prepare(0, 4, 2).on_device(torch.device("cpu"), None)
+    decoder.close()
