@@ -155,6 +155,12 @@ class DataConfig:
     # nvidia-nvimgcodec-cu13 with nvidia-nvjpeg), "nvjpeg" (torchvision, on the SMs), "auto" (the
     # engines where they can run, else nvjpeg, saying why).
     device_decoder: Literal["auto", "nvimgcodec", "nvjpeg"] = may_change("auto")
+    # With decoder=device, where the decoding's Python runs: "process" (a process of its own,
+    # clipscale/data/decode_process.py: no wait on the trainer's GIL, but its GPU work time-sliced
+    # with the trainer's) or "thread" (threads of the training process: its GPU work beside the
+    # step's, its Python waiting on the GIL the step's CUDA-graph replays hold). docs/benchmarks.md
+    # measures both through train.py.
+    decode_in: Literal["process", "thread"] = may_change("process")
     # GiB of a step's pass-1 chunks (uint8 pixels, tokens) kept on the device for Gradient Cache's
     # pass 2, which then neither decodes nor copies them again; null: a quarter of the GPU's memory.
     keep_on_device_gib: Optional[float] = may_change(None)

@@ -19,7 +19,7 @@ from clipscale.data import prepare_data
 from clipscale.data.batches import BatchStream, ImageDecoder, StreamedBatch, piece_size_for
 from clipscale.data.chunks import KeepBudget
 from clipscale.data.decode_process import DecodeProcess
-from clipscale.data.device_decode import JpegEngines, TorchvisionJpeg
+from clipscale.data.device_decode import DeviceDecoder, JpegEngines, TorchvisionJpeg
 from clipscale.data.epoch import WorkList
 from clipscale.data.offload import DecodePool
 from clipscale.data.shards import ShardStream, StreamState
@@ -122,7 +122,8 @@ class TrainingBatches:
                                              generator=torch.Generator().manual_seed(cfg.run.seed + world.rank))
         self.decoder: ImageDecoder | None = None
         if self.path.decoder == "device":
-            self.decoder = DecodeProcess(split, world.device, jpeg.name, chunk_size=chunk)
+            self.decoder = (DecodeProcess(split, world.device, jpeg.name, chunk_size=chunk) if cfg.data.decode_in == "process"
+                            else DeviceDecoder(split, world.device, jpeg, chunk_size=chunk))
         elif self.path.offload:
             # Without workers the batch is gathered whole before the step (BatchStream's in_thread): no bound then.
             window = 2 * max(1, chunk // piece) if cfg.data.workers else 0
