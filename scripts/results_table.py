@@ -95,7 +95,8 @@ def decoder_of(result: dict) -> str:
         return "loader"
     said = " ".join(result.get("console", []))
     if "(nvimgcodec)" in said or "(nvjpeg)" in said:
-        return "auto: " + ("GPU, nvImageCodec engines" if "(nvimgcodec)" in said else "GPU, nvJPEG")
+        where = {"thread": ", in threads", "process": ", in its own process"}.get(result["case"].get("decode_in"), "")
+        return "auto: " + ("GPU, nvImageCodec engines" if "(nvimgcodec)" in said else "GPU, nvJPEG") + where
     return "auto: loader" if "decoded by the loader" in said else "auto (the run's console did not say which)"
 
 
