@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,6 +32,37 @@ from torch import nn
 RECOMPILE_LIMIT = 64
 COMPILE_TIMERS = ("_compile.compile_inner",)  # torch._dynamo's timers of a graph's compilation
 PORTABLE_CACHE = "portable_cache.bin"
+
+
+@dataclass(frozen=True)
+class CompilePolicy:
+    """What a run compiles (model.compile, model.cuda_graphs, model.compile_cache), decided once for
+    the trainer and every benchmark that measures its step:
+
+        policy = CompilePolicy.of(cfg.model, device, cfg.train.parallel, chunks=per_rank_batch // chunk)
+        step = TrainStep(..., cuda_graphs=policy.cuda_graphs)
+        notes = policy.apply(model, default_cache=run_dir / "compile_cache")
+    """
+
+    compiled: bool
+    cuda_graphs: bool
+    cache: str | None  # model.compile_cache; None: the caller's default folder
+
+    @classmethod
+    def of(cls, model_cfg, device: torch.device, parallel: str, chunks: int) -> "CompilePolicy":
+        compiled = compile_enabled(model_cfg.compile, device)
+        return cls(compiled, cuda_graphs_enabled(model_cfg.cuda_graphs, compiled, device, parallel, chunks),
+                   model_cfg.compile_cache)
+
+    def cache_dir(self, default_cache: Path) -> Path:
+        return Path(self.cache or default_cache)
+
+    def apply(self, model: nn.Module, default_cache: Path) -> list[str]:
+        """Compile `model`'s towers in place when the policy compiles (`compile_towers`); the lines
+        the run says of the cache."""
+        if not self.compiled:
+            return []
+        return compile_towers(model, self.cache_dir(default_cache), cuda_graphs=self.cuda_graphs)
 
 
 def compile_enabled(setting: bool | str, device: torch.device) -> bool:

@@ -17,7 +17,7 @@ from clipscale.caption_length import text_lengths_computed, text_lengths_for_run
 from clipscale.checkpoint import CHECKPOINTS
 from clipscale.checkpoint_manager import CheckpointManager, ModelAndOptimizer, RandomState
 from clipscale.checks import RunPlan, plan_run
-from clipscale.compile import compile_enabled, compile_towers, cuda_graphs_enabled, save_portable_cache
+from clipscale.compile import CompilePolicy, save_portable_cache
 from clipscale.config import Config
 from clipscale.console import Console, figures, library_noise_kept_off, weights_line
 from clipscale.data.pipeline import TrainingBatches
@@ -112,12 +112,10 @@ class Run:
         loss_fn = loss_fn if loss_fn is not None else build_loss(cfg.loss.name, **cfg.loss.options)
         optimizer = build_optimizer(model.module, cfg.optim, fused=world.device.type == "cuda" and not train.fsdp_offload)
         chunk = chunk_size(plan, model, loss_fn, world, console)
-        compiled = compile_enabled(cfg.model.compile, world.device)
-        cuda_graphs = cuda_graphs_enabled(cfg.model.cuda_graphs, compiled, world.device, train.parallel,
-                                          chunks=-(-plan.per_rank_batch // chunk))
+        compile_policy = CompilePolicy.of(cfg.model, world.device, train.parallel, chunks=-(-plan.per_rank_batch // chunk))
         step = TrainStep(model, loss_fn, optimizer, chunk_size=chunk, precision=train.precision,
                          grad_clip=cfg.optim.grad_clip, max_nonfinite_steps=train.max_nonfinite_steps,
-                         text_order=text_order, cuda_graphs=cuda_graphs)
+                         text_order=text_order, cuda_graphs=compile_policy.cuda_graphs)
         batches = TrainingBatches(cfg, plan, world, towers.train_transform, towers.tokenizer, chunk)
         try:
             window = RecordWindow(cfg.train.batch_size, world.device, world.world_size, flops)
@@ -132,11 +130,10 @@ class Run:
             claim_run_dir(folder, world, console)
             for line in [*batches.path.notes, *text_notes]:
                 console.say(line)
-            compile_cache = None
-            if compiled:  # its cache lives in the run folder, so only once the folder is claimed
-                compile_cache = Path(cfg.model.compile_cache or folder.run_dir / "compile_cache")
-                for line in compile_towers(model.module, compile_cache, cuda_graphs=cuda_graphs):
-                    console.say(line)
+            default_cache = folder.run_dir / "compile_cache"  # in the run folder: compiled once the folder is claimed
+            compile_cache = compile_policy.cache_dir(default_cache) if compile_policy.compiled else None
+            for line in compile_policy.apply(model.module, default_cache):
+                console.say(line)
             if world.is_main:
                 write_open_clip_folder(folder.run_dir, towers)  # with the final weights, open_clip's `local-dir:` loads the run
             logger = MetricsLogger(folder.run_dir, cfg, enabled=world.is_main, resume_step=start_step)

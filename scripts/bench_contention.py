@@ -45,7 +45,7 @@ from bench_e2e import CONFIG, RepeatedChunk, config_overrides, shard_captions  #
 
 from clipscale.caption_length import text_lengths_for_run  # noqa: E402
 from clipscale.checks import plan_run  # noqa: E402
-from clipscale.compile import compile_enabled, compile_towers, cuda_graphs_enabled  # noqa: E402
+from clipscale.compile import CompilePolicy  # noqa: E402
 from clipscale.config import load_config  # noqa: E402
 from clipscale.data.pipeline import TrainingBatches  # noqa: E402
 from clipscale.distributed import World  # noqa: E402
@@ -173,13 +173,11 @@ def main(argv=None) -> None:
     towers = build_model(cfg.model)
     text_order, notes = text_lengths_for_run(towers.model, cfg.model.cut_text_padding, cfg.model.causal_text_attention)
     model = towers.model.to(device).train()
-    compiled = compile_enabled(cfg.model.compile, device)
-    cuda_graphs = cuda_graphs_enabled(cfg.model.cuda_graphs, compiled, device, cfg.train.parallel, chunks=-(-args.batch // args.chunk))
-    if compiled:
-        compile_towers(model, Path(cfg.model.compile_cache or work_dir / "compile_cache"), cuda_graphs=cuda_graphs)
+    policy = CompilePolicy.of(cfg.model, device, cfg.train.parallel, chunks=-(-args.batch // args.chunk))  # as train.py's
+    policy.apply(model, work_dir / "compile_cache")
     step = TrainStep(model, build_loss(cfg.loss.name, **cfg.loss.options), build_optimizer(model, cfg.optim, fused=device.type == "cuda"),
                      chunk_size=args.chunk, precision=cfg.train.precision, grad_clip=cfg.optim.grad_clip, text_order=text_order,
-                     cuda_graphs=cuda_graphs)
+                     cuda_graphs=policy.cuda_graphs)
     captions = shard_captions(args.shards, set(cfg.data.caption_key.split(";")), args.batch)
     tokens = towers.tokenizer(captions).repeat(-(-args.batch // len(captions)), 1)[: args.batch]
     host_tokens = tokens.pin_memory() if device.type == "cuda" else tokens
@@ -197,7 +195,7 @@ def main(argv=None) -> None:
             times.append(time.perf_counter() - started)
         return times
 
-    record = {**provenance(argv), "cuda_graphs": cuda_graphs, "model": args.model, "batch": args.batch, "chunk": args.chunk, "workers": args.workers,
+    record = {**provenance(argv), "cuda_graphs": policy.cuda_graphs, "model": args.model, "batch": args.batch, "chunk": args.chunk, "workers": args.workers,
               "decoder": batches.path.describe(), "notes": notes, "cases": []}
     print("warming up (compiling)", flush=True)
     started = time.perf_counter()

@@ -65,7 +65,7 @@ import torch
 import webdataset as wds
 
 from clipscale.caption_length import TextChunks, caption_lengths, cut_padding, length_order, use_causal_kernel
-from clipscale.compile import compile_enabled, compile_towers, cuda_graphs_enabled
+from clipscale.compile import CompilePolicy
 from clipscale.config import load_config
 from clipscale.gradcache import trainable_towers
 from clipscale.losses import build_loss
@@ -374,14 +374,12 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
                      for (start, stop), n in zip(bounds, positions))
     peak = peak_bf16_flops(device)
 
-    compiled = compile_enabled(cfg.model.compile, device)
-    cuda_graphs = cuda_graphs_enabled(cfg.model.cuda_graphs, compiled, device, cfg.train.parallel, chunks=-(-batch // chunk))
-    print(f"towers: {'compiled' if compiled else 'eager'}; CUDA graphs: {'yes' if cuda_graphs else 'no'}", flush=True)
-    if compiled:
-        compile_towers(model, Path(cfg.model.compile_cache or out.parent / "compile_cache"), cuda_graphs=cuda_graphs)
+    policy = CompilePolicy.of(cfg.model, device, cfg.train.parallel, chunks=-(-batch // chunk))  # as train.py's
+    print(f"towers: {'compiled' if policy.compiled else 'eager'}; CUDA graphs: {'yes' if policy.cuda_graphs else 'no'}", flush=True)
+    policy.apply(model, out.parent / "compile_cache")
     optimizer = build_optimizer(model, cfg.optim, fused=device.type == "cuda")
     step = TrainStep(model, build_loss(cfg.loss.name, **cfg.loss.options), optimizer, chunk_size=chunk,
-                     precision=cfg.train.precision, grad_clip=cfg.optim.grad_clip, cuda_graphs=cuda_graphs)
+                     precision=cfg.train.precision, grad_clip=cfg.optim.grad_clip, cuda_graphs=policy.cuda_graphs)
     with out.open("w") as log:
         for _ in range(int(case["steps"])):
             if device.type == "cuda":

@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from clipscale.compile import PORTABLE_CACHE, compile_enabled, compile_towers
+from clipscale.compile import PORTABLE_CACHE, CompilePolicy, compile_enabled, compile_towers
+from clipscale.config import load_config
 from clipscale.gradcache import GradCache
 
 from tests.helpers.gradients import float64_clip_loss, grads_of, make_batch, plain_grads, relative_error, tiny_clip
@@ -60,6 +61,22 @@ def test_the_compiled_gradient_cache_step_equals_the_eager_one(tmp_path, dropout
 def test_compilation_is_on_by_default_on_a_gpu_only():
     assert compile_enabled("auto", torch.device("cuda")) and not compile_enabled("auto", torch.device("cpu"))
     assert compile_enabled(True, torch.device("cpu")) and not compile_enabled(False, torch.device("cuda"))
+
+
+def test_one_policy_decides_what_the_trainer_and_its_benchmarks_compile(tmp_path):
+    """The shipped config's auto settings: compiled towers and CUDA graphs on a GPU with Gradient
+    Cache (several chunks), not under FSDP, not in a plain step, nothing on a CPU; the cache in the
+    caller's folder unless model.compile_cache names one."""
+    model_cfg = load_config("configs/vit_b16_infcl.yaml", []).model
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert CompilePolicy.of(model_cfg, cuda, "ddp", chunks=4) == CompilePolicy(True, True, None)
+    assert CompilePolicy.of(model_cfg, cuda, "fsdp", chunks=4) == CompilePolicy(True, False, None)
+    assert CompilePolicy.of(model_cfg, cuda, "ddp", chunks=1) == CompilePolicy(True, False, None)
+    on_cpu = CompilePolicy.of(model_cfg, cpu, "ddp", chunks=4)
+    assert on_cpu == CompilePolicy(False, False, None) and on_cpu.apply(torch.nn.Linear(2, 2), tmp_path) == []
+    assert CompilePolicy(True, False, None).cache_dir(tmp_path / "run") == tmp_path / "run"
+    named = load_config("configs/vit_b16_infcl.yaml", [f"model.compile_cache={tmp_path / 'shared'}"]).model
+    assert CompilePolicy.of(named, cuda, "ddp", chunks=4).cache_dir(tmp_path / "run") == tmp_path / "shared"
 
 
 def test_compiled_code_is_cached_in_the_folder_given(tmp_path, monkeypatch):
