@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
 import signal
 from pathlib import Path
@@ -93,8 +94,9 @@ class ScriptedFaults(torch.nn.Module):
 @register_loss("gpus_in_use")
 class GpusInUse(torch.nn.Module):
     """`inner`, which also writes, at its `at_call`-th call, the indices of the GPUs on which this
-    process holds a CUDA context (NVML's compute processes) to `folder`/rank<RANK>.json. By then
-    the step's data threads (batch gathering, decoding ahead) have done their CUDA work."""
+    process or a process it started (the JPEG decoding process) holds a CUDA context (NVML's compute
+    processes) to `folder`/rank<RANK>.json. By then the step's data threads and the decoding process
+    (batch gathering, decoding ahead) have done their CUDA work."""
 
     def __init__(self, folder, inner="vanilla", at_call=2):
         super().__init__()
@@ -106,8 +108,9 @@ class GpusInUse(torch.nn.Module):
             import pynvml
 
             pynvml.nvmlInit()
+            ours = {os.getpid(), *(child.pid for child in multiprocessing.active_children())}
             held = [index for index in range(pynvml.nvmlDeviceGetCount())
-                    if os.getpid() in {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(
+                    if ours & {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(
                         pynvml.nvmlDeviceGetHandleByIndex(index))}]
             (self.folder / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(held))
         return self.inner(image, text, *scalars)

@@ -4,7 +4,8 @@ A new thread starts on CUDA device 0 whatever the main thread chose, and a threa
 registers pinned memory or runs the JPEG decoder there creates a context on GPU 0: on two
 GPUs, rank 1's data threads then put a context (and the decoder's buffers) beside rank 0's
 training. Measured through NVML from inside a real two-process train.py run that decodes on
-the GPU (`data.decoder=device`): after a step each process holds a context on its own GPU only.
+the GPU (`data.decoder=device`): after a step each process, and the JPEG decoding process it
+started, holds a context on its own GPU only.
 """
 
 from __future__ import annotations
