@@ -71,7 +71,8 @@ class StopRequest:
 
 
 def ignore_stop_signals(worker_id: int) -> None:
-    """DataLoader `worker_init_fn`: the stop signals are the trainer's, not the worker's.
+    """DataLoader `worker_init_fn` (and the JPEG decoding process's start): the stop signals are the
+    trainer's, not the worker's.
 
     SIGINT and SIGUSR1 are ignored. SIGTERM is ignored unless the trainer sent it: the
     DataLoader's shutdown and multiprocessing's exit end a worker that way (and would wait

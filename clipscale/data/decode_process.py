@@ -25,7 +25,6 @@ from __future__ import annotations
 import itertools
 import os
 import queue
-import signal
 import threading
 from concurrent.futures import Future, InvalidStateError
 
@@ -36,6 +35,7 @@ from clipscale.data.chunks import Arrivals, ChunkSource, DeviceTransform, KeepBu
 from clipscale.data.device_decode import DeviceDecoder, JpegEngines, TorchvisionJpeg
 from clipscale.data.encoded import EncodedBatch
 from clipscale.data.transforms import SplitTransform
+from clipscale.signals import ignore_stop_signals
 
 PARENT_CHECK_S = 1.0  # how often each side looks whether the other is still there
 
@@ -188,9 +188,7 @@ def serve(split: SplitTransform, device: torch.device, device_decoder: str, chun
           requests, replies, parent: int) -> None:
     """The decode process: a `DeviceDecoder` fed from `requests` until None, or until the
     training process is gone. The stop signals are the trainer's: it checkpoints, then closes this."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    ignore_stop_signals(0)  # as a loader worker: only the trainer's SIGTERM (multiprocessing's exit) ends it
     if device.type == "cuda":
         torch.cuda.set_device(device)
     jpeg = JpegEngines.create(device)[0] if device_decoder == "nvimgcodec" else None

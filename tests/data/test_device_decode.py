@@ -11,6 +11,9 @@ the GPU runs but for nvJPEG itself (that half is measured in scripts/bench_e2e.p
 from __future__ import annotations
 
 import io
+import os
+import signal
+import subprocess
 import threading
 import time
 
@@ -213,4 +216,24 @@ def test_a_decode_process_that_dies_fails_the_chunks_asked_of_it(jpeg_shards):
     decoder.process.join()
     with pytest.raises(RuntimeError, match="exit code -9"):
         images.rows.prepare(0, 4, 2).on_device(torch.device("cpu"), None)
+    decoder.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_decode_process_outlives_the_stop_signals_and_ends_on_the_trainers_sigterm(jpeg_shards):
+    """Ctrl-C and Slurm's warning reach every process of the job; the trainer answers them (a
+    checkpoint first), so the decoding process must go on decoding until the trainer closes it,
+    and end on the SIGTERM multiprocessing sends it at the trainer's exit."""
+    piece = next(iter(_stream(jpeg_shards, decode=False, piece_size=12)))
+    decoder, cpu = _decoder("process"), torch.device("cpu")
+    images = decoder.column(12, Arrivals(), SPLIT.to_float, None)
+    images.put(slice(0, 12), piece)
+    before = images.rows.prepare(0, 12, 1).on_device(cpu, None)  # the process is up, its handlers set
+    for signum in (signal.SIGINT, signal.SIGUSR1):
+        os.kill(decoder.process.pid, signum)
+    subprocess.run(["kill", "-TERM", str(decoder.process.pid)], check=True)  # a SIGTERM from elsewhere: a user's kill
+    assert torch.equal(images.rows.prepare(0, 12, 2).on_device(cpu, None), before)
+    decoder.process.terminate()  # SIGTERM from its parent
+    decoder.process.join(timeout=30)
+    assert decoder.process.exitcode == 0
     decoder.close()
