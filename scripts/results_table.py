@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = "results/bench_e2e_*.json"
 BEGIN = "<!-- speed table: written by scripts/results_table.py from results/bench_e2e_*.json; do not edit by hand -->"
 END = "<!-- end of speed table -->"
-HEADER = ("| trainer | model | GPUs (loader workers each) | global batch | chunk | decoder | samples/s | first / steady step "
-          "| peak host | peak GPU allocated, per GPU | file |\n|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| trainer | model | GPUs (loader workers each) | global batch | chunk | decoder | text positions a sample "
+          "| samples/s | first / steady step | peak host | peak GPU allocated, per GPU | file |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def rows(repo: Path = REPO) -> list[tuple[tuple, str]]:
@@ -67,6 +69,8 @@ def row(result: dict, record: dict, path: Path) -> tuple[tuple, str]:
         if "of_ceiling" in result:  # bench_e2e's ceiling: the same compiled towers' step on GPU-resident tensors
             median = f", median step {result['of_ceiling_median']:.0%}" if result.get("of_ceiling_median") else ""
             speed += f" ({result['of_ceiling']:.0%} of its towers' ceiling{median}, same command)"
+        elif clipscale and sibling_ceiling(result, record) is not None:
+            speed += f" ({result['samples_per_s'] / (gpus * sibling_ceiling(result, record)):.0%} of the ceiling measured beside another case of the command)"
         steps = f"{result['first_step_s']:.0f} s / {result['steady_step_s']:.1f} s"
     if result.get("exit_code"):
         speed += f" (stopped after step {result['steps_done']}, exit {result['exit_code']})"
@@ -75,7 +79,7 @@ def row(result: dict, record: dict, path: Path) -> tuple[tuple, str]:
     if case.get("parallel") == "fsdp":
         trainer += ", FSDP" + (" with offload" if case.get("fsdp_offload") == "1" else "")
     cells = [trainer, case["model"], f"{gpus} × {short(record['device'])} ({record['workers']})", f"{batch:,}",
-             chunk_of(case, result, batch // gpus), decoder, speed, steps, f"{result['peak_host_gib']:.1f} GiB", gpu,
+             chunk_of(case, result, batch // gpus), decoder, text_positions(result, clipscale), speed, steps, f"{result['peak_host_gib']:.1f} GiB", gpu,
              f"[{path.name}]({path})"]
     return (case["model"], batch, gpus, decoder, not clipscale, str(path)), "| " + " | ".join(cells) + " |"
 
@@ -85,6 +89,27 @@ def chunk_of(case: dict, result: dict, per_gpu_batch: int) -> str:
     printed console lines); "–" for a plain step (no chunk, or a chunk of the whole batch)."""
     chunk = case.get("chunk", "512" if "console" in result else "–")
     return "–" if chunk.isdigit() and int(chunk) >= per_gpu_batch else chunk
+
+
+def text_positions(result: dict, clipscale: bool) -> str:
+    """Text positions the text tower computed a sample (the run's median; padding cut to each chunk's
+    longest caption): with web-length captions about 28, with the short synthetic ones about 8.
+    open_clip_train computes every position of the context; "–" where a run did not log it."""
+    if not clipscale:
+        return "77 (every position)"
+    logged = [n for n in result.get("text_positions_per_sample") or [] if n is not None]
+    return f"{statistics.median(logged):.1f}" if logged else "–"
+
+
+def sibling_ceiling(result: dict, record: dict) -> float | None:
+    """The samples/s of a ceiling measured beside another case of the same command with the same
+    model, batch, chunk and processes (a case run with ceiling=0 to save the command's time)."""
+    same = ("model", "batch", "chunk", "nproc")
+    for other in record["cases"]:
+        ceiling = other.get("ceiling") or {}
+        if other is not result and "samples_per_s" in ceiling and all(other["case"].get(k) == result["case"].get(k) for k in same):
+            return ceiling["samples_per_s"]
+    return None
 
 
 def decoder_of(result: dict) -> str:

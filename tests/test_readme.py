@@ -116,8 +116,8 @@ def test_the_table_shows_current_cases_only(tmp_path):
     (tmp_path / "results" / "bench_e2e_new.json").write_text(json.dumps(record))
     lines = results_table().table(tmp_path).splitlines()
     assert len(lines) == 3
-    assert lines[2].startswith("| clipscale | ViT-B-16 | 1 × H100 (14) | 65,536 | 512 | loader | 1,234 | 80 s / 50.0 s "
-                               "| 20.0 GiB | 44.0 GiB |")
+    assert lines[2].startswith("| clipscale | ViT-B-16 | 1 × H100 (14) | 65,536 | 512 | loader | – | 1,234 | 80 s / 50.0 s "
+                               "| 20.0 GiB | 44.0 GiB |")  # no text positions logged: "–"
 
 
 def test_a_case_measured_beside_its_ceiling_shows_the_fraction(tmp_path):
@@ -129,3 +129,23 @@ def test_a_case_measured_beside_its_ceiling_shows_the_fraction(tmp_path):
     record = {"device": "NVIDIA H100 80GB HBM3", "workers": 14, "cases": [case]}
     (tmp_path / "results" / "bench_e2e_ceiling.json").write_text(json.dumps(record))
     assert "| 4,800 (96% of its towers' ceiling, median step 95%, same command) |" in results_table().table(tmp_path)
+
+
+def test_a_case_shows_its_text_positions_and_a_ceiling_measured_beside_its_twin(tmp_path):
+    """The text positions a sample, the run's median; a case run without a ceiling (ceiling=0) gets
+    the fraction of the ceiling measured beside another case of the command with the same model,
+    batch and chunk, and says so; one with another batch gets none."""
+    (tmp_path / "results").mkdir()
+    base = {"exit_code": 0, "steps_done": 12, "window": "steps 2..11 of 12", "first_step_s": 70.0, "steady_step_s": 8.0,
+            "peak_host_gib": 7.0, "peak_gpu_allocated_gib": 26.0}
+    case = {"runner": "clipscale", "model": "ViT-B-32", "batch": "32768", "chunk": "512", "steps": "12"}
+    measured = {**base, "case": {**case, "decode_in": "thread"}, "samples_per_s": 4000.0, "of_ceiling": 0.74,
+                "text_positions_per_sample": [27.9, 28.1, 27.9, 50.0], "ceiling": {"samples_per_s": 5400.0}}
+    twin = {**base, "case": {**case, "decode_in": "process", "ceiling": "0"}, "samples_per_s": 4050.0}
+    other = {**base, "case": {**case, "batch": "65536", "ceiling": "0"}, "samples_per_s": 3900.0}
+    record = {"device": "NVIDIA H100 80GB HBM3", "workers": 14, "cases": [measured, twin, other]}
+    (tmp_path / "results" / "bench_e2e_twins.json").write_text(json.dumps(record))
+    table = results_table().table(tmp_path)
+    assert "| 28.0 | 4,000 (74% of its towers' ceiling, same command) |" in table
+    assert "| 4,050 (75% of the ceiling measured beside another case of the command) |" in table
+    assert "| 3,900 |" in table
