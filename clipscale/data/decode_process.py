@@ -34,7 +34,7 @@ import torch
 import torch.multiprocessing as mp
 
 from clipscale.data.chunks import Arrivals, ChunkSource, DeviceTransform, KeepBudget, on_the_callers_device
-from clipscale.data.device_decode import DeviceDecoder, JpegEngines, TorchvisionJpeg
+from clipscale.data.device_decode import DeviceDecoder, JpegEngines, TorchvisionJpeg, decoded_column
 from clipscale.data.encoded import EncodedBatch
 from clipscale.data.transforms import SplitTransform
 from clipscale.signals import ignore_stop_signals
@@ -49,8 +49,7 @@ class DecodeProcess:
     replies report them."""
 
     def __init__(self, split: SplitTransform, device: torch.device, device_decoder: str, chunk_size: int | None):
-        self.device, self.chunk_size = device, chunk_size
-        self.split_crop = split.only_random_resized_crop()  # prepare_ahead needs every image of one size
+        self.device, self.split, self.chunk_size = device, split, chunk_size
         context = mp.get_context("spawn")  # a CUDA context cannot cross a fork
         self.requests, self.replies = context.Queue(), context.Queue()
         self.process = context.Process(target=serve, name="clipscale-decode", daemon=True,
@@ -68,11 +67,8 @@ class DecodeProcess:
                budget: KeepBudget | None) -> ChunkSource:
         """A batch's images column, decoded in the process; its chunks decoded ahead as
         `DeviceDecoder.column` does it."""
-        images = ChunkSource(ProcessDecodedRows(batch_size, self), device_transform, budget)
-        crop = self.split_crop
-        if budget is not None and self.chunk_size is not None and crop is not None:
-            images.prepare_ahead(self.chunk_size, 3 * crop.size[0] * crop.size[1], arrivals)
-        return images
+        return decoded_column(ProcessDecodedRows(batch_size, self), self.split, self.chunk_size, arrivals,
+                              device_transform, budget)
 
     def send(self, message: tuple) -> None:
         self.requests.put(message)

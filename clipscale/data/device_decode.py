@@ -174,6 +174,18 @@ def decode_parts(split: SplitTransform, parts: list[tuple[EncodedImages, int, in
     return decoded[0] if len(decoded) == 1 else torch.cat(decoded)
 
 
+def decoded_column(rows, split: SplitTransform, chunk_size: int | None, arrivals: Arrivals,
+                   device_transform: DeviceTransform | None, budget: KeepBudget | None) -> ChunkSource:
+    """A batch's images column over decoded `rows` (in threads or the decode process); its chunks of
+    `chunk_size` decoded ahead when the budget and the transform allow (a single random resized
+    crop: every image's pixels are the same size)."""
+    images = ChunkSource(rows, device_transform, budget)
+    crop = split.only_random_resized_crop()
+    if budget is not None and chunk_size is not None and crop is not None:
+        images.prepare_ahead(chunk_size, 3 * crop.size[0] * crop.size[1], arrivals)
+    return images
+
+
 # Decoding threads: two keep the H100's JPEG engines fed while the model computes (one fed them
 # at 4,600 images/s beside training, the engines alone decode 13,700/s); each holds a decoder and
 # a CUDA stream. Not yet measured beside training at 2 or more.
@@ -208,11 +220,8 @@ class DeviceDecoder:
                budget: KeepBudget | None) -> ChunkSource:
         """A batch's images column, decoded here; its chunks decoded ahead when the budget and the
         transform allow (a single random resized crop: every image's pixels are the same size)."""
-        images = ChunkSource(DeviceDecodedRows(batch_size, arrivals, self), device_transform, budget)
-        crop = self.split.only_random_resized_crop()
-        if budget is not None and self.chunk_size is not None and crop is not None:
-            images.prepare_ahead(self.chunk_size, 3 * crop.size[0] * crop.size[1], arrivals)
-        return images
+        return decoded_column(DeviceDecodedRows(batch_size, arrivals, self), self.split, self.chunk_size, arrivals,
+                              device_transform, budget)
 
     def submit(self, encoded: EncodedBatch, arrivals: Arrivals, start: int, stop: int) -> "DecodedChunk":
         """Rows [start, stop) decoded once they have arrived."""
