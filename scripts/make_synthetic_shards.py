@@ -4,8 +4,16 @@
     python train.py --config configs/vit_b16_infcl.yaml data.kind=webdataset \
         "data.train_shards=data/synthetic/synthetic-{0000..0007}.tar"
 
-Each sample is a JPEG of a random colour with noise and a caption naming the colour, so a model
-can learn something, but nothing here is meant as a benchmark of accuracy. The captions:
+Each sample is a JPEG of a random colour and a caption naming the colour, so a model can learn
+something, but nothing here is meant as a benchmark of accuracy. The images:
+
+  --images noise    a square of --size pixels, the colour with strong noise, quality 85 (the default)
+  --images web      as img2dataset writes web images (resize_mode keep_ratio, quality 90): a short
+                    side of 256, aspect ratios from 3:4 to 16:9, photo-like content (smooth shading,
+                    a few shapes, mild grain: ~26 KiB a JPEG), 2% progressive and 1% grayscale JPEGs.
+                    What a speed measurement should decode; --size is ignored
+
+The captions:
 
   --captions short  "a photo of <colour>": 6 tokens with SOT and EOT (the default, as before)
   --captions web    <colour> and filler words, as long as web alt-text (WEB_* below): the text
@@ -27,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import webdataset as wds
-from PIL import Image
+from PIL import Image, ImageDraw
 
 COLOURS = {
     "red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220), "yellow": (230, 210, 40),
@@ -65,6 +73,40 @@ def synthetic_jpeg(colour: tuple, size: int, rng: np.random.Generator) -> bytes:
     return buffer.getvalue()
 
 
+WEB_SHORT_SIDE, WEB_QUALITY = 256, 90
+WEB_ASPECTS = (1.0, 4 / 3, 3 / 2, 16 / 9)  # long side / short side, drawn in either orientation
+WEB_PROGRESSIVE, WEB_GRAYSCALE = 0.02, 0.01  # shares of the JPEGs
+
+
+def web_jpeg(colour: tuple, size: int, rng: np.random.Generator) -> bytes:
+    """A photo-like JPEG as img2dataset keeps one: smooth shading around `colour`, a few shapes,
+    grain; a short side of 256 at an aspect drawn from WEB_ASPECTS, either orientation; a few
+    progressive or grayscale (`size` is not used: the short side is fixed)."""
+    aspect = WEB_ASPECTS[rng.integers(len(WEB_ASPECTS))]
+    width, height = round(WEB_SHORT_SIDE * aspect), WEB_SHORT_SIDE
+    if rng.random() < 0.5:
+        width, height = height, width
+    coarse = np.clip(np.array(colour) + rng.normal(0, 45, (12, 16, 3)), 0, 255).astype(np.uint8)
+    image = Image.fromarray(coarse).resize((width, height), Image.BICUBIC)
+    draw = ImageDraw.Draw(image)
+    for _ in range(rng.integers(3, 9)):
+        x, y = rng.integers(0, width), rng.integers(0, height)
+        rx, ry = rng.integers(10, width // 3), rng.integers(10, height // 3)
+        fill = tuple(int(v) for v in np.clip(np.array(colour) + rng.normal(0, 60, 3), 0, 255))
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)((x - rx, y - ry, x + rx, y + ry), fill=fill)
+    pixels = np.asarray(image, dtype=np.float32) + rng.normal(0, 7, (height, width, 3))
+    image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+    kind = rng.random()
+    if kind < WEB_GRAYSCALE:
+        image = image.convert("L")
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=WEB_QUALITY, progressive=bool(WEB_GRAYSCALE <= kind < WEB_GRAYSCALE + WEB_PROGRESSIVE))
+    return buffer.getvalue()
+
+
+IMAGES = {"noise": synthetic_jpeg, "web": web_jpeg}
+
+
 def short_caption(colour: str, pick: random.Random) -> str:
     return f"a photo of {colour}"
 
@@ -81,7 +123,8 @@ def web_caption(colour: str, pick: random.Random) -> str:
 CAPTIONS = {"short": short_caption, "web": web_caption}
 
 
-def write_shard(shard: int, out: Path, per_shard: int, size: int, seed: int, captions: str = "short") -> None:
+def write_shard(shard: int, out: Path, per_shard: int, size: int, seed: int, captions: str = "short",
+                images: str = "noise") -> None:
     """One shard, from generators of its own: shards can be written in parallel and stay the same."""
     rng, pick = np.random.default_rng([seed, shard]), random.Random(f"{seed}/{shard}")
     caption, words = CAPTIONS[captions], random.Random(f"{seed}/{shard}/captions")
@@ -89,7 +132,7 @@ def write_shard(shard: int, out: Path, per_shard: int, size: int, seed: int, cap
     with wds.TarWriter(str(out / f"synthetic-{shard:04d}.tar")) as sink:
         for i in range(shard * per_shard, (shard + 1) * per_shard):
             name = pick.choice(names)
-            sink.write({"__key__": f"sample{i:08d}", "jpg": synthetic_jpeg(COLOURS[name], size, rng),
+            sink.write({"__key__": f"sample{i:08d}", "jpg": IMAGES[images](COLOURS[name], size, rng),
                         "txt": caption(name, words), "cls": names.index(name)})
 
 
@@ -103,11 +146,14 @@ def main(argv=None) -> None:
     parser.add_argument("--processes", type=int, default=1, help="shards written in parallel")
     parser.add_argument("--captions", choices=sorted(CAPTIONS), default="short",
                         help="short: 'a photo of <colour>'; web: lengths of web alt-text (see above)")
+    parser.add_argument("--images", choices=sorted(IMAGES), default="noise",
+                        help="noise: --size squares of noise; web: as img2dataset writes web images (see above)")
     args = parser.parse_args(argv)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write = partial(write_shard, out=out, per_shard=args.per_shard, size=args.size, seed=args.seed, captions=args.captions)
+    write = partial(write_shard, out=out, per_shard=args.per_shard, size=args.size, seed=args.seed, captions=args.captions,
+                    images=args.images)
     with ProcessPoolExecutor(args.processes) as pool:
         list(pool.map(write, range(args.shards)))
     print(f"wrote {args.shards} shards of {args.per_shard} samples to {out}/synthetic-{{0000..{args.shards - 1:04d}}}.tar")

@@ -73,3 +73,26 @@ def test_a_shard_is_the_same_written_alone_and_the_images_under_either_caption_k
         {k: v for k, v in together.items() if not k.endswith(".txt")}
     assert {data.decode() for name, data in short.items() if name.endswith(".txt")} <= \
         {f"a photo of {colour}" for colour in shards.COLOURS}
+
+
+def test_web_images_are_as_img2dataset_writes_them(module_tmp):
+    """--images web: a short side of 256, aspects from 3:4 to 16:9 in both orientations, ~26 KiB
+    JPEGs, a few progressive and grayscale ones; the same bytes from the same seed."""
+    import io
+
+    from PIL import Image
+
+    out = module_tmp("web-images")
+    shards.main(["--out", str(out), "--shards", "1", "--per-shard", "400", "--images", "web"])
+    jpegs = [data for name, data in sorted(members(out / "synthetic-0000.tar").items()) if name.endswith(".jpg")]
+    images = [Image.open(io.BytesIO(data)) for data in jpegs]
+    assert all(min(image.size) == shards.WEB_SHORT_SIDE for image in images)
+    ratios = {round(max(image.size) / min(image.size), 2) for image in images}
+    assert ratios == {round(round(shards.WEB_SHORT_SIDE * a) / shards.WEB_SHORT_SIDE, 2) for a in shards.WEB_ASPECTS}
+    assert any(image.width > image.height for image in images) and any(image.width < image.height for image in images)
+    assert 20_000 <= np.mean([len(data) for data in jpegs]) <= 32_000
+    grayscale = sum(image.mode == "L" for image in images)
+    progressive = sum(bool(image.info.get("progressive")) for image in images)
+    assert 1 <= grayscale <= 12 and 2 <= progressive <= 20
+    again = shards.web_jpeg((1, 2, 3), 0, np.random.default_rng(5)), shards.web_jpeg((1, 2, 3), 0, np.random.default_rng(5))
+    assert again[0] == again[1]

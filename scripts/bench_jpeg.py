@@ -1,0 +1,143 @@
+"""The GPU's JPEG decoders on a shard's own images, alone: how fast each decodes a chunk, which images
+it refuses, and how much of the GIL its calls take from a Python thread beside it.
+
+A component benchmark for choosing the chunk decoder (docs/architecture.md): the JPEG bytes are
+read from the shards into memory first. Decoders:
+
+  torchvision   torchvision.io.decode_jpeg(list, device="cuda"): one call a chunk (nvJPEG; baseline
+                JPEGs batched on the hardware engines where the GPU has them)
+  nvimgcodec    nvImageCodec's HW_GPU_ONLY backend, one `decode` a chunk of CodeStreams
+
+For each: images/s over --repeats chunks, the images it returned None for or failed on, and
+`python_share`: a pure-Python loop's iterations in the main thread while the decoder runs in a
+second thread, over the same loop's iterations alone (1.0: the decoder never holds the GIL).
+
+    python scripts/bench_jpeg.py --shards '/tmp/shards-img/synthetic-{0000..0007}.tar' --out /tmp/jpeg.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import webdataset as wds
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from clipscale.provenance import provenance  # noqa: E402
+
+
+def shard_jpegs(pattern: str, count: int) -> list[bytes]:
+    jpegs = []
+    for sample in wds.WebDataset(pattern, shardshuffle=False):
+        jpegs.append(sample["jpg"])
+        if len(jpegs) == count:
+            break
+    return jpegs
+
+
+def torchvision_decoder(device: torch.device):
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    def decode(blobs: list[torch.Tensor]) -> list:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return decode_jpeg(blobs, mode=ImageReadMode.RGB, device=device)
+
+    return decode
+
+
+def nvimgcodec_decoder(device: torch.device):
+    from nvidia import nvimgcodec
+
+    decoder = nvimgcodec.Decoder(device_id=device.index or 0, backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY)])
+    params = nvimgcodec.DecodeParams(color_spec=nvimgcodec.ColorSpec.SRGB, sample_format=nvimgcodec.P_RGB)
+
+    def decode(blobs: list[torch.Tensor]) -> list:
+        images = decoder.decode([nvimgcodec.CodeStream(blob.numpy()) for blob in blobs], params=params,
+                                cuda_stream=torch.cuda.current_stream(device).cuda_stream)
+        return [None if image is None else torch.from_dlpack(image) for image in images]
+
+    return decode
+
+
+def refused(decode, blobs: list[torch.Tensor]) -> dict:
+    """Which images the decoder gives no image for, one at a time."""
+    nothing, failed = [], []
+    for k, blob in enumerate(blobs):
+        try:
+            if decode([blob])[0] is None:
+                nothing.append(k)
+        except Exception as error:  # noqa: BLE001 - recorded, the benchmark goes on
+            failed.append((k, repr(error)[:200]))
+    return {"none": len(nothing), "failed": len(failed), "first_failures": failed[:3]}
+
+
+def python_rate(seconds: float) -> float:
+    count, stop = 0, time.perf_counter() + seconds
+    while time.perf_counter() < stop:
+        for _ in range(1000):
+            count += 1
+    return count / seconds
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shards", required=True)
+    parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--decoders", default="torchvision,nvimgcodec")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    jpegs = shard_jpegs(args.shards, args.chunk)
+    blobs = [torch.frombuffer(bytearray(j), dtype=torch.uint8) for j in jpegs]
+    record = {**provenance(argv), "chunk": len(blobs), "mean_jpeg_bytes": sum(map(len, jpegs)) / len(jpegs),
+              "python_alone_per_s": python_rate(3.0), "decoders": []}
+    for name in args.decoders.split(","):
+        try:
+            decode = {"torchvision": torchvision_decoder, "nvimgcodec": nvimgcodec_decoder}[name](device)
+        except Exception as error:  # noqa: BLE001
+            record["decoders"].append({"decoder": name, "error": repr(error)})
+            continue
+        result = {"decoder": name, "refused": refused(decode, blobs)}
+        usable = blobs
+        try:
+            decode(usable)
+        except Exception as error:  # noqa: BLE001 - a batch with one bad image fails whole: say so
+            result["batch_error"] = repr(error)[:300]
+            record["decoders"].append(result)
+            continue
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(args.repeats):
+            decode(usable)
+        torch.cuda.synchronize()
+        result["images_per_s"] = args.repeats * len(usable) / (time.perf_counter() - started)
+        stopping = threading.Event()
+
+        def loop() -> None:
+            torch.cuda.set_device(device)
+            while not stopping.is_set():
+                decode(usable)
+                torch.cuda.synchronize()
+
+        thread = threading.Thread(target=loop, daemon=True)
+        thread.start()
+        time.sleep(0.5)
+        result["python_share"] = python_rate(3.0) / record["python_alone_per_s"]
+        stopping.set()
+        thread.join()
+        record["decoders"].append(result)
+        print(json.dumps(result), flush=True)
+    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
