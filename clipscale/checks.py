@@ -34,7 +34,6 @@ from open_clip.model import CLIPTextCfg, CLIPVisionCfg
 from clipscale.config import (Config, ConfigError, LossConfig, ModelConfig, check_model_section, check_value, epochs_in_rows,
                               epochs_of_rows, load_config)
 from clipscale.data import check_source, table_rows
-from clipscale.data.device_decode import JpegEngines
 from clipscale.data.chunks import kept_bytes
 from clipscale.data.sources import CSV_SUFFIXES
 from clipscale.distributed import World
@@ -218,24 +217,12 @@ def check_world(cfg: Config, world_size: int) -> None:
         )
 
 
-def check_device_decoder(cfg: Config, device: torch.device) -> None:
-    """data.device_decoder=nvimgcodec where the GPU decodes (data.decoder device, or auto on a GPU)
-    needs the hardware JPEG engines: started once here to see that they run."""
-    decodes_on_device = cfg.data.decoder == "device" or (cfg.data.decoder == "auto" and device.type == "cuda")
-    if cfg.data.device_decoder != "nvimgcodec" or not decodes_on_device:
-        return
-    engines, why = JpegEngines.create(device)
-    if engines is None:
-        raise ConfigError(f"data.device_decoder=nvimgcodec: {why}")
-
-
 def plan_run(cfg: Config, world: World) -> RunPlan:
     """The checks that need the world and the machine (the data is there), then the values every
     component reads. A run length waiting for a CSV table's rows (check_config not run) is counted."""
     count_epoch_rows(cfg)
     check_world(cfg, world.world_size)
     check_data(cfg)
-    check_device_decoder(cfg, world.device)
     per_rank = cfg.train.batch_size // world.world_size
     chunk = cfg.train.chunk_size
     size = CLIPVisionCfg(**open_clip_model_config(cfg.model)["vision_cfg"]).image_size

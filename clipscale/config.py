@@ -146,21 +146,12 @@ class DataConfig:
     workers: int = may_change(2, on_resume=REDEAL)
     shuffle_buffer: int = 1000
     # Who decodes training images (clipscale/data/pipeline.py). "loader": the loader workers, with
-    # PIL (open_clip_train's way). "device": the workers only read, draw crops and check each JPEG;
-    # the GPU decodes each chunk once per step, and the host holds the batch as encoded bytes.
-    # "auto": device on a GPU, loader on a CPU.
+    # PIL (open_clip_train's way). "device": the workers read the JPEGs' headers and draw their crops,
+    # the GPU decodes each chunk (nvJPEG: its hardware JPEG engines where it has them) in a thread of
+    # the training process, and the host holds the batch as encoded bytes; images that are not such
+    # JPEGs the workers decode. "auto": device on a GPU, loader on a CPU.
     # The decoders give the same samples and crops, their pixels within rounding.
     decoder: Literal["auto", "loader", "device"] = may_change("auto")
-    # With decoder=device: "nvimgcodec" (the GPU's hardware JPEG engines; the optional package
-    # nvidia-nvimgcodec-cu13 with nvidia-nvjpeg), "nvjpeg" (torchvision, on the SMs), "auto" (the
-    # engines where they can run, else nvjpeg, saying why).
-    device_decoder: Literal["auto", "nvimgcodec", "nvjpeg"] = may_change("auto")
-    # With decoder=device, where the decoding's Python runs: "process" (a process of its own,
-    # clipscale/data/decode_process.py: no wait on the trainer's GIL, but its GPU work time-sliced
-    # with the trainer's) or "thread" (threads of the training process: its GPU work beside the
-    # step's, its Python waiting on the GIL the step's CUDA-graph replays hold). docs/benchmarks.md
-    # measures both through train.py.
-    decode_in: Literal["process", "thread"] = may_change("process")
     # GiB of a step's pass-1 chunks (uint8 pixels, tokens) kept on the device for Gradient Cache's
     # pass 2, which then neither decodes nor copies them again; null: a quarter of the GPU's memory.
     keep_on_device_gib: Optional[float] = may_change(None)

@@ -28,7 +28,7 @@ text_positions_per_sample, each per step, where there are such numbers.
 Case keys: runner (clipscale | openclip | ceiling: the ceiling alone, to compare chunks or profile
 it; its keys are the clipscale case's and text: cut or full), model, batch (global), chunk (clipscale: an int,
 auto or none; default the config's), steps, offload (0/1), loss (clipscale, default infcl),
-decoder, device_decoder and decode_in (clipscale; default the config's), compile (clipscale: 0/1,
+decoder (clipscale; default the config's), compile (clipscale: 0/1,
 default the config's: auto; openclip: 1 adds --torchcompile), cache (clipscale: a
 model.compile_cache folder, so a second case reuses what the first compiled), resampled
 (clipscale: 1 draws shards with replacement, so a batch may be larger than the shards), parallel
@@ -139,7 +139,7 @@ class Sampler(threading.Thread):
 
 
 CONFIG = REPO / "configs" / "vit_b16_infcl.yaml"
-OPTIONAL = {"chunk": "train.chunk_size", "decoder": "data.decoder", "device_decoder": "data.device_decoder", "decode_in": "data.decode_in",
+OPTIONAL = {"chunk": "train.chunk_size", "decoder": "data.decoder",
             "compile": "model.compile", "cuda_graphs": "model.cuda_graphs", "cache": "model.compile_cache", "resampled": "data.resampled",
             "parallel": "train.parallel", "fsdp_offload": "train.fsdp_offload", "grad_checkpointing": "model.grad_checkpointing"}
 

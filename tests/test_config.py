@@ -124,11 +124,3 @@ def test_the_run_plan_resolves_the_configuration_once_for_its_world():
     assert plan_run(load_config(DIGITS_YAML, ["train.chunk_size=auto"]), World()).chunk == "auto"
     with pytest.raises(ConfigError, match="must split evenly over 5 processes"):
         plan_run(cfg, World(world_size=5))
-
-
-def test_a_hardware_decoder_that_cannot_run_is_refused_before_any_work():
-    """data.device_decoder=nvimgcodec is checked up front wherever the device decodes; with the
-    loader decoding (data.decoder=auto on a CPU) it asks for nothing."""
-    with pytest.raises(ConfigError, match="data.device_decoder=nvimgcodec: no GPU"):
-        plan_run(load_config(DIGITS_YAML, ["data.decoder=device", "data.device_decoder=nvimgcodec"]), World())
-    plan_run(load_config(DIGITS_YAML, ["data.device_decoder=nvimgcodec"]), World())

@@ -21,9 +21,9 @@ Tiling (the programs are in `crop_resize_programs.py`): `rows_kernel` applies Wx
 pass) to every row of the crop and writes float32 rows [n, c, crop row, out_w]; `columns_kernel`
 applies Wy to those, rounds and writes uint8 [n, c, out_h, out_w]. Each program owns a [BLOCK_R, BLOCK_X] tile of one image's channel
 and loops over the taps: at most 2 * support + 1 of them, a handful for the crops a random
-resized crop draws. The images of a chunk differ in size, so they are passed as one flat
-uint8 buffer with a per-image table (offset, height, width, crop box); the taps as a start
-index and weights per output row or column. No atomics: the result is the same on every call,
+resized crop draws. The images of a chunk differ in size and each lives where the JPEG decoder
+put it, so they are passed as a per-image table (address, height, width, crop box); the taps as
+a start index and weights per output row or column. No atomics: the result is the same on every call,
 which Gradient Cache's two passes over the same bytes need.
 """
 
@@ -38,9 +38,8 @@ from clipscale.triton_modes import interpreting, programs
 
 FILTER_RADIUS = MappingProxyType({"bilinear": 1, "bicubic": 2})  # half the support at scale 1, in input pixels
 
-# The per-image table, int64 [n, 7]: offset in the flat buffer, height, width, then the crop box
-# (top, left, crop height, crop width). The programs read it by these column numbers.
-CROP_H, CROP_W = 5, 6
+# The per-image table, int64 [n, 7]: the columns crop_resize_programs.TABLE names (the image's
+# address, its height and width, then the crop box: top, left, crop height, crop width).
 
 
 def _filter(x: torch.Tensor, interpolation: str) -> torch.Tensor:
@@ -75,33 +74,33 @@ def filter_taps(in_sizes: torch.Tensor, out_size: int, interpolation: str, large
 
 
 def resized_crops(images: list[torch.Tensor], boxes, size: tuple[int, int], interpolation: str) -> torch.Tensor:
-    """uint8 [n, 3, size[0], size[1]]: image k (uint8 [3, H, W], all on one device) cropped to
-    boxes[k] = (top, left, height, width) and resized with the antialiased `interpolation`
-    ("bilinear" or "bicubic"), as torchvision's `resized_crop` on each would give (within one
-    grey level: float rounding)."""
+    """uint8 [n, 3, size[0], size[1]]: image k (uint8 [3, H, W], contiguous, all on one device)
+    cropped to boxes[k] = (top, left, height, width) and resized with the antialiased
+    `interpolation` ("bilinear" or "bicubic"), as torchvision's `resized_crop` on each would give
+    (within one grey level: float rounding). The images stay where they are: the programs read
+    each through its address in the table, so a chunk costs a few host calls whatever its size."""
     if interpolation not in FILTER_RADIUS:
         raise ValueError(f"interpolation must be one of {sorted(FILTER_RADIUS)}, got {interpolation!r}")
     if not images:
         return torch.empty(0, 3, *size, dtype=torch.uint8)
     device = images[0].device
     out_h, out_w = size
-    # The table is built with a few tensor calls, not a Python row per image: this runs in a thread
-    # of the training process, where every Python step competes with the model's kernel launches.
+    # A few tensor calls, not a tensor call per image: this runs in a thread of the training process,
+    # where each call hands the GIL to the threads that launch the model's kernels and waits to get it back.
     boxes = torch.as_tensor(boxes, dtype=torch.int64).reshape(len(images), -1)[:, :4]
-    heights_widths = torch.tensor([img.shape[1:] for img in images], dtype=torch.int64)
-    sizes = heights_widths.prod(1) * 3
-    offsets = torch.cumsum(sizes, 0) - sizes
-    table = torch.cat([offsets[:, None], heights_widths, boxes], 1).to(device, non_blocking=True)
-    src = torch.cat([img.reshape(-1) for img in images])
+    images = [img if img.is_contiguous() else img.contiguous() for img in images]  # the GPU decoder's are; a CPU one's are HWC views
+    where = torch.tensor([(img.data_ptr(), img.shape[1], img.shape[2]) for img in images], dtype=torch.int64)
+    table = torch.cat([where, boxes], 1)  # the columns TABLE names
+    table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
     max_rows, max_columns = boxes[:, 2:4].max(0).values.tolist()
-    row_starts, row_weights = filter_taps(table[:, CROP_H], out_h, interpolation, max_rows)
-    column_starts, column_weights = filter_taps(table[:, CROP_W], out_w, interpolation, max_columns)
+    row_starts, row_weights = filter_taps(boxes[:, 2].to(device), out_h, interpolation, max_rows)
+    column_starts, column_weights = filter_taps(boxes[:, 3].to(device), out_w, interpolation, max_columns)
     rows = torch.empty(len(images), 3, max_rows, out_w, dtype=torch.float32, device=device)
     out = torch.empty(len(images), 3, out_h, out_w, dtype=torch.uint8, device=device)
     P = programs("clipscale.data.crop_resize_programs", interpreting())  # compiled, or Triton's interpreter
     block_r, block_x = P.BLOCK_R, P.BLOCK_X
     grid = (len(images) * 3, triton.cdiv(max_rows, block_r), triton.cdiv(out_w, block_x))
-    P.rows_kernel[grid](src, table, column_starts, column_weights, rows, max_rows, out_w, column_weights.shape[-1],
+    P.rows_kernel[grid](table, column_starts, column_weights, rows, max_rows, out_w, column_weights.shape[-1],
                         BLOCK_R=block_r, BLOCK_X=block_x)
     grid = (len(images) * 3, triton.cdiv(out_h, block_r), triton.cdiv(out_w, block_x))
     P.columns_kernel[grid](rows, table, row_starts, row_weights, out, max_rows, out_h, out_w, row_weights.shape[-1],

@@ -14,10 +14,15 @@ from clipscale.triton_modes import interpreting
 INTERPRET = interpreting()  # the mode @triton.jit decorates these programs in, read as it reads it
 BLOCK_R, BLOCK_X = (8, 64) if not INTERPRET else (4, 16)  # a program's tile: rows x output columns
 
+# The per-image table's columns (int64 [n, TABLE]): where the image's uint8 [3, height, width]
+# pixels are, its size, and its crop box.
+ADDRESS, HEIGHT, WIDTH, TOP, LEFT, CROP_H, CROP_W = (tl.constexpr(k) for k in range(7))
+TABLE = tl.constexpr(7)
+
 
 # Chunk by chunk the largest crop and the filter's reach change: not compiled anew for each value.
 @triton.jit(do_not_specialize=["max_rows", "taps"])
-def rows_kernel(src, table, starts, weights, rows, max_rows, out_w, taps,
+def rows_kernel(table, starts, weights, rows, max_rows, out_w, taps,
                 BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr):
     """rows[n, c, r, j] = sum_k weights[n, j, k] * img[n, c, top + r, left + starts[n, j] + k]."""
     nc = tl.program_id(0)
@@ -25,10 +30,11 @@ def rows_kernel(src, table, starts, weights, rows, max_rows, out_w, taps,
     c = nc % 3
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     j = tl.program_id(2) * BLOCK_X + tl.arange(0, BLOCK_X)
-    entry = table + n * 7
-    height, width = tl.load(entry + 1), tl.load(entry + 2)
-    crop_h, crop_w = tl.load(entry + 5), tl.load(entry + 6)
-    row_start = tl.load(entry + 0) + (c * height + tl.load(entry + 3) + r) * width + tl.load(entry + 4)  # int64
+    entry = table + n * TABLE
+    image = tl.load(entry + ADDRESS).to(tl.pointer_type(tl.uint8))
+    height, width = tl.load(entry + HEIGHT), tl.load(entry + WIDTH)
+    crop_h, crop_w = tl.load(entry + CROP_H), tl.load(entry + CROP_W)
+    row_start = (c * height + tl.load(entry + TOP) + r) * width + tl.load(entry + LEFT)  # int64
     in_rows = r < crop_h
     in_cols = j < out_w
     first = tl.load(starts + n * out_w + j, mask=in_cols, other=0)
@@ -37,7 +43,7 @@ def rows_kernel(src, table, starts, weights, rows, max_rows, out_w, taps,
         weight = tl.load(weights + (n * out_w + j) * taps + k, mask=in_cols, other=0.0)
         column = first + k
         mask = in_rows[:, None] & (in_cols & (column < crop_w))[None, :]
-        pixel = tl.load(src + row_start[:, None] + column[None, :], mask=mask, other=0)
+        pixel = tl.load(image + row_start[:, None] + column[None, :], mask=mask, other=0)
         acc += pixel.to(tl.float32) * weight[None, :]
     tl.store(rows + (nc * max_rows + r[:, None]) * out_w + j[None, :], acc, mask=in_rows[:, None] & in_cols[None, :])
 
@@ -50,7 +56,7 @@ def columns_kernel(rows, table, starts, weights, out, max_rows, out_h, out_w, ta
     n = nc // 3
     i = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     j = tl.program_id(2) * BLOCK_X + tl.arange(0, BLOCK_X)
-    crop_h = tl.load(table + n * 7 + 5)
+    crop_h = tl.load(table + n * TABLE + CROP_H)
     in_rows = i < out_h
     in_cols = j < out_w
     first = tl.load(starts + n * out_h + i, mask=in_rows, other=0)

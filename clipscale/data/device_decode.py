@@ -1,157 +1,95 @@
-"""JPEG decoding on the training device (`data.decoder: device`): the loader reads, the GPU decodes.
+"""JPEG decoding on the training device (`data.decoder: device`): the loader reads, the device decodes.
 
-`DeviceDecoder` decodes a batch's chunks on a thread and CUDA stream of its own, with the GPU's
-hardware JPEG engines (`JpegEngines`, nvImageCodec) or nvJPEG on the SMs (`TorchvisionJpeg`),
-then crops and resizes a whole chunk at once (`crop_resize`); what they refuse, PIL decodes.
-`DeviceDecodedRows` are the images column's rows: the pieces' JPEG bytes, decoded chunk by chunk.
-On a CPU device the same code runs torchvision's CPU decoder: that is how the tests hold it.
+`DeviceDecoder` decodes a batch's chunks in a thread and on a CUDA stream of its own, in the
+training process's own CUDA context: a whole chunk's JPEGs in one call of nvJPEG (torchvision's
+batched decoder: the GPU's hardware JPEG engines for baseline JPEGs, nvJPEG's hybrid decoder
+for progressive ones), then all of its crops resized in one pass (`crop_resize`). The images the
+device does not take came decoded by the loader's workers (`EncodedImages.pixels`); what nvJPEG
+still refuses, PIL decodes here, and what nothing decodes trains as a black image, counted.
+
+The thread shares the training process's interpreter with the threads that launch the model's
+kernels, and every tensor call hands the GIL over and waits to get it back: a chunk costs a few
+dozen calls, never one per image (bench_contention.py measures it beside the step). On a CPU
+device the same code runs torchvision's CPU decoder image by image: that is how the tests hold it.
 """
 
 from __future__ import annotations
 
-import io
-import os
 import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
-from typing import Callable
 
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from clipscale.console import native_noise_filtered
 from clipscale.data.chunks import Arrivals, ChunkSource, DeviceTransform, KeepBudget
-from clipscale.data.encoded import EncodedBatch, EncodedImages, is_whole_jpeg
+from clipscale.data.encoded import EncodedBatch, EncodedImages
 from clipscale.data.transforms import SplitTransform
 
 
-class TorchvisionJpeg:
-    """nvJPEG on the GPU's SMs through torchvision (libjpeg-turbo on a CPU device): batched,
-    and image by image when one bad image fails the batch."""
-
-    name = "nvjpeg"
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def for_another_thread(self) -> "TorchvisionJpeg":
-        return self  # holds nothing a second thread could disturb
-
-    def __call__(self, blobs: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        try:
-            return list(self._decode(blobs))
-        except RuntimeError:
-            return [self._decode_one(blob) for blob in blobs]
-
-    def _decode_one(self, blob: torch.Tensor) -> torch.Tensor | None:
-        try:
-            return self._decode([blob])[0]
-        except RuntimeError:
-            return None
-
-    def _decode(self, blobs: list[torch.Tensor]) -> list[torch.Tensor]:
-        with warnings.catch_warnings():  # torchvision 0.29 deprecates its image decoders for TorchCodec's
-            warnings.simplefilter("ignore", category=DeprecationWarning)
-            return decode_jpeg(blobs, mode=ImageReadMode.RGB, device=self.device)
+def decode_jpegs(blobs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+    """uint8 [3, H, W] RGB on `device` for each JPEG (uint8 bytes on the host), None where it does
+    not decode. On a GPU one call of torchvision's batched nvJPEG op for the whole list (its
+    Python wrapper checks every image in Python first, so the op is called directly); a batch
+    with one undecodable image fails whole, so then image by image."""
+    if not blobs:
+        return []
+    try:
+        return list(_nvjpeg_or_cpu(blobs, device))
+    except RuntimeError:
+        return [_decode_one(blob, device) for blob in blobs]
 
 
-class JpegEngines:
-    """The GPU's hardware JPEG decoders (the H100's NVJPG engines) through nvImageCodec's
-    `HW_GPU_ONLY` backend: the decode costs the SMs nothing. What the engines do not take
-    (progressive or CMYK JPEGs, say) goes to nvJPEG. `nvimgcodec` is the optional package
-    `nvidia-nvimgcodec-cu13` (with `nvidia-nvjpeg`); `create` says why it cannot be used."""
-
-    name = "nvimgcodec"
-
-    def __init__(self, device: torch.device, nvimgcodec):
-        self.device = device
-        self.nvimgcodec = nvimgcodec
-        self.decoder = nvimgcodec.Decoder(device_id=device.index or 0,
-                                          backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY)])
-        self.params = nvimgcodec.DecodeParams(color_spec=nvimgcodec.ColorSpec.SRGB, sample_format=nvimgcodec.P_RGB)
-        self.fallback = TorchvisionJpeg(device)
-
-    def for_another_thread(self) -> "JpegEngines":
-        """A decoder of its own for another decoding thread: several feed the engines at once."""
-        return type(self)(self.device, self.nvimgcodec)
-
-    @classmethod
-    def create(cls, device: torch.device) -> tuple["JpegEngines | None", str]:
-        """The engines' decoder, or None and the reason it cannot run here."""
-        if device.type != "cuda":
-            return None, "no GPU"
-        with native_noise_filtered():  # its extensions for formats we never read (nvTIFF) complain at start
-            try:
-                from nvidia import nvimgcodec
-            except ImportError:
-                return None, "nvImageCodec is not installed (pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg)"
-            try:
-                engines = cls(device, nvimgcodec)
-                probe = engines.decoder.decode([nvimgcodec.CodeStream(TINY_JPEG)], params=engines.params)
-            except Exception as error:  # noqa: BLE001 - any failure to start means: not on this machine
-                return None, f"nvImageCodec's hardware decoder did not start ({error})"
-        if probe[0] is None:
-            return None, "this GPU has no hardware JPEG decoder nvImageCodec can use"
-        return engines, ""
-
-    def __call__(self, blobs: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        streams = [self.nvimgcodec.CodeStream(blob.numpy()) for blob in blobs]
-        images = self.decoder.decode(streams, params=self.params, cuda_stream=stream)
-        # DLPack instead of __cuda_array_interface__: measured no cheaper in GIL time (torch's from_dlpack is Python
-        # per image too; bench_contention's GIL samples), kept because the GPU decode tests ran on it
-        decoded = [None if image is None else torch.from_dlpack(image) for image in images]
-        refused = [k for k, image in enumerate(decoded) if image is None]
-        if refused:
-            for k, image in zip(refused, self.fallback([blobs[k] for k in refused])):
-                decoded[k] = image
-        return decoded
+def _decode_one(blob: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    try:
+        return _nvjpeg_or_cpu([blob], device)[0]
+    except RuntimeError:
+        return None
 
 
-def _tiny_jpeg() -> bytes:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.new("RGB", (16, 16), (120, 60, 30)).save(buffer, format="JPEG")
-    return buffer.getvalue()
-
-
-TINY_JPEG = _tiny_jpeg()
+def _nvjpeg_or_cpu(blobs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    if device.type == "cuda":
+        return torch.ops.image.decode_jpegs_cuda(blobs, ImageReadMode.RGB.value, device)
+    with warnings.catch_warnings():  # torchvision 0.29 deprecates its image decoders for TorchCodec's
+        warnings.simplefilter("ignore", category=DeprecationWarning)
+        return decode_jpeg(blobs, mode=ImageReadMode.RGB, device=device)
 
 
 def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop: int,
-                device: torch.device, jpeg: Callable[[list[torch.Tensor]], list] | None = None) -> torch.Tensor:
-    """encoded[start:stop] decoded, cropped and resized on `device`: uint8 [n, 3, H, W].
-    `jpeg`: the JPEG decoder (`JpegEngines`, default `TorchvisionJpeg`); what it cannot decode, PIL does.
-    It runs in a thread of the training process, beside the threads that launch the model's
-    kernels: the bytes, the JPEG check and the crops are taken for the whole chunk in a few calls."""
-    jpeg = jpeg or TorchvisionJpeg(device)
+                device: torch.device) -> tuple[torch.Tensor, int]:
+    """encoded[start:stop] decoded, cropped and resized on `device`: (uint8 [n, 3, H, W], how many
+    images nothing could decode, trained black). The worker's pixels are put in their rows; the
+    JPEGs are decoded in one call and cropped in one pass, what nvJPEG refuses by PIL."""
+    n = stop - start
     blobs = encoded.blobs(start, stop)
-    whole = encoded.whole_jpegs(start, stop).nonzero().flatten().tolist()
-    decoded = {k: image for k, image in zip(whole, jpeg([blobs[k] for k in whole])) if image is not None}
-    others: dict[int, torch.Tensor] = {}  # not decoded on the device: decoded, cropped and resized by PIL
-    for k in range(len(blobs)):
-        if k in decoded:
-            continue
+    pixel_rows, pixel_index = encoded.decoded_rows(start, stop)
+    jpeg_rows = [k for k in range(n) if k not in set(pixel_rows)] if pixel_rows else list(range(n))
+    decoded = decode_jpegs([blobs[k] for k in jpeg_rows] if pixel_rows else list(blobs), device)
+    boxes = encoded.params[start:stop]
+    refused = [k for k, image in zip(jpeg_rows, decoded) if image is None]
+    if refused:
+        kept = [(k, image) for k, image in zip(jpeg_rows, decoded) if image is not None]
+        jpeg_rows, decoded = [k for k, _ in kept], [image for _, image in kept]
+    out = resized_crops(split, decoded, boxes[jpeg_rows] if len(jpeg_rows) < n else boxes, device)
+    if len(jpeg_rows) == n:
+        return out, 0
+    rows = torch.empty(n, *out.shape[1:], dtype=torch.uint8, device=device)
+    if jpeg_rows:
+        rows[jpeg_rows] = out
+    if pixel_rows:
+        rows[pixel_rows] = encoded.pixels[pixel_index].to(device)
+    undecodable = 0
+    for k in refused:  # rare: a JPEG whose header looked whole, nvJPEG refused it
         try:
-            others[k] = split.decode(encoded[start + k]).to(device)
+            rows[k] = split.decode(encoded[start + k]).to(device)
         except (OSError, ValueError, SyntaxError) as error:  # PIL's errors for bytes it cannot decode
-            # The worker decoded it at reduced scale (`decodes_at_reduced_scale`), so this is rare: a
-            # file that libjpeg decodes at 1/8 scale but not whole. It is in the batch; train it black.
             warnings.warn(f"an image of this batch does not decode ({error!r}); it is trained as a black image")
             black = torch.zeros(3, 1, 1, dtype=torch.uint8, device=device)  # its crop box pads it to size
-            others[k] = split.apply_to_tensor(black, encoded.params_of(start + k))
-    order = list(decoded)  # ascending: the decoder returns the images in the order given
-    if not order:
-        return torch.stack([others[k] for k in range(len(blobs))])
-    boxes = encoded.params[start:stop] if not others else encoded.params[start:stop][order]
-    cropped = resized_crops(split, [decoded[k] for k in order], boxes, device)
-    if not others:
-        return cropped
-    rows = {**dict(zip(order, cropped.unbind())), **others}
-    return torch.stack([rows[k] for k in range(len(blobs))])
+            rows[k] = split.apply_to_tensor(black, encoded.params_of(start + k))
+            undecodable += 1
+    return rows, undecodable
 
 
 def resized_crops(split: SplitTransform, images: list[torch.Tensor], boxes: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -160,18 +98,27 @@ def resized_crops(split: SplitTransform, images: list[torch.Tensor], boxes: torc
     pass for the whole list (`crop_resize`) when the steps are a single RandomResizedCrop it can
     run; torchvision's kernels image by image otherwise."""
     crop = split.only_random_resized_crop()
-    if crop is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+    if crop is not None and (device.type == "cuda" or interpreting_triton()):
         from clipscale.data import crop_resize  # Triton: imported where it runs
 
         return crop_resize.resized_crops(images, boxes, tuple(crop.size), crop.interpolation.value)
+    if not images:
+        return torch.empty(0, 3, *crop.size, dtype=torch.uint8, device=device)
     return torch.stack([split.apply_to_tensor(img, tuple(box)) for img, box in zip(images, boxes.tolist())])
 
 
-def decode_parts(split: SplitTransform, parts: list[tuple[EncodedImages, int, int]], device: torch.device,
-                 jpeg: Callable[[list[torch.Tensor]], list] | None = None) -> torch.Tensor:
-    """A chunk kept as pieces (`EncodedBatch.rows`), decoded in order: uint8 [n, 3, H, W] on `device`."""
-    decoded = [decode_rows(split, encoded, lo, hi, device, jpeg) for encoded, lo, hi in parts]
-    return decoded[0] if len(decoded) == 1 else torch.cat(decoded)
+def interpreting_triton() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def decode_parts(split: SplitTransform, parts: list[tuple[EncodedImages, int, int]], device: torch.device) -> tuple[torch.Tensor, int]:
+    """A chunk kept as pieces (`EncodedBatch.rows`), decoded in order: (uint8 [n, 3, H, W] on
+    `device`, images trained black)."""
+    decoded = [decode_rows(split, encoded, lo, hi, device) for encoded, lo, hi in parts]
+    pixels = decoded[0][0] if len(decoded) == 1 else torch.cat([rows for rows, _ in decoded])
+    return pixels, sum(black for _, black in decoded)
 
 
 def decoded_column(rows, split: SplitTransform, chunk_size: int | None, arrivals: Arrivals,
@@ -186,9 +133,8 @@ def decoded_column(rows, split: SplitTransform, chunk_size: int | None, arrivals
     return images
 
 
-# Decoding threads: two keep the H100's JPEG engines fed while the model computes (one fed them
-# at 4,600 images/s beside training, the engines alone decode 13,700/s); each holds a decoder and
-# a CUDA stream. Not yet measured beside training at 2 or more.
+# Decoding threads, each with a CUDA stream: nvJPEG's batched decoder is one per process (torchvision
+# holds a lock around it), so a second thread only overlaps one chunk's host calls with another's decode.
 DECODE_THREADS = 2
 
 
@@ -196,24 +142,24 @@ class DeviceDecoder:
     """Decodes a batch's chunks on the device in `threads` threads of its own.
 
     A decode waits for its own work: issued from the training thread, every chunk's decode
-    would stall the model's queue. On threads each with its own CUDA stream and decoder, chunks
+    would stall the model's queue. On threads each with its own CUDA stream, chunks
     are launched and decoded while the model computes the previous ones: pass 2 asks for its
     chunks `LOOKAHEAD` ahead, so an image decoded again costs no step time while the threads
     outpace the step. With a keep budget, each chunk of `chunk_size` is decoded as soon as its
     pieces are in and the budget has room: during the previous step, so pass 1 finds it ready
     (`ChunkSource.prepare_ahead`). `images_decoded` counts every image decoded (the tests hold
-    "once per step" and "at most twice" with it)."""
+    "once per step" and "at most twice" with it), `undecodable` those trained black."""
 
-    def __init__(self, split: SplitTransform, device: torch.device, jpeg=None, chunk_size: int | None = None,
+    def __init__(self, split: SplitTransform, device: torch.device, chunk_size: int | None = None,
                  threads: int = DECODE_THREADS):
         self.split, self.device, self.chunk_size = split, device, chunk_size
-        self.jpeg = jpeg or TorchvisionJpeg(device)
-        self.own = threading.local()  # each thread's CUDA stream and decoder
+        self.own = threading.local()  # each thread's CUDA stream
         self.thread = ThreadPoolExecutor(threads, thread_name_prefix="clipscale-decode",
                                          initializer=torch.cuda.set_device if device.type == "cuda" else None,
                                          initargs=(device,) if device.type == "cuda" else ())
         self.count_lock = threading.Lock()
         self.images_decoded = 0
+        self.undecodable = 0
         self.decode_s = 0.0  # the threads' time in decoding calls, summed (their rows' arrival not counted)
 
     def column(self, batch_size: int, arrivals: Arrivals, device_transform: DeviceTransform | None,
@@ -230,16 +176,15 @@ class DeviceDecoder:
     def _decode(self, encoded: EncodedBatch, arrivals: Arrivals, start: int, stop: int
                 ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         arrivals.wait_for(stop)
-        if not hasattr(self.own, "jpeg"):  # this thread's first chunk
+        if not hasattr(self.own, "stream"):  # this thread's first chunk
             self.own.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-            with native_noise_filtered():
-                self.own.jpeg = self.jpeg.for_another_thread()
         stream = self.own.stream
         started = time.perf_counter()
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            pixels = decode_parts(self.split, encoded.rows(start, stop), self.device, self.own.jpeg)
+            pixels, black = decode_parts(self.split, encoded.rows(start, stop), self.device)
         with self.count_lock:
             self.images_decoded += len(pixels)
+            self.undecodable += black
             self.decode_s += time.perf_counter() - started
         return pixels, (stream.record_event() if stream is not None else None)
 

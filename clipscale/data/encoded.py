@@ -2,50 +2,106 @@
 
 `EncodedImages` is one piece's images, bytes and drawn crops, as the workers hand them over
 (`data.decoder: device`, or `train.offload`); `EncodedBatch` is a step's batch of them on the
-host. `is_whole_jpeg` and `decodes_at_reduced_scale` are how a worker judges what the device
-will decode. The workers (shards.py) and the decoders (device_decode.py, offload.py) both import
-this module, and nothing here runs on a GPU.
+host. `jpeg_frame` and `device_decodes` are how a worker judges, from the JPEG's header alone,
+what the device will decode; what it will not, the worker decodes itself and hands over as
+pixels beside the bytes. The workers (shards.py) and the decoders (device_decode.py, offload.py)
+both import this module, and nothing here runs on a GPU.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-JPEG_START, JPEG_END = b"\xff\xd8\xff", b"\xff\xd9"
+JPEG_START, JPEG_END = b"\xff\xd8", b"\xff\xd9"
+# Frame headers (SOFn) whose JPEGs the device decodes: baseline, extended and progressive Huffman
+# coding. Lossless, hierarchical and arithmetic-coded ones are decoded by the worker (PIL).
+DEVICE_FRAMES = (0xC0, 0xC1, 0xC2)
 
 
-def is_whole_jpeg(data) -> bool:
-    """A JPEG from its start marker to its end marker (bytes or a uint8 array): what the device
-    decodes. A cut-short file lacks the end marker; the worker then decodes it itself, to skip
-    and count it."""
-    return bytes(data[:3]) == JPEG_START and bytes(data[-2:]) == JPEG_END
+@dataclass(frozen=True)
+class JpegFrame:
+    """What a JPEG's frame header (its SOFn segment) says: how it is coded and its size."""
+
+    marker: int  # 0xC0 baseline, 0xC2 progressive, ...
+    precision: int  # bits a sample
+    height: int
+    width: int
+    components: int  # 1 grayscale, 3 YCbCr, 4 CMYK or YCCK
 
 
-def decodes_at_reduced_scale(img) -> None:
-    """Decode a JPEG's entropy-coded data at 1/8 scale (libjpeg's DCT scaling: a fraction of a
-    full decode), raising what a full decode would raise: the worker's check that the device
-    will be able to decode what it keeps, so an undecodable image is skipped and counted there."""
-    img.draft("RGB", (max(1, img.width // 8), max(1, img.height // 8)))
-    img.load()
+def jpeg_frame(data) -> JpegFrame | None:
+    """The frame header of a JPEG (bytes), read by walking its segments up to the first frame
+    header: microseconds, where decoding it would take a millisecond. None for anything that is
+    not a JPEG whose segments lead to a frame header (another format, or damaged headers)."""
+    if data[:2] != JPEG_START:
+        return None
+    at, end = 2, len(data)
+    while at + 4 <= end:
+        if data[at] != 0xFF:
+            return None  # not at a marker: the headers are damaged
+        marker = data[at + 1]
+        if marker == 0xFF:  # a fill byte before the marker
+            at += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # markers without a segment
+            at += 2
+            continue
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn (not DHT, JPG, DAC)
+            if at + 10 > end:
+                return None
+            return JpegFrame(marker, data[at + 4], int.from_bytes(data[at + 5 : at + 7], "big"),
+                             int.from_bytes(data[at + 7 : at + 9], "big"), data[at + 9])
+        if marker == 0xDA:  # a scan before any frame header
+            return None
+        at += 2 + int.from_bytes(data[at + 2 : at + 4], "big")
+    return None
+
+
+def device_decodes(frame: JpegFrame | None, data) -> bool:
+    """Whether the device's JPEG decoder takes this image: a whole JPEG (its end marker last: a
+    file cut short lacks it) of 8-bit Huffman-coded grayscale or YCbCr, of a known size. Anything
+    else is decoded by the worker, which skips and counts what PIL cannot decode either."""
+    return (frame is not None and frame.marker in DEVICE_FRAMES and frame.precision == 8 and frame.components in (1, 3)
+            and frame.height > 0 and frame.width > 0 and bytes(data[-2:]) == JPEG_END)
+
+
+def size_only(height: int, width: int) -> torch.Tensor:
+    """An image's size without its pixels, to draw a crop from a JPEG's header: a [3, H, W] view
+    of one element, all that torchvision's `F.get_dimensions` reads of an image."""
+    return torch.empty(()).expand(3, height, width)
 
 
 class EncodedImages:
     """Images as the shards hold them: all encoded bytes in one uint8 tensor, `offsets` [n + 1]
-    delimiting the samples, and each sample's drawn crop in `params` [n, k]. Tensors, so loader
-    workers and decode processes pass it through shared memory.
+    delimiting the samples, and each sample's drawn crop in `params` [n, k]. The images the
+    device will not decode (`device_decodes`) come decoded by the worker instead: their final
+    uint8 pixels in `pixels` [m, 3, H, W], their rows in `pixel_rows` [m] (ascending), and no
+    bytes. Tensors, so loader workers pass it through shared memory.
 
     `self[i]` is (bytes, params tuple), what `SplitTransform.decode` takes."""
 
-    def __init__(self, data: torch.Tensor, offsets: torch.Tensor, params: torch.Tensor):
+    def __init__(self, data: torch.Tensor, offsets: torch.Tensor, params: torch.Tensor,
+                 pixels: torch.Tensor | None = None, pixel_rows: torch.Tensor | None = None):
         self.data, self.offsets, self.params = data, offsets, params
+        self.pixels = pixels if pixels is not None else torch.empty(0, 3, 0, 0, dtype=torch.uint8)
+        self.pixel_rows = pixel_rows if pixel_rows is not None else torch.empty(0, dtype=torch.int64)
 
     @classmethod
-    def from_samples(cls, blobs: tuple[bytes, ...], params: tuple[tuple, ...]) -> "EncodedImages":
+    def from_samples(cls, blobs: tuple[bytes, ...], params: tuple[tuple, ...],
+                     decoded: tuple[torch.Tensor | None, ...] | None = None) -> "EncodedImages":
+        """`decoded`: per sample, its pixels where the worker decoded it (its bytes are then not kept)."""
+        rows = [k for k, pixels in enumerate(decoded or ()) if pixels is not None]
+        if rows:
+            blobs = tuple(b"" if pixels is not None else blob for blob, pixels in zip(blobs, decoded))
         offsets = torch.zeros(len(blobs) + 1, dtype=torch.int64)
         torch.cumsum(torch.tensor([len(b) for b in blobs], dtype=torch.int64), 0, out=offsets[1:])
         data = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
         width = len(params[0]) if params else 0
-        return cls(data, offsets, torch.tensor(params, dtype=torch.int64).reshape(len(blobs), width))
+        pixels = torch.stack([decoded[k] for k in rows]) if rows else None
+        return cls(data, offsets, torch.tensor(params, dtype=torch.int64).reshape(len(blobs), width),
+                   pixels, torch.tensor(rows, dtype=torch.int64) if rows else None)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -63,27 +119,22 @@ class EncodedImages:
         first = int(self.offsets[start])
         return torch.tensor_split(self.data[first : int(self.offsets[stop])], self.offsets[start + 1 : stop] - first)
 
-    def whole_jpegs(self, start: int, stop: int) -> torch.Tensor:
-        """bool [stop - start]: `is_whole_jpeg` of each sample, for all at once."""
-        begins, ends = self.offsets[start:stop], self.offsets[start + 1 : stop + 1]
-        long_enough = ends - begins >= len(JPEG_START)  # the markers may overlap, as in is_whole_jpeg
-        whole = long_enough.clone()
-        last = max(len(self.data) - 1, 0)
-        for k, byte in enumerate(JPEG_START):
-            whole &= self.data[(begins + k).clamp(max=last)] == byte
-        for k, byte in enumerate(JPEG_END):
-            whole &= self.data[(ends - len(JPEG_END) + k).clamp(min=0, max=last)] == byte
-        return whole
+    def decoded_rows(self, start: int, stop: int) -> tuple[list[int], list[int]]:
+        """The rows of [start, stop) whose pixels the worker decoded, counted from `start`, and
+        where their pixels are in `pixels`."""
+        found = [(row - start, k) for k, row in enumerate(self.pixel_rows.tolist()) if start <= row < stop]
+        return [row for row, _ in found], [k for _, k in found]
 
     def params_of(self, i: int) -> tuple:
         return tuple(self.params[i].tolist())
 
     def clone(self) -> "EncodedImages":
-        return EncodedImages(self.data.clone(), self.offsets.clone(), self.params.clone())
+        return EncodedImages(self.data.clone(), self.offsets.clone(), self.params.clone(), self.pixels.clone(),
+                             self.pixel_rows.clone())
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.offsets, self.params))
+        return sum(t.numel() * t.element_size() for t in (self.data, self.offsets, self.params, self.pixels, self.pixel_rows))
 
 
 class EncodedBatch:

@@ -57,11 +57,20 @@ def open_image(data: bytes, max_pixels: Optional[int] = None, formats: tuple[str
             image = Image.open(io.BytesIO(data), formats=formats)
         except Image.DecompressionBombError as err:  # over twice PIL's bound: PIL refuses it first
             raise ImageTooLarge(f"its header claims more pixels than PIL allows: {err}") from None
-    width, height = image.size
-    if bound is not None and width * height > bound:
+    try:
+        check_pixel_bound(*image.size, max_pixels)
+    except ImageTooLarge:
         image.close()
-        raise ImageTooLarge(f"its header claims {width} x {height} pixels, more than the bound of {bound:,}")
+        raise
     return image
+
+
+def check_pixel_bound(width: int, height: int, max_pixels: Optional[int] = None) -> None:
+    """ImageTooLarge when a header's width x height is above `max_pixels` (None: PIL's
+    `Image.MAX_IMAGE_PIXELS`, itself None when a user lifted it)."""
+    bound = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
+    if bound is not None and width * height > bound:
+        raise ImageTooLarge(f"its header claims {width} x {height} pixels, more than the bound of {bound:,}")
 
 
 def decode_text(data: bytes) -> str:

@@ -18,8 +18,7 @@ from clipscale.config import Config, ConfigError
 from clipscale.data import prepare_data
 from clipscale.data.batches import BatchStream, ImageDecoder, StreamedBatch, piece_size_for
 from clipscale.data.chunks import KeepBudget
-from clipscale.data.decode_process import DecodeProcess
-from clipscale.data.device_decode import DeviceDecoder, JpegEngines, TorchvisionJpeg
+from clipscale.data.device_decode import DeviceDecoder
 from clipscale.data.epoch import WorkList
 from clipscale.data.offload import DecodePool
 from clipscale.data.shards import ShardStream, StreamState
@@ -35,18 +34,16 @@ class DataPath:
     """What the configuration resolves to on this machine, and the lines that say why."""
 
     decoder: str  # loader | device
-    device_decoder: str | None  # nvimgcodec | nvjpeg, with decoder=device
     offload: bool
     notes: list[str]
 
     def describe(self) -> str:
-        who = f"the GPU ({self.device_decoder})" if self.decoder == "device" else "the loader workers (PIL)"
+        who = "the GPU (nvJPEG)" if self.decoder == "device" else "the loader workers (PIL)"
         return f"training images decoded by {who}" + ("; the batch offloaded to the host as JPEG bytes" if self.offload else "")
 
 
-def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.device) -> tuple[DataPath, object]:
-    """data.decoder and data.device_decoder as this machine can run them: the choice, and the
-    JPEG decoder for decoder=device (None otherwise)."""
+def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.device) -> DataPath:
+    """data.decoder as this machine can run it."""
     notes = []
     decoder = cfg.data.decoder
     if decoder == "auto":
@@ -59,19 +56,11 @@ def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.d
         else:
             decoder = "device"
     if decoder == "loader":
-        return DataPath("loader", None, cfg.train.offload, notes), None
-    if split is None:
-        raise ConfigError("data.decoder=device needs an image transform whose random crop can be kept with the image "
-                          "bytes (open_clip's RandomResizedCrop pipelines)")
-    jpeg, why = None, "not asked for"
-    if cfg.data.device_decoder in ("auto", "nvimgcodec"):
-        jpeg, why = JpegEngines.create(device)  # data.device_decoder=nvimgcodec was tried before any work (checks.py)
-    if jpeg is None:
-        jpeg = TorchvisionJpeg(device)
-        if device.type == "cuda":
-            notes.append(f"data.device_decoder: the GPU's hardware JPEG decoders are not used ({why}); "
-                         "decoding with nvJPEG on the GPU's SMs")
-    return DataPath("device", jpeg.name, True, notes), jpeg
+        return DataPath("loader", cfg.train.offload, notes)
+    if split is None or split.only_random_resized_crop() is None:
+        raise ConfigError("data.decoder=device needs an image transform that is a single random resized crop "
+                          "(open_clip's training transform with its defaults)")
+    return DataPath("device", True, notes)
 
 
 class TrainingBatches:
@@ -93,7 +82,7 @@ class TrainingBatches:
         if split is None and world.is_main:
             warnings.warn(f"the image transform {image_transform} does not split into uint8 host steps and float "
                           "device steps: loader pieces and the host batch hold float32 images (4x the memory)")
-        self.path, jpeg = resolve_data_path(cfg, split, world.device)
+        self.path = resolve_data_path(cfg, split, world.device)
         if self.path.offload and split is None:
             raise ConfigError("train.offload needs an image transform whose random crop can be kept with the image bytes "
                               f"(open_clip's RandomResizedCrop pipelines); got {image_transform}")
@@ -122,8 +111,7 @@ class TrainingBatches:
                                              generator=torch.Generator().manual_seed(cfg.run.seed + world.rank))
         self.decoder: ImageDecoder | None = None
         if self.path.decoder == "device":
-            self.decoder = (DecodeProcess(split, world.device, jpeg.name, chunk_size=chunk) if cfg.data.decode_in == "process"
-                            else DeviceDecoder(split, world.device, jpeg, chunk_size=chunk))
+            self.decoder = DeviceDecoder(split, world.device, chunk_size=chunk)
         elif self.path.offload:
             # Without workers the batch is gathered whole before the step (BatchStream's in_thread): no bound then.
             window = 2 * max(1, chunk // piece) if cfg.data.workers else 0

@@ -24,9 +24,9 @@ import torch
 import webdataset as wds
 
 from clipscale.caption_length import captions_cut
-from clipscale.data.encoded import EncodedImages, decodes_at_reduced_scale, is_whole_jpeg
+from clipscale.data.encoded import EncodedImages, device_decodes, jpeg_frame, size_only
 from clipscale.data.epoch import EpochOrder, EpochPlan, ShuffledEpoch, WorkList
-from clipscale.data.members import DATA_ERRORS, decode_text, first_member, open_image
+from clipscale.data.members import DATA_ERRORS, check_pixel_bound, decode_text, first_member, open_image
 from clipscale.data.sources import IMAGE_KEYS, TEXT_KEYS, ShardSource
 from clipscale.data.transforms import SplitTransform
 
@@ -134,22 +134,23 @@ def load_sample(raw: dict, transform: Callable, split: Optional[SplitTransform],
     Only the image and caption members are decoded (`clipscale.data.members`). Pixels are uint8
     when the transform splits (`SplitTransform`), else the whole transform's float tensor. With
     `keep_encoded` (offload) the image's bytes and the crop it drew are kept too, so the batch can
-    be decoded again later without the loader. Without `decode` (the device decodes) a whole JPEG
-    is opened for the size its crop is drawn from and decoded at 1/8 scale only, to be judged, and
-    pixels is None; anything else is still decoded whole, to be judged. An image whose header
-    claims more than `max_pixels` pixels (None: PIL's bound) is unusable, judged from the header
-    alone on both paths, before any decoding."""
+    be decoded again later without the loader. Without `decode` (the device decodes) a JPEG that
+    the device takes (`device_decodes`, judged from its header) is not decoded here: its crop is
+    drawn from the header's size and pixels is None; anything else is decoded here, to be judged
+    and handed over as pixels. An image whose header claims more than `max_pixels` pixels (None:
+    PIL's bound) is unusable, judged from the header alone on both paths, before any decoding."""
     image_key = first_member(raw, IMAGE_KEYS)
     text_key = first_member(raw, TEXT_KEYS)
     if image_key is None or text_key is None:
         return None
     try:
         data = raw[image_key]
-        with open_image(data, max_pixels) as img:
-            if not decode and is_whole_jpeg(data):
-                params, pixels = split.draw(img), None  # the crop is drawn from the header's size
-                decodes_at_reduced_scale(img)  # the device decodes it; undecodable data is skipped here
-            else:
+        frame = None if decode else jpeg_frame(data)
+        if frame is not None and device_decodes(frame, data):
+            check_pixel_bound(frame.width, frame.height, max_pixels)
+            params, pixels = split.draw(size_only(frame.height, frame.width)), None
+        else:
+            with open_image(data, max_pixels) as img:
                 img = img.convert("RGB")  # PIL decodes lazily; this forces it, so bad bytes fail here
                 if split is None:
                     params, pixels = (), transform(img)
@@ -233,8 +234,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         }
         if self.decode:
             piece["images"] = torch.stack(pixels)
-        if self.keep_encoded:
-            piece["encoded"] = EncodedImages.from_samples(*zip(*encoded))
+        if self.keep_encoded:  # without `decode`, the images the device will not decode come as pixels
+            piece["encoded"] = EncodedImages.from_samples(*zip(*encoded), None if self.decode else pixels)
         return piece
 
     def __iter__(self):

@@ -64,8 +64,8 @@ def test_an_unknown_interpolation_is_refused():
 
 
 def test_the_device_decoder_resizes_a_chunk_in_one_pass_and_keeps_its_other_images_in_place(monkeypatch):
-    """decode_rows on a chunk mixing JPEGs with a PNG (decoded by PIL) and an image that decodes
-    nowhere (black): in the batched pass the JPEGs' crops, in their places, within one grey level
+    """decode_rows on a chunk mixing JPEGs with a PNG (nvJPEG refuses it: decoded by PIL) and an
+    image that decodes nowhere (black): in the batched pass the JPEGs' crops, in their places, within one grey level
     of the image-by-image path, and the others equal to it."""
     import io
 
@@ -98,11 +98,11 @@ def test_the_device_decoder_resizes_a_chunk_in_one_pass_and_keeps_its_other_imag
 
     monkeypatch.setattr(C, "resized_crops", counted)
     with pytest.warns(UserWarning, match="does not decode"):
-        batched = device_decode.decode_rows(split, chunk, 0, 5, torch.device("cpu"))
+        batched, black = device_decode.decode_rows(split, chunk, 0, 5, torch.device("cpu"))
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.warns(UserWarning, match="does not decode"):
-        one_by_one = device_decode.decode_rows(split, chunk, 0, 5, torch.device("cpu"))
-    assert calls == [3]  # the three JPEGs, in one call
+        one_by_one, _ = device_decode.decode_rows(split, chunk, 0, 5, torch.device("cpu"))
+    assert calls == [3] and black == 1  # the three JPEGs, in one call; the broken one trained black
     assert batched.shape == one_by_one.shape == (5, 3, 16, 16)
     assert (batched.int() - one_by_one.int()).abs().max() <= 1
     for k in (1, 3):

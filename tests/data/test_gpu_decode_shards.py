@@ -1,5 +1,5 @@
-"""Device decoding (`data.decoder: device`) on the GPU, from shards: nvJPEG or the hardware JPEG
-engines, then the batched crop-and-resize, against the loader's PIL pixels on the same crops,
+"""Device decoding (`data.decoder: device`) on the GPU, from shards: nvJPEG (the hardware JPEG
+engines for baseline JPEGs), then the batched crop-and-resize, against the loader's PIL pixels on the same crops,
 and the same samples skipped. (test_gpu_decode.py holds each decoder to PIL on one
 chunk; this follows the stream, its damaged samples and the trainer.)
 
@@ -10,14 +10,13 @@ two things apart:
   * our crop and resize: against the loader's own PIL steps run on the decoder's own whole
     image, so decoder differences cannot hide a wrong box or filter: the resamplers round
     differently by one grey level (measured on an H100: mean at most 0.2, 99th percentile 1);
-  * the decoder: its whole image against PIL's. The hardware engines match libjpeg-turbo
-    within one level; nvJPEG on the SMs upsamples 4:2:0 chroma without libjpeg's "fancy"
-    triangle filter, which on small grainy pictures costs up to about five levels on average
-    (measured 4.75 at 48 px; under 1 from 224 px up). A swapped channel, a wrong colour
-    transform or a black image costs tens.
+  * the decoder: its whole image against PIL's. nvJPEG may upsample 4:2:0 chroma without
+    libjpeg's "fancy" triangle filter, which on small grainy pictures costs up to about five
+    levels on average (measured 4.75 at 48 px; under 1 from 224 px up). A swapped channel, a
+    wrong colour transform or a black image costs tens.
 Over the whole stream the crops' mean difference from the loader's pixels stays under one.
-Anything not decoded on the device (the PNG, the samples the worker judges, a JPEG the device
-decoders refuse, such as CMYK) goes through PIL on both paths and must be equal.
+Anything not decoded on the device (the PNG, a CMYK JPEG, one with bytes after its end) the
+worker decodes with PIL on both paths: equal.
 
 On a CPU the same body runs torchvision's CPU decoder (the CI check of the test itself).
 """
@@ -34,8 +33,7 @@ import webdataset as wds
 from open_clip.transform import image_transform
 from PIL import Image, ImageDraw
 
-from clipscale.data.device_decode import JpegEngines, TorchvisionJpeg, decode_rows
-from clipscale.data.encoded import is_whole_jpeg
+from clipscale.data.device_decode import decode_jpegs, decode_rows
 from clipscale.data.shards import ShardStream
 from clipscale.data.transforms import SplitTransform
 
@@ -103,21 +101,8 @@ def stream(urls: list[str], decode: bool):
                        split=SPLIT, keep_encoded=True, decode=decode)
 
 
-def jpeg_decoder(name: str, device: torch.device):
-    """The device's JPEG decoder by its data.device_decoder name; a skip saying why it cannot run here."""
-    if name == "nvjpeg":
-        return TorchvisionJpeg(device)
-    engines, why = JpegEngines.create(device)
-    if engines is None:
-        pytest.skip(why)
-    return engines
-
-
-@pytest.mark.parametrize("device, decoder", [pytest.param("cuda", "nvjpeg", marks=pytest.mark.gpu),
-                                             pytest.param("cuda", "nvimgcodec", marks=pytest.mark.gpu),
-                                             ("cpu", "nvjpeg")])  # on a CPU: torchvision's libjpeg-turbo
-def test_device_decoding_gives_the_loaders_pixels_and_skips(shards, device, decoder):
-    jpeg = jpeg_decoder(decoder, torch.device(device))
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu), "cpu"])  # on a CPU: libjpeg-turbo
+def test_device_decoding_gives_the_loaders_pixels_and_skips(shards, device):
     loader_path, device_path = iter(stream(shards, decode=True)), iter(stream(shards, decode=False))
     skipped = {"loader": 0, "device": 0}
     differences, whole_jpegs = [], 0
@@ -127,15 +112,15 @@ def test_device_decoding_gives_the_loaders_pixels_and_skips(shards, device, deco
         assert want["cursor"] == got["cursor"]
         skipped["loader"] += want["skipped_samples"]
         skipped["device"] += got["skipped_samples"]
-        for column in ("data", "offsets", "params"):  # the same samples, bytes and crop boxes
-            assert torch.equal(getattr(want["encoded"], column), getattr(got["encoded"], column))
+        assert torch.equal(want["encoded"].params, got["encoded"].params)  # the same samples and crop boxes
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message="an image of this batch does not decode")  # none trained black
-            pixels = decode_rows(SPLIT, got["encoded"], 0, PIECE, torch.device(device), jpeg)
+            pixels, black = decode_rows(SPLIT, got["encoded"], 0, PIECE, torch.device(device))
         assert pixels.device.type == device and pixels.dtype == torch.uint8 and pixels.shape == want["images"].shape
+        by_worker = set(got["encoded"].pixel_rows.tolist())
         for i in range(PIECE):
             blob, box = got["encoded"].blob(i), got["encoded"].params_of(i)
-            whole = jpeg([blob])[0] if is_whole_jpeg(blob.numpy()) else None
+            whole = None if i in by_worker else decode_jpegs([blob], torch.device(device))[0]
             if whole is None:  # PIL on both paths
                 assert torch.equal(pixels[i].cpu(), want["images"][i])
                 continue
@@ -159,14 +144,12 @@ def test_device_decoding_gives_the_loaders_pixels_and_skips(shards, device, deco
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("decoder", ["nvjpeg", "nvimgcodec"])
-def test_the_trainer_decodes_on_the_gpu_on_the_loaders_curve(digits_root, tmp_path, jpeg_shards, decoder):
+def test_the_trainer_decodes_on_the_gpu_on_the_loaders_curve(digits_root, tmp_path, jpeg_shards):
     """The whole path on the GPU: DeviceDecoder's thread and CUDA stream feeding both Gradient
     Cache passes; the run follows the loader-decoded run's curve and counts the same skips."""
-    jpeg_decoder(decoder, torch.device("cuda"))
     # Uncompiled: this is about the data path, and compiling would cost each run a minute.
     device = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "device", "run.device=cuda", "data.decoder=device",
-                                  f"data.device_decoder={decoder}", "model.compile=false")
+                                  "model.compile=false")
     loader = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "loader", "run.device=cuda", "data.decoder=loader",
                                   "model.compile=false")
     assert [m["loss"] for m in device] == pytest.approx([m["loss"] for m in loader], rel=2e-3)

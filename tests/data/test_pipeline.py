@@ -1,8 +1,6 @@
-"""What `data.decoder` and `data.device_decoder` resolve to on a machine (clipscale/data/pipeline.py)."""
+"""What `data.decoder` resolves to on a machine (clipscale/data/pipeline.py)."""
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 import torch
@@ -13,37 +11,22 @@ from clipscale.data.pipeline import resolve_data_path
 from clipscale.data.transforms import SplitTransform
 
 SPLIT = SplitTransform.split(image_transform(224, is_train=True))
-HAS_NVIMGCODEC = importlib.util.find_spec("nvidia") is not None and importlib.util.find_spec("nvidia.nvimgcodec") is not None
 
 
 def resolve(*overrides, device="cuda", split=SPLIT):
     return resolve_data_path(load_config("configs/vit_b16_infcl.yaml", list(overrides)), split, torch.device(device))
 
 
-def test_auto_decodes_in_the_loader_on_a_cpu():
-    path, jpeg = resolve(device="cpu")
-    assert (path.decoder, jpeg, path.notes) == ("loader", None, [])
-
-
-@pytest.mark.skipif(HAS_NVIMGCODEC, reason="checks the fallback where nvImageCodec is not installed")
-def test_auto_falls_back_to_nvjpeg_saying_why_where_nvimgcodec_is_missing():
-    path, jpeg = resolve()  # a GPU device: nothing here touches it before the first decode
-    assert (path.decoder, path.device_decoder, jpeg.name) == ("device", "nvjpeg", "nvjpeg")
-    assert len(path.notes) == 1 and "nvImageCodec is not installed" in path.notes[0] and "nvJPEG" in path.notes[0]
-
-
-@pytest.mark.skipif(HAS_NVIMGCODEC, reason="checks the error where nvImageCodec is not installed")
-def test_asking_for_the_hardware_decoder_where_it_cannot_run_is_a_config_error():
-    """Checked before any work (checks.py), on a GPU device: nothing here touches it before nvImageCodec is imported."""
-    from clipscale.checks import check_device_decoder
-
-    with pytest.raises(ConfigError, match="data.device_decoder=nvimgcodec: nvImageCodec is not installed"):
-        check_device_decoder(load_config("configs/vit_b16_infcl.yaml", ["data.device_decoder=nvimgcodec"]),
-                             torch.device("cuda"))
+def test_auto_decodes_in_the_loader_on_a_cpu_and_on_the_device_on_a_gpu():
+    path = resolve(device="cpu")
+    assert (path.decoder, path.offload, path.notes) == ("loader", False, [])
+    path = resolve()  # a GPU device: nothing here touches it
+    assert (path.decoder, path.offload, path.notes) == ("device", True, [])
+    assert "nvJPEG" in path.describe()
 
 
 def test_a_transform_the_device_cannot_run_stays_in_the_loader_saying_so():
-    path, _ = resolve(split=None)
+    path = resolve(split=None)
     assert path.decoder == "loader" and "data.decoder=auto" in path.notes[0]
     with pytest.raises(ConfigError, match="data.decoder=device needs"):
         resolve("data.decoder=device", split=None)
