@@ -8,9 +8,12 @@ read from the shards into memory first. Decoders:
                 JPEGs batched on the hardware engines where the GPU has them)
   nvimgcodec    nvImageCodec's HW_GPU_ONLY backend, one `decode` a chunk of CodeStreams
 
-For each: images/s over --repeats chunks, the images it returned None for or failed on, and
+For each: images/s over --repeats chunks, the images it returned None for or failed on,
 `python_share`: a pure-Python loop's iterations in the main thread while the decoder runs in a
-second thread, over the same loop's iterations alone (1.0: the decoder never holds the GIL).
+second thread, over the same loop's iterations alone (1.0: the decoder never holds the GIL), and
+`beside_matmuls_images_per_s`: its rate while the main thread keeps the GPU's SMs busy with bf16
+matrix products (what a training step does to it), its calls on a stream of normal priority and
+(nvimgcodec, which takes the caller's stream) of high priority.
 
     python scripts/bench_jpeg.py --shards '/tmp/shards-img/synthetic-{0000..0007}.tar' --out /tmp/jpeg.json
 """
@@ -52,7 +55,7 @@ def torchvision_decoder(device: torch.device):
     return decode
 
 
-def nvimgcodec_decoder(device: torch.device):
+def nvimgcodec_decoder(device: torch.device, stream: torch.cuda.Stream | None = None):
     from nvidia import nvimgcodec
 
     decoder = nvimgcodec.Decoder(device_id=device.index or 0, backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY)])
@@ -60,7 +63,7 @@ def nvimgcodec_decoder(device: torch.device):
 
     def decode(blobs: list[torch.Tensor]) -> list:
         images = decoder.decode([nvimgcodec.CodeStream(blob.numpy()) for blob in blobs], params=params,
-                                cuda_stream=torch.cuda.current_stream(device).cuda_stream)
+                                cuda_stream=(stream or torch.cuda.current_stream(device)).cuda_stream)
         return [None if image is None else torch.from_dlpack(image) for image in images]
 
     return decode
@@ -76,6 +79,30 @@ def refused(decode, blobs: list[torch.Tensor]) -> dict:
         except Exception as error:  # noqa: BLE001 - recorded, the benchmark goes on
             failed.append((k, repr(error)[:200]))
     return {"none": len(nothing), "failed": len(failed), "first_failures": failed[:3]}
+
+
+def rate_beside_matmuls(decode, blobs: list[torch.Tensor], device: torch.device, repeats: int) -> float:
+    """Images/s of `decode` in a thread while this one queues bf16 matrix products without pause."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    done, rates = threading.Event(), []
+
+    def decode_loop() -> None:
+        torch.cuda.set_device(device)
+        started = time.perf_counter()
+        for _ in range(repeats):
+            decode(blobs)
+            torch.cuda.synchronize()
+        rates.append(repeats * len(blobs) / (time.perf_counter() - started))
+        done.set()
+
+    thread = threading.Thread(target=decode_loop, daemon=True)
+    thread.start()
+    while not done.is_set():
+        for _ in range(4):
+            a = (a @ a).clamp_(-1, 1)
+        torch.cuda.current_stream(device).synchronize()
+    thread.join()
+    return rates[0]
 
 
 def python_rate(seconds: float) -> float:
@@ -134,6 +161,11 @@ def main(argv=None) -> None:
         result["python_share"] = python_rate(3.0) / record["python_alone_per_s"]
         stopping.set()
         thread.join()
+        result["beside_matmuls_images_per_s"] = rate_beside_matmuls(decode, usable, device, max(2, args.repeats // 4))
+        if name == "nvimgcodec":
+            urgent = torch.cuda.Stream(device, priority=-100)  # mapped to the highest priority the GPU has
+            result["beside_matmuls_high_priority_images_per_s"] = rate_beside_matmuls(
+                nvimgcodec_decoder(device, urgent), usable, device, max(2, args.repeats // 4))
         record["decoders"].append(result)
         print(json.dumps(result), flush=True)
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
