@@ -6,9 +6,10 @@ After the README's first command (which writes runs/digits and data/digits), fro
     python scripts/eval_zeroshot.py --checkpoint runs/digits --task wds --data 'data/digits/val-{0000..0001}.tar' \
         --classnames data/digits/classnames.txt --templates data/digits/templates.txt --output digits.json
 
-A CSV table as training reads it (data.kind: csv; open_clip's columns filepath and title, split at
-a tab; image paths relative to the table's folder): retrieval, the rows of one image its captions;
-or classification, with a label column (class names, or indices into --classnames):
+A CSV table of your own (held_out.tsv and labelled.csv below), as training reads it (data.kind: csv;
+open_clip's columns filepath and title, split at a tab; image paths relative to the table's folder):
+retrieval, the rows of one image its captions; or classification, with a label column (class
+names, or indices into --classnames):
 
     python scripts/eval_zeroshot.py --checkpoint runs/digits --task csv-retrieval --data held_out.tsv
     python scripts/eval_zeroshot.py --checkpoint runs/digits --task csv --data labelled.csv \
@@ -29,7 +30,9 @@ through open_clip, which reads both open_clip's and clipscale's layout
 ("state_dict", "module." prefixes).
 --task is a built-in set (see clipscale.eval.tasks) or a YAML/JSON task file;
 the options below override its fields. Every path is checked before the model
-is built; a bad one is one `error:` line naming its flag.
+is built (a table's or caption JSON's image files too); a bad one is one `error:` line naming its
+flag. A sample that cannot be used (an image that does not decode, an empty caption) is skipped as
+training skips it: the results count them (num_skipped) and a line names the first few.
 """
 
 from __future__ import annotations

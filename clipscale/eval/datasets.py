@@ -1,8 +1,14 @@
 """Evaluation data: ImageFolder directories, webdataset shards, COCO-style caption JSON, CSV tables.
 
 Classification sets yield (image, label); retrieval sets yield
-(image, [caption, ...]) and batch with `collate_captions`, which keeps the
+(image, [caption, ...]); both batch with `collate_samples`, which keeps the
 caption lists intact (the default collate would transpose them).
+
+A sample that cannot be used (an image that does not decode or is over PIL's pixel bound, a
+missing member, an empty caption) is yielded as `Skipped` (where it is and why), as training
+skips it; `collate_samples` puts a batch's skipped samples beside its images and targets, and the
+evaluation counts them (`num_skipped`) and names the first few (`Skips`). A missing file is not a
+sample to skip: `clipscale.eval.tasks.check_data` names it before any work.
 
 Shards are read as bytes and only the members used are decoded, by explicit decoders
 (`clipscale.data.members`): a shard's other members (pickles, torch or numpy files) are
@@ -20,17 +26,66 @@ import json
 import os
 import warnings
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torchvision
 import webdataset as wds
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from clipscale.data.members import DATA_ERRORS, FOLDER_FORMATS, ImageTooLarge, decode_label, decode_text, first_member, open_image
 from clipscale.data.shards import IMAGE_KEYS, TEXT_KEYS
 from clipscale.distributed import is_distributed
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A sample an evaluation leaves out: where it is (a file, or a shard and key) and why."""
+
+    where: str
+    reason: str
+
+
+def reason_of(err: BaseException) -> str:
+    """Why a sample is unusable, in a few words: the error's type and message, on one line."""
+    if isinstance(err, UnidentifiedImageError):  # PIL's message names only a BytesIO object
+        return f"{type(err).__name__}: not an image of the formats read here, or cut short before its size"
+    message = " ".join(str(err).split())
+    return f"{type(err).__name__}: {message}" if message else type(err).__name__
+
+
+class NoUsableSample(ValueError):
+    """An evaluation whose every sample was skipped (`clipscale.eval.tasks.run_task` names the task's data)."""
+
+
+class Skips:
+    """The samples an evaluation skipped on this rank: how many, and the first `shown` of them."""
+
+    def __init__(self, shown: int = 3):
+        self.shown = shown
+        self.count = 0
+        self.first: list[Skipped] = []
+
+    def add(self, skipped) -> None:
+        for item in skipped:
+            self.count += 1
+            if len(self.first) < self.shown:
+                self.first.append(item)
+
+    def summary(self) -> str:
+        """'2 samples skipped (a.png: OSError: ...; b.png: ...)'."""
+        listed = "; ".join(f"{s.where}: {s.reason}" for s in self.first)
+        more = f"; and {self.count - len(self.first)} more" if self.count > len(self.first) else ""
+        return f"{self.count} sample{'' if self.count == 1 else 's'} skipped ({listed}{more})"
+
+
+def batch_parts(batch) -> tuple:
+    """(images, targets, skipped samples) of a loader's batch: `collate_samples`' three, or
+    (images, targets) from any other loader, which skipped nothing."""
+    images, targets, *rest = batch
+    return images, targets, (rest[0] if rest else [])
 
 
 class LabelledFolder(torchvision.datasets.ImageFolder):
@@ -45,6 +100,14 @@ class LabelledFolder(torchvision.datasets.ImageFolder):
         self.folder_labels = folder_labels
         self.numeric_folders = numeric_folders
         super().__init__(root, transform=transform, loader=load_image_file)
+
+    def __getitem__(self, index):
+        path, target = self.samples[index]
+        try:
+            image = load_image_file(path)
+        except DATA_ERRORS as err:
+            return Skipped(path, reason_of(err))
+        return self.transform(image), target
 
     def find_classes(self, directory):
         folders = sorted(entry.name for entry in os.scandir(directory) if entry.is_dir())
@@ -61,7 +124,9 @@ class LabelledFolder(torchvision.datasets.ImageFolder):
 
 
 class ListedImages(torch.utils.data.Dataset):
-    """(transformed image, target) of a list of (image path, target): a CSV table's rows, a caption JSON's images."""
+    """(transformed image, target) of a list of (image path, target): a CSV table's rows, a caption JSON's
+    images; `Skipped` for an image that does not decode, or a retrieval image without a caption (an
+    empty list of them: a table's rows whose captions are all empty, which training skips too)."""
 
     def __init__(self, items: list[tuple[str, object]], transform: Callable):
         self.items = items
@@ -72,7 +137,13 @@ class ListedImages(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         path, target = self.items[index]
-        return self.transform(load_image_file(path)), target
+        if isinstance(target, list) and not target:
+            return Skipped(path, "an empty caption")
+        try:
+            image = load_image_file(path)
+        except DATA_ERRORS as err:
+            return Skipped(path, reason_of(err))
+        return self.transform(image), target
 
 
 class CaptionedImages(ListedImages):
@@ -89,7 +160,8 @@ class CaptionedImages(ListedImages):
             data = json.load(f)
         if isinstance(data, dict):
             items = [
-                (os.path.join(entry.get("filepath", ""), entry["filename"]), [s["raw"].strip() for s in entry["sentences"]])
+                (os.path.join(entry.get("filepath", ""), entry["filename"]),
+                 [s["raw"].strip() for s in entry["sentences"] if s["raw"].strip()])
                 for entry in data["images"]
                 if entry.get("split") == split
             ]
@@ -129,12 +201,10 @@ def _shards(urls) -> wds.WebDataset:
 
 
 class DecodedSamples:
-    """A webdataset stage from raw samples to (transformed image, target(sample)).
-
-    An image whose header claims more pixels than PIL's bound (Image.MAX_IMAGE_PIXELS) is skipped
-    with a warning naming its shard and key, so `num_samples` counts the samples evaluated;
-    any other undecodable image, or a missing member, stops the evaluation (a benchmark
-    read in part would give numbers that do not compare)."""
+    """A webdataset stage from raw samples to (transformed image, target(sample)), or `Skipped`
+    (naming its shard and key, and why) for a sample that training would skip too: an image that
+    does not decode or whose header claims more pixels than PIL's bound (Image.MAX_IMAGE_PIXELS),
+    a missing member, an empty caption. The evaluation counts them (`num_skipped`)."""
 
     def __init__(self, transform: Callable, target: Callable[[dict], object]):
         self.transform = transform
@@ -143,17 +213,21 @@ class DecodedSamples:
     def __call__(self, samples):
         for sample in samples:
             image_key = first_member(sample, IMAGE_KEYS)
-            if image_key is None:
-                raise ValueError(f"{_where(sample)}: no image member ({', '.join(IMAGE_KEYS)})")
             try:
+                if image_key is None:
+                    raise MissingMember(f"no image member ({', '.join(IMAGE_KEYS)})")
+                target = self.target(sample)
                 with open_image(sample[image_key]) as image:
                     rgb = image.convert("RGB")  # PIL decodes here
-            except ImageTooLarge as err:
-                warnings.warn(f"skipping {_where(sample)}.{image_key}: {err}")
+            except DATA_ERRORS as err:  # ImageTooLarge and MissingMember are ValueErrors
+                where = _where(sample) + (f".{image_key}" if image_key and not isinstance(err, MissingMember) else "")
+                yield Skipped(where, str(err) if isinstance(err, (MissingMember, ImageTooLarge)) else reason_of(err))
                 continue
-            except DATA_ERRORS as err:
-                raise ValueError(f"{_where(sample)}.{image_key} does not decode: {err!r}") from err
-            yield self.transform(rgb), self.target(sample)
+            yield self.transform(rgb), target
+
+
+class MissingMember(ValueError):
+    """A shard sample without a member that the evaluation reads, or with an empty one."""
 
 
 def _where(sample: dict) -> str:
@@ -162,7 +236,7 @@ def _where(sample: dict) -> str:
 
 def _label(sample: dict) -> int:
     if "cls" not in sample:
-        raise ValueError(f"{_where(sample)}: no class label (a `cls` member)")
+        raise MissingMember("no class label (a `cls` member)")
     return decode_label(sample["cls"])
 
 
@@ -177,25 +251,32 @@ def _captions(sample: dict) -> list[str]:
     elif "json" in sample:
         captions = json.loads(sample["json"])
         if not (isinstance(captions, list) and all(isinstance(c, str) for c in captions)):
-            raise ValueError(f"{_where(sample)}: no caption member ({', '.join(TEXT_KEYS)}) and its json is not "
-                             "a list of caption strings")
-        captions = [c.strip() for c in captions]
+            raise MissingMember(f"no caption member ({', '.join(TEXT_KEYS)}) and its json is not a list of caption strings")
+        captions = [c.strip() for c in captions if c.strip()]
     else:
-        raise ValueError(f"{_where(sample)}: no caption member ({', '.join(TEXT_KEYS)}, or json: a list of strings)")
+        raise MissingMember(f"no caption member ({', '.join(TEXT_KEYS)}, or json: a list of strings)")
     if not captions:
-        raise ValueError(f"{_where(sample)}: an empty caption")
+        raise MissingMember("an empty caption")
     return captions
 
 
 def _caption_list(captions) -> list[str]:
+    """A caption JSON entry's captions, the empty ones left out (an image without any is skipped)."""
     if isinstance(captions, str):
-        return [captions.strip()]
-    return [str(c).strip() for c in captions]
+        captions = [captions]
+    return [str(c).strip() for c in captions if str(c).strip()]
 
 
-def collate_captions(batch):
-    images, captions = zip(*batch)
-    return torch.stack(images), list(captions)
+def collate_samples(batch):
+    """(images stacked, their targets as a list, the batch's `Skipped` samples); a batch whose every
+    sample was skipped has no images (an empty tensor)."""
+    kept = [item for item in batch if not isinstance(item, Skipped)]
+    skipped = [item for item in batch if isinstance(item, Skipped)]
+    images = torch.stack([image for image, _ in kept]) if kept else torch.empty(0)
+    return images, [target for _, target in kept], skipped
+
+
+collate_captions = collate_samples  # retrieval's name for it: caption lists stay one list per image
 
 
 def rank_shard(dataset: torch.utils.data.Dataset) -> torch.utils.data.Dataset:
@@ -211,12 +292,12 @@ def rank_shard(dataset: torch.utils.data.Dataset) -> torch.utils.data.Dataset:
     return torch.utils.data.Subset(dataset, range(rank * n // world, (rank + 1) * n // world))
 
 
-def make_loader(dataset, batch_size: int, workers: int, collate_fn=None) -> torch.utils.data.DataLoader:
+def make_loader(dataset, batch_size: int, workers: int, collate_fn=collate_samples) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=batch_size,
         num_workers=workers,
-        collate_fn=collate_fn,
+        collate_fn=collate_fn or collate_samples,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=False,
     )

@@ -8,6 +8,7 @@ try to synchronise buffers and is not what `encode_image` needs).
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Iterable, Optional
 
 import torch
@@ -70,3 +71,13 @@ def progress_bar(iterable: Iterable, enabled: bool, desc: str, total: Optional[i
         except TypeError:  # an IterableDataset's loader may not know its length
             total = None
     return tqdm(iterable, desc=desc, total=total, disable=not (enabled and on_main_rank and on_terminal()), leave=False)
+
+
+def say_skipped(name: str, skips, total: int) -> None:
+    """One line on stderr where this rank skipped samples (`clipscale.eval.datasets.Skips`): how many,
+    of how many over all ranks, and the first few with their reasons; the results' num_skipped holds the total."""
+    if not skips.count:
+        return
+    rank = f" (rank {dist.get_rank()})" if is_distributed() else ""
+    tqdm.write(f"eval {name}{rank}: {skips.summary()} of {total:,}; its results' num_skipped counts them",
+               file=sys.stderr)

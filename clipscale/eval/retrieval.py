@@ -8,6 +8,9 @@ Definitions and names follow CLIP_benchmark (and the CLIP paper's tables):
   at least one of its captions among the k captions most similar to the image.
   An image without captions counts as a miss, as in CLIP_benchmark.
 
+num_samples counts the images evaluated, num_skipped those left out
+(`clipscale.eval.datasets.Skipped`).
+
 Ties: see clipscale.eval.ranking (lower index wins; index = position in the
 dataset, or in the rank-order concatenation under torch.distributed).
 """
@@ -16,15 +19,19 @@ from __future__ import annotations
 
 import torch
 
-from clipscale.eval.gather import concat_over_ranks, offset_of_this_rank
-from clipscale.eval.inference import Autocast, encode_images, encode_texts, evaluating, progress_bar
+from clipscale.eval.datasets import NoUsableSample, Skips, batch_parts
+from clipscale.eval.gather import concat_over_ranks, offset_of_this_rank, sum_over_ranks
+from clipscale.eval.inference import Autocast, encode_images, encode_texts, evaluating, progress_bar, say_skipped
 from clipscale.eval.ranking import target_rank
 
 RECALL_AT = (1, 5, 10)
 
 
-def evaluate_retrieval(model, tokenizer, dataloader, device, autocast: Autocast = None, progress: bool = True) -> dict:
-    """Recall@{1,5,10} both ways from a loader of (images, list of caption lists).
+def evaluate_retrieval(model, tokenizer, dataloader, device, autocast: Autocast = None, progress: bool = True,
+                       name: str = "retrieval") -> dict:
+    """Recall@{1,5,10} both ways, num_samples and num_skipped, from a loader of (images, list of
+    caption lists), or (images, caption lists, skipped samples) (`collate_samples`). Skipped samples
+    are counted, and the first few named in a line on stderr, headed by `name`.
 
     A batch's captions may also be plain strings (one caption per image).
     Under torch.distributed each rank passes the loader of its own contiguous
@@ -32,22 +39,35 @@ def evaluate_retrieval(model, tokenizer, dataloader, device, autocast: Autocast 
     """
     image_features, text_features, text_to_image = [], [], []
     num_images = 0
+    skips = Skips()
     with evaluating(model) as inner:
-        for images, captions in progress_bar(dataloader, progress, "retrieval"):
+        for batch in progress_bar(dataloader, progress, name):
+            images, captions, skipped = batch_parts(batch)
+            skips.add(skipped)
+            if len(images) == 0:
+                continue
             captions = [[c] if isinstance(c, str) else list(c) for c in captions]
             image_features.append(encode_images(inner, images, device, autocast))
             text_features.append(encode_texts(inner, tokenizer, [c for cs in captions for c in cs], device, autocast))
             text_to_image += [num_images + i for i, cs in enumerate(captions) for _ in cs]
             num_images += len(captions)
+        num_samples, num_skipped = sum_over_ranks(torch.tensor([num_images, skips.count], device=device)).tolist()
+        say_skipped(name, skips, num_samples + num_skipped)
+        if num_samples == 0:
+            raise NoUsableSample("no usable sample" + (f": {skips.summary()}" if skips.count else ""))
+        if not image_features:  # this rank used no image; it still joins the gathers, with none
+            text_features = [encode_texts(inner, tokenizer, [], device, autocast)]  # [0, embedding width]
+            image_features = [text_features[0].clone()]
 
     # Each rank numbered its images from 0; shift by the images of lower ranks.
     first_image = offset_of_this_rank(num_images, device)
     text_to_image = torch.tensor(text_to_image, dtype=torch.long, device=device) + first_image
-    return recall_metrics(
+    metrics = recall_metrics(
         concat_over_ranks(torch.cat(image_features)),
         concat_over_ranks(torch.cat(text_features)),
         concat_over_ranks(text_to_image),
     )
+    return {**metrics, "num_samples": num_samples, "num_skipped": num_skipped}
 
 
 def recall_metrics(image_features: torch.Tensor, text_features: torch.Tensor, text_to_image: torch.Tensor) -> dict:

@@ -28,7 +28,10 @@ whose manifest lists the shards; the class names and templates are the files wri
 `eval.zeroshot: true` with `data.kind: digits` evaluates it under the name "zeroshot".
 
 A task that cannot be read is a `TaskError` naming the field (and so the command-line flag) and
-the path: `check_data` looks at every path before a model is built.
+the path: `check_data` looks at every path before a model is built, a CSV table's and a caption
+JSON's image files included. A sample that is there but cannot be used (an image that does not
+decode, an empty caption) is skipped and counted (`num_skipped`, and a line naming the first few);
+a task whose every sample is skipped is a `TaskError` on `data`.
 """
 
 from __future__ import annotations
@@ -184,13 +187,15 @@ def check_data(task: EvalTask) -> None:
             reads = "a caption JSON" if task.format == "coco" else "a CSV table"
             raise TaskError(task.name, "data", data, f"{'a folder' if local.is_dir() else 'no such file'}; {task.name} reads {reads}")
         if task.format == "csv":
-            read_table(task)
+            images = [path for path, _ in read_table(task)]
         else:
             try:
-                datasets.CaptionedImages(data, task.image_root or str(local.parent), None, task.split)
+                images = [path for path, _ in datasets.CaptionedImages(data, task.image_root or str(local.parent), None,
+                                                                       task.split).items]
             except (ValueError, KeyError, TypeError) as err:  # json's JSONDecodeError is a ValueError
                 reason = f"no entry {err}" if isinstance(err, KeyError) else str(err).removeprefix(f"{data}: ")
                 raise TaskError(task.name, "data", data, f"not a caption JSON that coco reads ({reason}){_csv_hint(data)}") from None
+        _check_images(task, images)
     if task.image_root is not None and not Path(task.image_root).is_dir():
         raise TaskError(task.name, "image_root", task.image_root, "no such folder")
     for field in ("classnames", "templates", "class_subset", "folder_names"):
@@ -198,6 +203,17 @@ def check_data(task: EvalTask) -> None:
         if value is not None and value not in NAMED_FILES.get(field, ()) and not Path(value).is_file():
             named = NAMED_FILES.get(field)
             raise TaskError(task.name, field, value, "no such file" + (f", nor one of {', '.join(named)}" if named else ""))
+
+
+def _check_images(task: EvalTask, images: list[str]) -> None:
+    """Every image file a table or caption JSON names is there: a missing one is a TaskError naming it
+    (a file that is there but does not decode is skipped and counted when it is read)."""
+    missing = [path for path in dict.fromkeys(images) if not Path(path).is_file()]
+    if missing:
+        relative = "the table's folder" if task.format == "csv" else "image_root" if task.image_root else "the JSON's folder"
+        where = f"image paths are relative to {relative}"
+        more = f" and {len(missing) - 1} more of its {len(set(images))} images" if len(missing) > 1 else ""
+        raise TaskError(task.name, "data", task.data, f"names an image that is not there: {missing[0]}{more} ({where})")
 
 
 def shard_names(task: EvalTask) -> list[str]:
@@ -270,8 +286,17 @@ def run_task(
     autocast: Autocast = None,
     progress: bool = True,
 ) -> dict:
-    """CLIP_benchmark-named metrics of `model` on `task`; under torch.distributed every rank
-    evaluates its own part and returns the same result."""
+    """CLIP_benchmark-named metrics of `model` on `task`, with num_samples and num_skipped; under
+    torch.distributed every rank evaluates its own part and returns the same result. A task whose
+    every sample is skipped is a TaskError naming its data and the first samples' reasons."""
+    try:
+        return _run_task(task, model, tokenizer, transform, device, batch_size, workers, autocast, progress)
+    except datasets.NoUsableSample as err:
+        raise TaskError(task.name, "data", task.data, str(err)) from None
+
+
+def _run_task(task: EvalTask, model, tokenizer, transform, device, batch_size: int, workers: int, autocast: Autocast,
+              progress: bool) -> dict:
     if task.kind == "retrieval":
         if task.format == "coco":
             image_root = task.image_root or str(Path(task.data).parent)
@@ -280,8 +305,8 @@ def run_task(
             dataset = datasets.rank_shard(datasets.ListedImages(captioned_rows(read_table(task)), transform))
         else:
             dataset = datasets.shard_retrieval(shard_names(task), transform)
-        loader = datasets.make_loader(dataset, batch_size, workers, collate_fn=datasets.collate_captions)
-        return evaluate_retrieval(model, tokenizer, loader, device, autocast=autocast, progress=progress)
+        loader = datasets.make_loader(dataset, batch_size, workers)
+        return evaluate_retrieval(model, tokenizer, loader, device, autocast=autocast, progress=progress, name=task.name)
 
     folder_names = _read_json(task.folder_names) if task.folder_names else None  # {folder: class name}
     if task.format == "wds":
@@ -310,7 +335,7 @@ def run_task(
         model, tokenizer, classnames, prompt_templates(task), device, batch_size=batch_size, autocast=autocast
     )
     loader = datasets.make_loader(dataset, batch_size, workers)
-    return evaluate_zeroshot(model, classifier, loader, device, autocast=autocast, progress=progress)
+    return evaluate_zeroshot(model, classifier, loader, device, autocast=autocast, progress=progress, name=task.name)
 
 
 def class_names(task: EvalTask, folders: Optional[list], folder_names: Optional[dict]) -> list[str]:
@@ -329,10 +354,14 @@ def class_names(task: EvalTask, folders: Optional[list], folder_names: Optional[
 
 
 def captioned_rows(rows: list[tuple[str, str]]) -> list[tuple[str, list[str]]]:
-    """(image, its captions) from (image, caption) rows: one image per path, in the order of its first row."""
+    """(image, its captions) from (image, caption) rows: one image per path, in the order of its first
+    row. An empty caption is left out, as training skips its row; an image with no other is kept with
+    none, and skipped and counted when it is read (`datasets.ListedImages`)."""
     captions: dict[str, list[str]] = {}
     for path, caption in rows:
-        captions.setdefault(path, []).append(caption)
+        kept = captions.setdefault(path, [])
+        if caption:
+            kept.append(caption)
     return list(captions.items())
 
 

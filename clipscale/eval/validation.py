@@ -12,11 +12,15 @@ on the number of ranks.
   open_clip's `evaluate` computes `clip_val_loss` (it always uses the CLIP loss; this the run's).
 - `val_image_retrieval_recall@k`, `val_text_retrieval_recall@k` (k = 1, 5, 10): retrieval over
   the whole set, each image with its own caption (`clipscale.eval.retrieval`).
+- `val_num_samples`, `val_num_skipped`: the pairs used, and those skipped as training skips them
+  (an image that does not decode, a missing member, an empty caption); a line on stderr names the
+  first few skipped and why.
 """
 
 from __future__ import annotations
 
 from itertools import islice
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -24,11 +28,13 @@ import torch.distributed as dist
 
 from clipscale.config import Config
 from clipscale.data import data_source
+from clipscale.data.members import DATA_ERRORS, decode_text, first_member, open_image
 from clipscale.data.shards import ShardErrors, load_sample
-from clipscale.data.sources import CSV_SUFFIXES
+from clipscale.data.sources import CSV_SUFFIXES, IMAGE_KEYS, TEXT_KEYS
 from clipscale.distributed import World, is_distributed
-from clipscale.eval.gather import concat_over_ranks
-from clipscale.eval.inference import Autocast, encode_images, encode_texts, evaluating
+from clipscale.eval.datasets import Skipped, Skips, reason_of
+from clipscale.eval.gather import concat_over_ranks, sum_over_ranks
+from clipscale.eval.inference import Autocast, encode_images, encode_texts, evaluating, say_skipped
 from clipscale.eval.retrieval import recall_metrics
 from clipscale.losses import build_loss
 
@@ -49,6 +55,7 @@ class Validation:
     def __call__(self, model) -> dict:
         device = self.world.device
         images, texts, order = [], [], []
+        self.skips = Skips()
         with evaluating(model) as inner:
             for batch in self._batches():
                 indices, pixels, captions = zip(*batch)
@@ -61,8 +68,11 @@ class Validation:
             dataset_order = torch.argsort(concat_over_ranks(torch.cat(order)))
             image_features = concat_over_ranks(torch.cat(images))[dataset_order]
             text_features = concat_over_ranks(torch.cat(texts))[dataset_order]
+            skipped = int(sum_over_ranks(torch.tensor([self.skips.count], device=device)))
+            say_skipped("eval.val_data", self.skips, len(image_features) + skipped)
             if len(image_features) == 0:
-                raise ValueError(f"eval.val_data: no usable sample in {self.source.shards[:3]}")
+                raise ValueError(f"eval.val_data: no usable sample in {self.source.shards[:3]}"
+                                 + (f": {self.skips.summary()}" if self.skips.count else ""))
             scalars = [inner.logit_scale.exp()]
             if getattr(inner, "logit_bias", None) is not None:
                 scalars.append(inner.logit_bias)
@@ -73,6 +83,7 @@ class Validation:
                 total += loss.float() * len(image_features[start:stop])
         metrics = {"loss": (total / len(image_features)).item()}
         metrics.update(recall_metrics(image_features, text_features, torch.arange(len(text_features), device=device)))
+        metrics.update(num_samples=len(image_features), num_skipped=skipped)
         return {f"val_{name}": value for name, value in metrics.items()}
 
     def _samples(self) -> Iterator[tuple[int, torch.Tensor, str]]:
@@ -81,12 +92,40 @@ class Validation:
         samples = (sample for shard in self.source.shards for sample in self.source.read(shard, errors))
         for index, raw in islice(enumerate(samples), self.world.rank, None, self.world.world_size):
             loaded = load_sample(raw, self.transform, None, False)
-            if loaded is not None:
+            if loaded is None:
+                self.skips.add([self._skipped(raw)])
+            else:
                 pixels, _, caption = loaded
                 yield index, pixels, caption
+
+    def _skipped(self, raw: dict) -> Skipped:
+        """The skipped sample named as the user knows it: a table's image file (its row's `__key__` is
+        the row's index in the source's rows), or a shard and key; and why."""
+        rows = getattr(self.source, "rows", None)
+        if raw.get("__url__") is None and rows is not None:
+            path = rows[int(raw["__key__"])][0]
+            if first_member(raw, IMAGE_KEYS) is None:
+                return Skipped(path, "cannot read the file" + ("" if Path(path).exists() else ": no such file"))
+            return Skipped(path, why_unusable(raw))
+        return Skipped(f"{raw.get('__url__')}: sample {raw.get('__key__')}", why_unusable(raw))
 
     def _batches(self) -> Iterator[list]:
         samples = self._samples()
         while batch := list(islice(samples, self.batch_size)):
             yield batch
 
+
+def why_unusable(raw: dict) -> str:
+    """Why `load_sample` found a sample unusable (it says only that it is): what is missing, or the
+    error its image or caption raises (asked again here, for the few samples skipped)."""
+    image_key, text_key = first_member(raw, IMAGE_KEYS), first_member(raw, TEXT_KEYS)
+    if image_key is None or text_key is None:
+        return f"no {'image' if image_key is None else 'caption'} member"
+    try:
+        with open_image(raw[image_key]) as image:
+            image.convert("RGB")
+        if not decode_text(raw[text_key]):
+            return "an empty caption"
+    except DATA_ERRORS as err:
+        return reason_of(err)
+    return "unusable"

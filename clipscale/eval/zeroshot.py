@@ -6,6 +6,8 @@ image is classified by cosine similarity to these class vectors. Metric names
 are CLIP_benchmark's: acc1, acc5, mean_per_class_recall (sklearn's
 balanced accuracy: the mean over classes present in the labels of per-class
 top-1 recall). As in CLIP_benchmark, acc5 is NaN with fewer than 5 classes.
+num_samples counts the images classified, num_skipped those left out
+(`clipscale.eval.datasets.Skipped`).
 Ties between classes: see clipscale.eval.ranking (lower class index wins).
 """
 
@@ -15,8 +17,9 @@ from typing import Callable, Sequence, Union
 
 import torch
 
+from clipscale.eval.datasets import NoUsableSample, Skips, batch_parts
 from clipscale.eval.gather import sum_over_ranks
-from clipscale.eval.inference import Autocast, encode_images, encode_texts, evaluating, progress_bar
+from clipscale.eval.inference import Autocast, encode_images, encode_texts, evaluating, progress_bar, say_skipped
 from clipscale.eval.ranking import target_rank
 
 Template = Union[str, Callable[[str], str]]
@@ -66,8 +69,11 @@ def evaluate_zeroshot(
     device,
     autocast: Autocast = None,
     progress: bool = True,
+    name: str = "zero-shot",
 ) -> dict:
-    """acc1, acc5, mean_per_class_recall and num_samples over `dataloader`'s (images, labels).
+    """acc1, acc5, mean_per_class_recall, num_samples and num_skipped over `dataloader`'s
+    (images, labels) or (images, labels, skipped samples) batches (`collate_samples`). Skipped
+    samples are counted, and the first few named in a line on stderr, headed by `name`.
 
     Under torch.distributed each rank passes the loader of its own part of the
     data; counts are summed across ranks once and every rank returns the same dict.
@@ -77,8 +83,13 @@ def evaluate_zeroshot(
     top5 = torch.zeros((), dtype=torch.long, device=device)
     per_class_total = torch.zeros(num_classes, dtype=torch.long, device=device)
     per_class_top1 = torch.zeros(num_classes, dtype=torch.long, device=device)
+    skips = Skips()
     with evaluating(model) as inner:
-        for images, labels in progress_bar(dataloader, progress, "zero-shot"):
+        for batch in progress_bar(dataloader, progress, name):
+            images, labels, skipped = batch_parts(batch)
+            skips.add(skipped)
+            if len(images) == 0:
+                continue
             labels = torch.as_tensor(labels, device=device)
             rank = target_rank(encode_images(inner, images, device, autocast) @ classifier, labels)
             top1 += (rank < 1).sum()
@@ -87,16 +98,19 @@ def evaluate_zeroshot(
             per_class_top1 += torch.bincount(labels[rank == 0], minlength=num_classes)
 
     # One collective for everything: counts add up exactly across ranks.
-    counts = sum_over_ranks(torch.cat([torch.stack([top1, top5]), per_class_total, per_class_top1])).cpu()
-    top1, top5 = counts[:2].tolist()
-    per_class_total, per_class_top1 = counts[2:].view(2, num_classes)
+    skip_count = torch.tensor([skips.count], dtype=torch.long, device=device)
+    counts = sum_over_ranks(torch.cat([torch.stack([top1, top5]), skip_count, per_class_total, per_class_top1])).cpu()
+    top1, top5, skipped_total = counts[:3].tolist()
+    per_class_total, per_class_top1 = counts[3:].view(2, num_classes)
     n = int(per_class_total.sum())
+    say_skipped(name, skips, n + skipped_total)
     if n == 0:
-        raise ValueError("zero-shot evaluation got no samples")
+        raise NoUsableSample("no usable sample" + (f": {skips.summary()}" if skips.count else ""))
     present = per_class_total > 0
     return {
         "acc1": top1 / n,
         "acc5": top5 / n if num_classes >= 5 else float("nan"),
         "mean_per_class_recall": (per_class_top1[present].double() / per_class_total[present]).mean().item(),
         "num_samples": n,
+        "num_skipped": skipped_total,
     }

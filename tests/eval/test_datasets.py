@@ -24,7 +24,8 @@ from tests.helpers.rigged import (EXPECTED_RETRIEVAL, FEATURE, RETRIEVAL_CAPTION
 # Folders sort as blue (label 0), green (1), red (2). Purple scores red = blue, and blue wins the tie.
 FOLDER_IMAGES = {"blue": ["blue"], "green": ["green", "red"], "red": ["red", "purple"]}
 # Hits: blue, green, red; misses: the red picture in green, the purple one in red.
-EXPECTED_FOLDER = {"acc1": 3 / 5, "mean_per_class_recall": pytest.approx((1 + 1 / 2 + 1 / 2) / 3), "num_samples": 5}
+EXPECTED_FOLDER = {"acc1": 3 / 5, "mean_per_class_recall": pytest.approx((1 + 1 / 2 + 1 / 2) / 3), "num_samples": 5,
+                   "num_skipped": 0}
 
 
 def check_folder_metrics(metrics):

@@ -58,7 +58,8 @@ def test_zeroshot_metrics_exact_with_ties():
     metrics = evaluate_zeroshot(model, classifier, loader, "cpu", progress=False)
     # ranks [0, 4, 5, 1, 0, 3, 2]: top-1 hits 2 of 7, top-5 hits 6 of 7.
     # Per-class top-1 recall: c0 1/1, c1 0/1, c3 0/1, c4 1/2, c5 0/2 (c2 has no samples) -> mean 0.3.
-    assert metrics == {"acc1": 2 / 7, "acc5": 6 / 7, "mean_per_class_recall": pytest.approx(0.3, abs=1e-12), "num_samples": 7}
+    assert metrics == {"acc1": 2 / 7, "acc5": 6 / 7, "mean_per_class_recall": pytest.approx(0.3, abs=1e-12), "num_samples": 7,
+                       "num_skipped": 0}
     predictions = [0, 0, 0, 4, 4, 0, 2]  # first maximal class of each sample
     assert metrics["mean_per_class_recall"] == pytest.approx(balanced_accuracy_score(labels, predictions), abs=1e-12)
 

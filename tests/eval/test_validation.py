@@ -82,6 +82,8 @@ def test_a_csv_validation_set_gives_the_figures_of_the_same_pairs_in_shards(tmp_
         torch.manual_seed(0)
         towers = build_model(cfg.model)
         figures[name] = Validation(cfg, towers, World(), None)(towers.model)
+    assert figures["csv"].pop("val_num_skipped") == 1 and figures["shards"].pop("val_num_skipped") == 0  # the missing image
     assert figures["csv"] == figures["shards"]
-    assert sorted(figures["csv"]) == sorted(["val_loss"] + [f"val_{way}_retrieval_recall@{k}" for way in ("image", "text")
-                                                            for k in (1, 5, 10)])
+    assert sorted(figures["csv"]) == sorted(["val_loss", "val_num_samples"] + [
+        f"val_{way}_retrieval_recall@{k}" for way in ("image", "text") for k in (1, 5, 10)])
+    assert figures["csv"]["val_num_samples"] == 11

@@ -23,7 +23,7 @@ class RiggedModel(nn.Module):
         self.register_buffer("table", torch.tensor(list(text_features.values()), dtype=torch.float32))
 
     def tokenize(self, texts: list[str]) -> torch.Tensor:
-        return torch.tensor([self.texts.index(t) for t in texts])
+        return torch.tensor([self.texts.index(t) for t in texts], dtype=torch.long)
 
     def encode_image(self, images, normalize=False):
         return images.float().flatten(2).mean(dim=2)
@@ -78,6 +78,7 @@ CAPTION_FEATURES = {
 EXPECTED_RETRIEVAL = {
     "image_retrieval_recall@1": 2 / 8, "image_retrieval_recall@5": 1.0, "image_retrieval_recall@10": 1.0,
     "text_retrieval_recall@1": 1 / 4, "text_retrieval_recall@5": 3 / 4, "text_retrieval_recall@10": 1.0,
+    "num_samples": 4, "num_skipped": 0,
 }  # fmt: skip
 
 

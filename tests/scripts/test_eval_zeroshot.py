@@ -138,6 +138,14 @@ def test_the_help_examples_run_from_a_clone_after_the_readmes_first_command(tmp_
     (["--task", "csv-retrieval", "--data", "{tmp}/table.csv", "--csv-separator", ","],
      "error: --csv-image-key 'filepath': {tmp}/table.csv has no such column (its columns, split at ',': 'image', 'text'; "
      "csv_separator sets the split) (task csv-retrieval)"),
+    (["--task", "csv-retrieval", "--data", "{tmp}/table.csv", "--csv-separator", ",", "--csv-image-key", "image",
+      "--csv-caption-key", "text"],
+     "error: --data {tmp}/table.csv: names an image that is not there: {tmp}/0.png (image paths are relative to the "
+     "table's folder) (task csv-retrieval)"),
+    (["--task", "csv-retrieval", "--data", "{tmp}/bad.csv", "--csv-separator", ",", "--csv-image-key", "image",
+      "--csv-caption-key", "text", "--no-progress", "--workers", "0"],
+     "error: --data {tmp}/bad.csv: no usable sample: 1 sample skipped ({tmp}/bad.png: UnidentifiedImageError: not an "
+     "image of the formats read here, or cut short before its size) (task csv-retrieval)"),
     (["--task", "imagenet-r", "--data", "{tmp}"], "error: --class-subset: needed by this task (see clipscale.eval.tasks) "
                                                  "(task imagenet-r)"),
     (["--task", "nope"], "error: --task nope: no such file, nor one of imagenet, imagenet-v2, imagenet-r, imagenet-a, "
@@ -156,8 +164,11 @@ def test_every_bad_input_is_one_error_line_naming_the_flag_and_the_path(tmp_path
     """In this process (the script's main under run_main, as `python scripts/eval_zeroshot.py` runs it);
     the help examples' test runs it as a command."""
     (tmp_path / "table.csv").write_text("image,text\n0.png,a zero\n")
+    (tmp_path / "bad.csv").write_text("image,text\nbad.png,a bad one\n")
+    (tmp_path / "bad.png").write_bytes(b"not an image")
     checkpoint = tmp_path / "step_3.pt"
-    torch.save({"state_dict": {}, "config": {"model": {"name": None, "custom": TINY_CLIP}}}, checkpoint)
+    weights = build_model(ModelConfig(custom=TINY_CLIP)).model.state_dict() if "bad.csv" in " ".join(arguments) else {}
+    torch.save({"state_dict": weights, "config": {"model": {"name": None, "custom": TINY_CLIP}}}, checkpoint)
     run_checkpoints = tmp_path / "runs" / "digits" / "checkpoints"  # a run folder, and an empty one beside it
     run_checkpoints.mkdir(parents=True)
     shutil.copy(checkpoint, run_checkpoints / "step_00000003.pt")
@@ -167,4 +178,8 @@ def test_every_bad_input_is_one_error_line_naming_the_flag_and_the_path(tmp_path
         run_main(lambda: eval_zeroshot.main(argv))
     assert exited.value.code == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.splitlines() == [line.format(tmp=tmp_path)]
+    lines = err.splitlines()
+    if "no usable sample" in line:  # the line of the samples skipped, then the error
+        assert lines[0].startswith("eval csv-retrieval: 1 sample skipped") and len(lines) == 2
+        lines = lines[1:]
+    assert out == "" and lines == [line.format(tmp=tmp_path)]
