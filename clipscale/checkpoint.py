@@ -18,7 +18,8 @@ the target, so a crash never leaves a truncated checkpoint; the temporary file
 is created like any other (mode 0666 less the umask). `latest` is a separate
 small file naming the newest checkpoint: damage to it cannot reach a
 checkpoint, and resuming does not depend on it (the newest step file that
-loads is used; see `load_latest`). A full disk or an unwritable folder is a
+loads is used; see `load_latest`; a resume sets the newer ones that do not load aside as
+`step_<n>.pt.corrupt`, which nothing counts or loads, `set_aside`). A full disk or an unwritable folder is a
 `StorageError` naming the path. A sharded folder is written the same way, whole: under a
 temporary name, renamed once every rank has written its part; the step file, written after it,
 names it (`sharded`), so a checkpoint exists only when both do.
@@ -31,6 +32,7 @@ import pickle
 import re
 import secrets
 import shutil
+import textwrap
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -45,6 +47,7 @@ CHECKPOINTS = "checkpoints"  # the run folder's subfolder holding them
 WHOLE_WEIGHTS = ("state_dict", "optimizer")  # the whole model and optimizer, open_clip's keys: rank 0's alone
 STEP_FILE = re.compile(r"step_(\d+)\.pt")
 TMP_SUFFIX = ".tmp"
+CORRUPT_SUFFIX = ".corrupt"  # a step checkpoint that does not load, set aside (step_<n>.pt.corrupt)
 
 
 class CheckpointError(UserError):
@@ -199,12 +202,38 @@ def save_checkpoint(checkpoint_dir: Path, step: int, state: dict, keep: Optional
     path = Path(checkpoint_dir) / step_file(step)
     save_atomic(state, path)
     write_text_atomic(path.parent / LATEST, path.name + "\n")
-    if keep is not None:
-        for old_step, old in step_checkpoints(checkpoint_dir)[keep:]:
-            if old != path and not (keep_every and old_step % keep_every == 0):
-                old.unlink(missing_ok=True)  # first: a step file without its folder would not load
-                shutil.rmtree(old.with_name(sharded_folder(old_step)), ignore_errors=True)
+    prune(checkpoint_dir, keep, keep_every)
     return path
+
+
+def prune(checkpoint_dir: Path, keep: Optional[int], keep_every: Optional[int] = None) -> list[Path]:
+    """Delete the step checkpoints (and their sharded folders) past the newest `keep` (None: keep
+    all) that are not multiples of `keep_every`; the deleted step files."""
+    if keep is None:
+        return []
+    deleted = []
+    for old_step, old in step_checkpoints(checkpoint_dir)[keep:]:
+        if not (keep_every and old_step % keep_every == 0):
+            old.unlink(missing_ok=True)  # first: a step file without its folder would not load
+            shutil.rmtree(old.with_name(sharded_folder(old_step)), ignore_errors=True)
+            deleted.append(old)
+    return deleted
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a step checkpoint that does not load (and its sharded folder, if any) to
+    `<name>.corrupt`, out of what resumes, retention and `latest` look at; the new path."""
+    aside = path.with_name(path.name + CORRUPT_SUFFIX)
+    n = 1
+    while aside.exists():  # the same step went bad twice
+        aside, n = path.with_name(f"{path.name}{CORRUPT_SUFFIX}-{n}"), n + 1
+    with storage_errors(path, "rename"):
+        os.replace(path, aside)
+        match = STEP_FILE.fullmatch(path.name)
+        shards = path.with_name(sharded_folder(int(match.group(1)))) if match else None
+        if shards is not None and shards.is_dir():
+            os.replace(shards, shards.with_name(shards.name + aside.name.removeprefix(path.name)))
+    return aside
 
 
 def remove_partial_saves(run_dir: Path) -> list[Path]:
@@ -231,15 +260,18 @@ def require_shards(path: Path, checkpoint: dict) -> None:
         raise CheckpointError(f"its shards {Path(path).parent / checkpoint['sharded']} are missing")
 
 
-def error_in_one_line(err: BaseException) -> str:
-    return f"{type(err).__name__}: " + " ".join(str(err).split())[:300]
+def error_in_one_line(err: BaseException, width: int = 300) -> str:
+    """`Type: message` on one line, cut at a word to about `width` characters (" [...]" where it is cut)."""
+    return textwrap.shorten(f"{type(err).__name__}: {err}", width=width, placeholder=" [...]")
 
 
-def load_latest(checkpoint_dir: Path, report: Callable[[str], None] = print) -> Optional[tuple[Path, dict]]:
+def load_latest(checkpoint_dir: Path, report: Callable[[str], None] = print,
+                failed_paths: Optional[list] = None) -> Optional[tuple[Path, dict]]:
     """The newest step checkpoint that loads, as (path, checkpoint); None when there is none.
 
     A checkpoint that fails to load is reported with its error and the one before it is
-    tried; when none loads, a CheckpointError names the newest and its error."""
+    tried (and added to `failed_paths`, where given: the resume sets them aside, `set_aside`);
+    when none loads, a CheckpointError names the newest and its error."""
     candidates = step_checkpoints(checkpoint_dir)
     failed = []
     for _, path in candidates:
@@ -252,6 +284,8 @@ def load_latest(checkpoint_dir: Path, report: Callable[[str], None] = print) -> 
             continue
         if failed:
             report(f"falling back to {path}, the newest checkpoint that loads")
+            if failed_paths is not None:
+                failed_paths += [bad for bad, _ in failed]
         return path, checkpoint
     if failed:
         newest, err = failed[0]

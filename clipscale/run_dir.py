@@ -48,8 +48,8 @@ from typing import Literal
 import torch
 import yaml
 
-from clipscale.checkpoint import (CHECKPOINTS, WHOLE_WEIGHTS, CheckpointError, check_writable, load_latest,
-                                  remove_partial_saves, save_atomic, step_checkpoints, write_text_atomic)
+from clipscale.checkpoint import (CHECKPOINTS, WHOLE_WEIGHTS, CheckpointError, check_writable, load_latest, prune,
+                                  remove_partial_saves, save_atomic, set_aside, step_checkpoints, write_text_atomic)
 from clipscale.checkpoint_manager import model_weights
 from clipscale.config import UNSET, Config, ConfigError, config_differences, on_resume
 from clipscale.console import Console
@@ -69,10 +69,14 @@ class RunFolder:
     action: Literal["new", "resume", "overwrite"]
     cfg: Config
     notices: list[str] = field(default_factory=list)  # said when applied: e.g. what an extension does to the lr
+    unloadable: list[Path] = field(default_factory=list)  # checkpoints newer than the one resumed from that do not load
 
     def apply(self) -> list[str]:
         """Rank 0 only, once every rank has planned: create (or move aside and create) the
-        folder, clean up killed saves, record the configuration. The lines to print."""
+        folder, clean up killed saves; on a resume, set aside the checkpoints newer than the one
+        it resumes from that do not load (`step_<n>.pt.corrupt`) and delete those that
+        train.keep_checkpoints no longer keeps (before the first save needs their room); record
+        the configuration. The lines to print."""
         notices = list(self.notices)
         if self.action == "overwrite":
             aside = _aside_name(self.run_dir)
@@ -82,6 +86,14 @@ class RunFolder:
             removed = remove_partial_saves(self.run_dir)
             if removed:
                 notices.append(f"removed {len(removed)} temporary files of interrupted saves in {self.run_dir}")
+            for path in self.unloadable:
+                notices.append(f"set {path.name}, which does not load, aside as {set_aside(path)} (no resume reads it; "
+                               "delete it once you no longer want to look into it)")
+            train = self.cfg.train
+            pruned = prune(self.run_dir / CHECKPOINTS, train.keep_checkpoints, train.keep_every)
+            if pruned:
+                notices.append(f"deleted {len(pruned)} checkpoints that train.keep_checkpoints={train.keep_checkpoints} "
+                               f"no longer keeps: {', '.join(path.name for path in reversed(pruned))}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.run_dir / CONFIG_FILE, yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
         launcher = launch_id()
@@ -98,7 +110,7 @@ class RunFolder:
         found = None
         if world.is_main:
             try:
-                found = load_latest(self.run_dir / CHECKPOINTS, report=console.say)
+                found = load_latest(self.run_dir / CHECKPOINTS, report=console.say, failed_paths=self.unloadable)
             except CheckpointError as err:  # every rank stops with it
                 found = err
         checkpoint = found[1] if isinstance(found, tuple) else found

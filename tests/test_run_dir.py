@@ -177,3 +177,73 @@ def test_a_resume_with_another_loss_option_is_refused_naming_the_key(tmp_path, s
         open_run_folder(_infcl_config(tmp_path, resumed))
     assert "holds a run with another configuration (" in str(raised.value)
     assert difference in str(raised.value)
+
+
+# --- checkpoints that go bad or fill the disk, as a resume finds them ---------------------------
+
+
+def _saved(run_dir, steps, numel: int = 1000):
+    from clipscale.checkpoint import save_checkpoint
+    import torch
+
+    for step in steps:
+        save_checkpoint(run_dir / "checkpoints", step, {"step": step, "state_dict": {"w": torch.full((numel,), float(step))}})
+
+
+def _resume(tmp_path, *overrides):
+    """What train() does with the folder on a resume: read the newest checkpoint that loads, then apply."""
+    from clipscale.console import Console
+    from clipscale.distributed import World
+
+    said = []
+    console = Console(True)
+    console.say = said.append
+    plan = open_run_folder(_config(tmp_path, *overrides))
+    checkpoint = plan.newest_checkpoint(World(), console)
+    return checkpoint, said + plan.apply()
+
+
+def test_a_corrupt_newest_checkpoint_is_set_aside_once_and_takes_no_retention_slot(tmp_path):
+    run_dir = _started(tmp_path, "train.keep_checkpoints=2")
+    (run_dir / "checkpoints" / "step_00000100.pt").unlink()
+    _saved(run_dir, [10, 20, 30])
+    newest = run_dir / "checkpoints" / "step_00000030.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])  # a copy that died part-way
+    checkpoint, said = _resume(tmp_path, "train.keep_checkpoints=2")
+    assert checkpoint["step"] == 20
+    warning = next(line for line in said if "does not load" in line)
+    assert warning.endswith("; trying the one before it") and ", o);" not in warning
+    assert f"set step_00000030.pt, which does not load, aside as {newest}.corrupt" in " ".join(said)
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names == ["latest", "step_00000010.pt", "step_00000020.pt", "step_00000030.pt.corrupt"]  # 10 and 20 both kept
+    checkpoint, said = _resume(tmp_path, "train.keep_checkpoints=2")  # the next resume: no warning again
+    assert checkpoint["step"] == 20 and not any("does not load" in line for line in said), said
+
+
+def test_a_long_load_error_is_cut_at_a_word(tmp_path):
+    from clipscale.checkpoint import error_in_one_line
+
+    line = error_in_one_line(RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central "
+                                          "directory " + "word " * 80 + "was transferred incorrectly, or"))
+    assert len(line) <= 300 and line.endswith(" [...]") and line.split()[-2] == "word"
+
+
+def test_a_resume_with_fewer_checkpoints_kept_frees_their_room_before_its_first_save(mounted):
+    """A disk that holds two checkpoints: the third save fails (one error line); the resume with
+    train.keep_checkpoints=1 deletes the older one first, and the save then fits."""
+    from clipscale.checkpoint import save_checkpoint, step_checkpoints
+    from clipscale.errors import StorageError
+    import torch
+
+    root = mounted("520k")
+    run_dir = _started(root, "train.keep_checkpoints=3")
+    (run_dir / "checkpoints" / "step_00000100.pt").unlink()
+    _saved(run_dir, [10, 20], numel=50_000)  # 200 kB each
+    state = {"step": 30, "state_dict": {"w": torch.zeros(50_000)}}
+    with pytest.raises(StorageError, match="no space left on the device"):
+        save_checkpoint(run_dir / "checkpoints", 30, state, keep=3)
+    checkpoint, said = _resume(root, "train.keep_checkpoints=1")
+    assert checkpoint["step"] == 20
+    assert "deleted 1 checkpoints that train.keep_checkpoints=1 no longer keeps: step_00000010.pt" in said
+    save_checkpoint(run_dir / "checkpoints", 30, state, keep=1)
+    assert [step for step, _ in step_checkpoints(run_dir / "checkpoints")] == [30]
