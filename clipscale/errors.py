@@ -3,7 +3,9 @@
 A `UserError` (a bad config value, a YAML syntax error, a missing file, a full
 disk, a read-only folder) is printed by rank 0 as `error: <message>` (under
 torchrun once more after torchrun's report, see launcher.py), and every rank
-exits with status 2. Any other exception is a bug: its
+exits with status 2. A Ctrl-C that Python turns into KeyboardInterrupt (before the trainer's
+own handler is installed, or a second one while it writes its checkpoint) is one line and
+status 130, as a shell reports a Ctrl-C. Any other exception is a bug: its
 traceback stays. Entry points run their main function through `run_main`:
 
     if __name__ == "__main__":
@@ -21,6 +23,7 @@ from typing import Callable, Iterator
 from clipscale.launcher import launcher_ranks, repeat_after_torchrun
 
 USER_ERROR_EXIT = 2  # what argparse uses for a bad command line
+INTERRUPTED_EXIT = 128 + 2  # killed by SIGINT, as a shell says it
 STORAGE_ERRNOS = {
     errno.ENOSPC: "no space left on the device",
     errno.EDQUOT: "disk quota exceeded",
@@ -66,9 +69,16 @@ def _close_progress_bars() -> None:
 
 def run_main(main: Callable[[], object]) -> None:
     """Call `main` and exit with its return value where that is an exit status (an int),
-    else 0; a UserError exits 2 on every rank, printed by rank 0 only as `error: ...`."""
+    else 0; a UserError exits 2 on every rank, printed by rank 0 only as `error: ...`; a
+    KeyboardInterrupt exits 130, said in one line by rank 0."""
     try:
         status = main()
+    except KeyboardInterrupt:
+        if reporting_rank():
+            _close_progress_bars()
+            print("\ninterrupted (Ctrl-C): stopped at once; a checkpoint being written is left out, the ones before "
+                  "it stay, and the same command resumes from the newest", file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED_EXIT)
     except UserError as err:
         if reporting_rank():
             _close_progress_bars()

@@ -7,7 +7,8 @@ folder remembers the job that started it (run_dir.py).
 Under torchrun, an `error:` line is said twice: when it happens, and once more
 after torchrun's own report of the failed workers (its ChildFailedError
 traceback, some 35 lines), so that the user's last line is the one that says
-what to fix (`repeat_after_torchrun`).
+what to fix (`repeat_after_torchrun`); `python -m clipscale.torchrun`, which ends in one line of
+its own, needs no repeat (`QUIET_LAUNCHER`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+
+QUIET_LAUNCHER = "CLIPSCALE_QUIET_LAUNCHER"  # set by clipscale.torchrun: its workers' errors are not repeated
 
 # Waits for the process argv[1] to end, then writes argv[2] to stderr. A process of its own
 # (a session of its own: torchrun kills its workers' process groups), started in milliseconds.
@@ -61,7 +64,7 @@ def launch_id() -> str | None:
 def repeat_after_torchrun(line: str) -> None:
     """Under torchrun (whose agent is this worker's parent), have `line` written to stderr once
     more when torchrun has exited, after its report of the failed workers; nothing otherwise."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    if "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get(QUIET_LAUNCHER):
         return
     subprocess.Popen([sys.executable, "-I", "-S", "-c", _WRITE_AFTER_EXIT, str(os.getppid()), line + "\n"],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)

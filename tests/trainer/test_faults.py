@@ -190,3 +190,23 @@ def test_a_run_killed_after_its_final_checkpoint_ends_on_the_next_start(digits_r
 
     again = run_train(overrides)
     assert f"{run_dir} has already trained its 2 steps" in again.stdout + again.stderr, again.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_under_clipscale_torchrun_ends_in_one_line_with_status_130(digits_root, tmp_path):
+    """A terminal's Ctrl-C reaches the launcher's process group (torchrun starts each worker in a
+    session of its own and passes the signal on): the workers checkpoint and stop, and the
+    launcher ends without torchrun's SignalException traceback, with the shell's 130."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    run = subprocess.Popen([sys.executable, "-m", "clipscale.torchrun", "--standalone", "--nproc-per-node", "2",
+                            str(REPO / "train.py"), "--config", DIGITS_YAML, *_overrides(digits_root, tmp_path)],
+                           cwd=REPO, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    _wait_for_steps(run, tmp_path / "tiny" / "metrics.jsonl", 3)
+    os.killpg(run.pid, signal.SIGINT)
+    output = run.communicate(timeout=120)[0]
+    assert run.returncode == 130, output[-3000:]
+    assert "Traceback" not in output and "SignalException" not in output, output[-3000:]
+    assert output.count("stopped by signal 2 after step ") == 1, output[-3000:]
+    assert output.rstrip().splitlines()[-1].startswith("torchrun: stopped by SIGINT"), output[-3000:]
+    assert 3 <= step_checkpoints(tmp_path / "tiny" / "checkpoints")[0][0] < STEPS
