@@ -77,9 +77,9 @@ def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop:
         return out, 0
     rows = torch.empty(n, *out.shape[1:], dtype=torch.uint8, device=device)
     if jpeg_rows:
-        rows[jpeg_rows] = out
+        rows[to_device(torch.tensor(jpeg_rows), device)] = out
     if pixel_rows:
-        rows[pixel_rows] = encoded.pixels[pixel_index].to(device)
+        rows[to_device(torch.tensor(pixel_rows), device)] = to_device(encoded.pixels[pixel_index], device)
     undecodable = 0
     for k in refused:  # rare: a JPEG whose header looked whole, nvJPEG refused it
         try:
@@ -90,6 +90,12 @@ def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop:
             rows[k] = split.apply_to_tensor(black, encoded.params_of(start + k))
             undecodable += 1
     return rows, undecodable
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting: from pinned memory, ordered on the current stream
+    (a copy from pageable memory would wait for the stream's queued work, the step's beside it)."""
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 def resized_crops(split: SplitTransform, images: list[torch.Tensor], boxes: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -177,7 +183,8 @@ class DeviceDecoder:
                 ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         arrivals.wait_for(stop)
         if not hasattr(self.own, "stream"):  # this thread's first chunk
-            self.own.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            # The highest priority: the crop's kernels take SMs as the step's kernels free them.
+            self.own.stream = torch.cuda.Stream(self.device, priority=-100) if self.device.type == "cuda" else None
         stream = self.own.stream
         started = time.perf_counter()
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
