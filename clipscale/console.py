@@ -65,6 +65,12 @@ class PlainProgress:
     line at most every `interval_s` seconds and one at the end, with what tqdm's bar would show.
 
         digits: step 120/200 (60%), 3.41 steps/s, 35 s so far, loss=3.2956, lr=8.44e-04
+
+    The figures (`set_postfix`) are those of the step they were set at, which the trainer does
+    after that step's `update`, at its logged steps. So a line that falls due at a step is said
+    once that step's figures could have come: at its `set_postfix` (then they are that step's),
+    or else at the next `update` or `close`, which name the step the figures are from:
+    `loss=3.2956, lr=8.44e-04 (logged at step 110)`.
     """
 
     def __init__(self, total: int, initial: int, name: str, enabled: bool = True, interval_s: float = 30.0):
@@ -72,29 +78,40 @@ class PlainProgress:
         self.start_n, self.start = initial, time.monotonic()
         self.next_at = self.start + interval_s
         self.postfix = ""
+        self.postfix_n = initial  # the step the figures are from
         self.said_n = initial  # the step of the last line
+        self.due_at: Optional[float] = None  # when a line fell due that is not said yet
 
     def update(self, steps: int = 1) -> None:
-        self.n += steps
-        if time.monotonic() >= self.next_at:
+        if self.due_at is not None:  # no figures came for the step the line fell due at
             self._say()
+        self.n += steps
+        now = time.monotonic()
+        if now >= self.next_at:
+            self.due_at, self.next_at = now, now + self.interval_s
 
     def set_postfix(self, figures: dict) -> None:
         self.postfix = ", ".join(f"{key}={value}" for key, value in figures.items())
+        self.postfix_n = self.n
+        if self.due_at is not None:
+            self._say()
 
     def close(self) -> None:
-        if self.n != self.said_n:
+        if self.due_at is not None or self.n != self.said_n:
             self._say()
 
     def _say(self) -> None:
-        now = time.monotonic()
-        self.next_at, self.said_n = now + self.interval_s, self.n
+        now = self.due_at if self.due_at is not None else time.monotonic()
+        self.due_at, self.said_n = None, self.n
         if not self.enabled:
             return
         elapsed = now - self.start
         rate = (self.n - self.start_n) / elapsed if elapsed > 0 else 0.0
+        figures = ""
+        if self.postfix:
+            figures = f", {self.postfix}" + ("" if self.postfix_n == self.n else f" (logged at step {self.postfix_n})")
         line = (f"{self.name}: step {self.n}/{self.total} ({100 * self.n / max(self.total, 1):.0f}%), {rate:.3g} steps/s, "
-                f"{elapsed:.0f} s so far" + (f", {self.postfix}" if self.postfix else ""))
+                f"{elapsed:.0f} s so far{figures}")
         print(line, file=sys.stderr, flush=True)
 
 

@@ -157,8 +157,28 @@ def test_plain_progress_is_a_line_every_interval_and_one_at_the_end(monkeypatch,
         progress.update(1)
     progress.close()
     assert capsys.readouterr().err.splitlines() == [
-        "digits: step 5/10 (50%), 0.0968 steps/s, 31 s so far, loss=3.1416",
-        "digits: step 6/10 (60%), 0.1 steps/s, 40 s so far, loss=3.1416"]
+        "digits: step 5/10 (50%), 0.0968 steps/s, 31 s so far, loss=3.1416 (logged at step 2)",
+        "digits: step 6/10 (60%), 0.1 steps/s, 40 s so far, loss=3.1416 (logged at step 2)"]
+
+
+def test_the_progress_line_shows_the_figures_of_its_own_step_or_names_theirs(monkeypatch, capsys):
+    """As the trainer calls it: update() after every step, then set_postfix() with that step's loss
+    and lr at its logged steps (every 10th here). A line that falls due at a logged step shows that
+    step's figures, not the previous record's; one due at another step names the step of its figures."""
+    clock = Clock()
+    monkeypatch.setattr(console.time, "monotonic", clock)
+    progress = PlainProgress(total=40, initial=0, name="digits", interval_s=30)
+    for step in range(1, 41):
+        clock.now = {20: 31, 25: 65}.get(step, clock.now + 0.1)
+        progress.update(1)
+        if step % 10 == 0:
+            progress.set_postfix({"loss": f"{100 - step}.0", "lr": f"{step}e-04"})
+    progress.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" s so far, ")[1] for line in lines] == [
+        "loss=80.0, lr=20e-04", "loss=80.0, lr=20e-04 (logged at step 20)", "loss=60.0, lr=40e-04"]
+    assert [line.split(",")[0] for line in lines] == ["digits: step 20/40 (50%)", "digits: step 25/40 (62%)",
+                                                      "digits: step 40/40 (100%)"]
 
 
 def test_open_clips_random_init_warning_is_kept_off_and_our_line_says_what_loads(caplog):

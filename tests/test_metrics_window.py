@@ -36,3 +36,14 @@ def test_each_record_counts_its_own_steps_text_and_one_gpus_share_of_the_flops(w
     assert first["text_positions_per_sample"] == 16 and second["text_positions_per_sample"] == 32
     for got, flops in ((first, FLOPS[16]), (second, FLOPS[32])):
         assert got["mfu"] == pytest.approx(flops * got["samples_per_s"] / world_size / PEAK, rel=1e-9)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_samples_per_s_is_the_global_batchs_rate_whatever_the_world_size(world_size):
+    """train.batch_size is the global batch: a record's rate is its steps' global samples over their
+    time, on every rank (not one rank's share of the batch)."""
+    window = RecordWindow(batch_size=8, device=torch.device("cpu"), world_size=world_size, flops_per_sample=FLOPS)
+    window.open([0, 0, 0])
+    window.step_done(0.0, [(8 // world_size, 16)])
+    got = record(window, [(8 // world_size, 16)])  # two steps of 8 samples
+    assert got["samples_per_s"] * got["step_s"] == pytest.approx(8, rel=1e-9)

@@ -68,3 +68,12 @@ def test_resuming_on_three_processes_continues_the_one_process_training(runs):
     assert max_difference(final["state_dict"], newest_checkpoint(root / "single")["state_dict"]) < 4e-5
     single_losses = [m["loss"] for m in training_records(root / "single")]
     assert [m["loss"] for m in training_records(root / "split")] == pytest.approx(single_losses, rel=1e-4)
+
+
+def test_two_and_three_processes_log_the_global_batchs_rate(runs):
+    """samples_per_s counts train.batch_size (the global batch) a step, whatever the number of processes."""
+    root, *_ = runs
+    records = training_records(root / "split")
+    assert len(records) >= STEPS
+    for record in records:
+        assert record["samples_per_s"] * record["step_s"] == pytest.approx(BATCH, rel=1e-6), record
