@@ -10,18 +10,27 @@
 The YAML states open_clip_train's defaults for what shapes the run (lr, betas, eps, weight decay,
 warmup, precision, no gradient clipping, every checkpoint kept), where clipscale's defaults differ.
 open_clip counts the batch per GPU; clipscale's train.batch_size is the global batch (per-GPU batch
-x GPUs x --accum-freq, the negatives each sample sees), so the number of GPUs is read from a torchrun
-command line (--nproc_per_node x --nnodes) or given as --gpus. Epoch-based flags (--epochs,
---epochs-cooldown, --save-frequency, --zeroshot-frequency, --val-frequency) become steps through
-the samples in an epoch: --train-num-samples for webdataset, the table's rows for a CSV (as
-open_clip_train, which ignores --train-num-samples there; the table is read here). A flag clipscale does not support stops the conversion with a list of them and
-why; a flag that does not change the run (logging paths, debugging) is noted on stderr and dropped.
+x GPUs x --accum-freq, the negatives each sample sees), so the number of GPUs is read from the
+launcher (torchrun's --nproc_per_node x --nnodes, srun's --ntasks or --ntasks-per-node x --nodes)
+or given as --gpus; a command without them counts one, and a note says so. The command may start
+open_clip_train in any of its usual forms: `-m open_clip_train.main`, `-m training.main` (older
+clones), or the script `src/open_clip_train/main.py` under python, torchrun or srun. Epoch-based
+flags (--epochs, --epochs-cooldown, --save-frequency, --zeroshot-frequency, --val-frequency, and the
+last two's defaults, 2 and 1 epochs, where their evaluation is asked for) become steps through the
+samples in an epoch: --train-num-samples, else for webdataset the `sizes.json` (or `__len__`) file
+beside the shards, as open_clip_train reads it, and the table's rows for a CSV (as open_clip_train,
+which ignores --train-num-samples there; the table is read here). A flag clipscale does not support
+stops the conversion with a list of them and why; a flag that does not change the run (logging
+paths, debugging) is noted on stderr and dropped, and so is a warmup longer than the whole run.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import math
+import os
 import shlex
 import sys
 from dataclasses import dataclass
@@ -110,12 +119,13 @@ FLAGS: dict[str, Flag] = {
     "--lr-cooldown-power": mapped("`optim.lr_cooldown_power`"),
     "--save-frequency": mapped(f"`train.checkpoint_every` {EPOCHS}"),
     "--save-most-recent": ignored("runs/<name>/checkpoints/latest always names the newest checkpoint"),
-    "--zeroshot-frequency": mapped(f"`eval.every_n_steps` {EPOCHS}"),
-    "--val-frequency": mapped(f"`eval.every_n_steps` {EPOCHS}"),
+    "--zeroshot-frequency": mapped(f"`eval.every_n_steps` {EPOCHS}; open_clip_train's default, 2 epochs, where "
+                                   "--imagenet-val or --imagenet-v2 is given"),
+    "--val-frequency": mapped(f"`eval.every_n_steps` {EPOCHS}; open_clip_train's default, 1 epoch, where --val-data is given"),
     "--val-retrieval-chunk-size": ignored("retrieval is computed in blocks of clipscale's own size"),
     "--val-retrieval-precision": ignored("retrieval similarities are computed in fp32"),
     "--resume": mapped("`run.resume: true` for `latest` (the run in run.output_dir/run.name); another checkpoint path is not supported"),
-    "--precision": mapped("`train.precision` (`amp` fp16, `amp_bf16`/`amp_bfloat16` bf16, `fp32`; pure low-precision weights are not supported)"),
+    "--precision": mapped("`train.precision` (`amp`, open_clip_train's default, fp16; `amp_bf16`/`amp_bfloat16` bf16; `fp32`; pure low-precision weights are not supported)"),
     "--model": mapped("`model.name`"),
     "--pretrained": mapped("`model.pretrained` (a local file; pretrained tags are downloads, not supported)"),
     "--pretrained-image": unsupported("downloads timm's ImageNet weights; give a local file as model.pretrained_image"),
@@ -192,23 +202,46 @@ class ConversionError(Exception):
     """The command line cannot become a clipscale run; the message says why."""
 
 
-def split_command(tokens: list[str]) -> tuple[int, list[str]]:
-    """(GPUs from torchrun's --nproc_per_node x --nnodes, or 1; open_clip_train's arguments)."""
-    if "open_clip_train.main" in tokens:
-        at = tokens.index("open_clip_train.main")
-        launcher, tokens = tokens[:at], tokens[at + 1:]
-    else:
-        launcher = []
+ENTRY_MODULES = ("open_clip_train.main", "training.main")  # `python -m ...`, `torchrun -m ...`
+ENTRY_SCRIPTS = ("open_clip_train/main.py", "training/main.py")  # `python -u src/open_clip_train/main.py`
+
+
+def _entry(token: str) -> bool:
+    return token in ENTRY_MODULES or token.replace("\\", "/").endswith(ENTRY_SCRIPTS)
+
+
+def split_command(tokens: list[str]) -> tuple[int | None, list[str], list[str]]:
+    """(GPUs the launcher starts, or None where it does not say; open_clip_train's arguments; notes).
+
+    torchrun: --nproc_per_node x --nnodes; srun: --ntasks (-n), or --ntasks-per-node x --nodes (-N)."""
+    at = next((i for i, token in enumerate(tokens) if _entry(token)), None)
+    if at is None:
+        return None, tokens, []
+    launcher, tokens = tokens[:at], tokens[at + 1:]
     options = dict(_flag_values(launcher))
-    gpus = 1
-    for names in (("--nproc_per_node", "--nproc-per-node"), ("--nnodes",)):
+
+    def count(*names: str) -> int | None:
         for name in names:
-            if name in options and options[name]:
-                value = options[name][-1]
+            if options.get(name):
+                value = options[name][0]
                 if not value.isdigit():
                     raise ConversionError(f"{name} {value}: give the number of GPUs with --gpus")
-                gpus *= int(value)
-    return gpus, tokens
+                return int(value)
+        return None
+
+    if "torchrun" in " ".join(launcher) or "torch.distributed.run" in launcher:
+        per_node, nodes = count("--nproc_per_node", "--nproc-per-node"), count("--nnodes")
+        return (per_node or 1) * (nodes or 1), tokens, []
+    if launcher and Path(launcher[0]).name == "srun":
+        tasks = count("--ntasks", "-n")
+        per_node, nodes = count("--ntasks-per-node"), count("--nodes", "-N")
+        if tasks is None and per_node is not None:
+            tasks = per_node * (nodes or 1)
+        if tasks is None:
+            return None, tokens, ["srun's command line does not say how many processes it starts (the job's #SBATCH "
+                                  "lines do): give --gpus N before the command"]
+        return tasks, tokens, []
+    return None, tokens, []
 
 
 def _flag_values(tokens: list[str]) -> list[tuple[str, list[str]]]:
@@ -241,8 +274,9 @@ def number(flag: str, text: str, kind=float):
 
 def to_config(tokens: list[str], gpus: int | None = None) -> tuple[dict, list[str]]:
     """The clipscale configuration for an open_clip_train command line, and notes on the flags dropped."""
-    found_gpus, arguments = split_command(tokens)
-    gpus = gpus or found_gpus
+    found_gpus, arguments, launcher_notes = split_command(tokens)
+    counted_one = gpus is None and found_gpus is None  # nothing said how many: one, with a note
+    gpus = gpus or found_gpus or 1
     given: dict[str, list[str]] = {}
     for flag, values in _flag_values(arguments):
         given[flag] = values
@@ -251,6 +285,9 @@ def to_config(tokens: list[str], gpus: int | None = None) -> tuple[dict, list[st
         raise ConversionError(f"not open_clip_train flags: {', '.join(unknown)}")
     refused = [f"{flag}: {FLAGS[flag].text}" for flag in given if FLAGS[flag].kind == "unsupported"]
     notes = [f"dropped {flag}: {FLAGS[flag].text}" for flag in given if FLAGS[flag].kind == "ignored"]
+    if counted_one:
+        notes += launcher_notes or ["no torchrun or srun in the command: one GPU (train.batch_size is --batch-size x "
+                                    "--accum-freq); give --gpus N before the command for a run on N GPUs"]
 
     def one(flag, default=None, kind=str):
         if flag not in given:
@@ -263,7 +300,7 @@ def to_config(tokens: list[str], gpus: int | None = None) -> tuple[dict, list[st
     def switch(flag) -> bool:
         return flag in given
 
-    precision = one("--precision", "amp_bf16")
+    precision = one("--precision", "amp")  # open_clip_train's default: fp16 autocast
     model_name = one("--model", "RN50")
     vit = "vit" in model_name.lower()  # open_clip_train's get_default_params
     if model_name.lower().startswith("coca"):
@@ -309,6 +346,11 @@ def to_config(tokens: list[str], gpus: int | None = None) -> tuple[dict, list[st
                 notes.append(f"dropped --train-num-samples {num_samples}: an epoch of a CSV is its {rows} rows "
                              "(open_clip_train ignores the flag for a CSV)")
             num_samples = rows
+    if dataset_type == "webdataset" and train_data is not None and num_samples is None:
+        num_samples = listed_size(train_data)
+        if num_samples is not None:
+            notes.append(f"train.num_samples_per_epoch {num_samples}: the sizes the shards' folder lists (sizes.json or "
+                         "__len__), as open_clip_train reads them without --train-num-samples")
 
     def epochs_in_steps(flag, epochs):
         if num_samples is None:
@@ -390,9 +432,15 @@ def to_config(tokens: list[str], gpus: int | None = None) -> tuple[dict, list[st
     if accum > 1:
         train["chunk_size"] = per_gpu
     if num_samples is None:
-        raise ConversionError("--train-num-samples is needed: clipscale counts the run in samples (train.epochs "
-                              "of train.num_samples_per_epoch), as open_clip_train does for webdataset")
+        raise ConversionError("--train-num-samples is needed (the shards' folder has no sizes.json nor __len__ here): "
+                              "clipscale counts the run in samples (train.epochs of train.num_samples_per_epoch), as "
+                              "open_clip_train does for webdataset")
     train.update(steps=None, epochs=one("--epochs", 32, int), num_samples_per_epoch=num_samples)
+    total_steps = epochs_in_steps("--epochs", train["epochs"])
+    if optim["warmup_steps"] > total_steps:
+        notes.append(f"optim.warmup_steps {optim['warmup_steps']} (--warmup, open_clip_train's default 10000 where not "
+                     f"given) is more than the run's {total_steps} steps: the lr never reaches --lr {optim['lr']:g}; "
+                     "give a shorter --warmup")
     train["precision"] = precisions[precision]
     if switch("--fsdp"):
         train["parallel"] = "fsdp"
@@ -406,7 +454,13 @@ def to_config(tokens: list[str], gpus: int | None = None) -> tuple[dict, list[st
     train["keep_checkpoints"] = 1 if switch("--delete-previous-checkpoint") else None
 
     evaluation: dict = {}
-    frequencies = [one(flag, kind=int) for flag in ("--zeroshot-frequency", "--val-frequency") if switch(flag)]
+    # open_clip_train evaluates the ImageNet sets every --zeroshot-frequency epochs (default 2) and
+    # --val-data every --val-frequency epochs (default 1), each where its data is given
+    asked = [(flag, default) for flag, default, data in (("--zeroshot-frequency", 2, ("--imagenet-val", "--imagenet-v2")),
+                                                          ("--val-frequency", 1, ("--val-data",)))
+             if any(switch(d) for d in data)]
+    frequencies = [one(flag, default, int) for flag, default in asked]
+    frequencies = [f for f in frequencies if f > 0]  # 0 turns an evaluation off in open_clip_train
     if frequencies:
         evaluation["every_n_steps"] = epochs_in_steps("--zeroshot-frequency/--val-frequency", min(frequencies))
         if len(set(frequencies)) > 1:
@@ -425,6 +479,28 @@ def to_config(tokens: list[str], gpus: int | None = None) -> tuple[dict, list[st
     if "tensorboard" in reports or "all" in reports:
         config["tensorboard"] = {"enabled": True}
     return config, notes
+
+
+def listed_size(train_data: str) -> int | None:
+    """The samples of the shards `train_data` names, from the `sizes.json` ({shard file name: samples})
+    or `__len__` file in the first shard's folder, as open_clip_train's get_dataset_size reads them;
+    None where there is neither (or a shard is not listed)."""
+    import webdataset as wds
+
+    shards = wds.shardlists.expand_urls(train_data)
+    folder = os.path.dirname(shards[0])
+    sizes, length = os.path.join(folder, "sizes.json"), os.path.join(folder, "__len__")
+    if os.path.isfile(sizes):
+        with open(sizes) as f:
+            listed = json.load(f)
+        try:
+            return sum(int(listed[os.path.basename(shard)]) for shard in shards)
+        except KeyError:
+            return None
+    if os.path.isfile(length):
+        with open(length) as f:
+            return int(ast.literal_eval(f.read().strip()))
+    return None
 
 
 def csv_rows(train_data: str, image_key: str, caption_key: str, separator: str, num_samples: int | None) -> int | None:

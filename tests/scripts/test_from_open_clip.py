@@ -67,11 +67,62 @@ def test_a_realistic_command_line_becomes_a_config_that_loads(tmp_path):
 
 
 def test_open_clip_defaults_where_ours_differ():
-    config, _ = from_open_clip.to_config(["--model", "RN50", "--train-data", "a.tar", "--train-num-samples", "1000"])
+    config, notes = from_open_clip.to_config(["--model", "RN50", "--train-data", "a.tar", "--train-num-samples", "1000"])
     assert config["optim"] == {"lr": 5e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.2,
                                "warmup_steps": 10000, "grad_clip": None, "lr_scheduler": "cosine"}
-    assert config["train"]["batch_size"] == 64 and config["train"]["epochs"] == 32 and config["train"]["precision"] == "bf16"
+    assert config["train"]["batch_size"] == 64 and config["train"]["epochs"] == 32
+    assert config["train"]["precision"] == "fp16"  # --precision amp, open_clip_train's default
     assert config["train"]["keep_checkpoints"] is None  # open_clip_train keeps every epoch's checkpoint
+    assert notes == [  # no launcher: one GPU, said; the default warmup is longer than this run (32 epochs of 16 steps)
+        "no torchrun or srun in the command: one GPU (train.batch_size is --batch-size x --accum-freq); give --gpus N "
+        "before the command for a run on N GPUs",
+        "optim.warmup_steps 10000 (--warmup, open_clip_train's default 10000 where not given) is more than the run's 512 "
+        "steps: the lr never reaches --lr 0.0005; give a shorter --warmup"]
+
+
+OPEN_CLIP_ARGS = "--model ViT-B-32 --train-data /data/{00000..00003}.tar --train-num-samples 4000 --batch-size 100 --warmup 10"
+
+
+@pytest.mark.parametrize("command, gpus", [
+    (f"srun --cpu_bind=v --accel-bind=gn python -u src/open_clip_train/main.py {OPEN_CLIP_ARGS}", None),  # open_clip's Slurm example
+    (f"srun --ntasks-per-node 4 --nodes 2 python -u src/open_clip_train/main.py {OPEN_CLIP_ARGS}", 8),
+    (f"srun -n 4 python -m open_clip_train.main {OPEN_CLIP_ARGS}", 4),
+    (f"python -u src/open_clip_train/main.py {OPEN_CLIP_ARGS}", None),
+    (f"python -m training.main {OPEN_CLIP_ARGS}", None),
+    (f"torchrun --nproc_per_node 4 src/open_clip_train/main.py {OPEN_CLIP_ARGS}", 4),
+    (f"torchrun --nproc_per_node 4 -m training.main {OPEN_CLIP_ARGS}", 4),
+])
+def test_open_clips_usual_command_forms_convert(command, gpus):
+    """The forms of open_clip's README and Slurm example; where the launcher does not say how many
+    processes it starts, one GPU, with a note that says how to give them."""
+    config, notes = from_open_clip.to_config(command.split())
+    assert config["train"]["batch_size"] == 100 * (gpus or 1) and config["model"]["name"] == "ViT-B-32"
+    if gpus is None:
+        assert len(notes) == 1 and "give --gpus N before the command" in notes[0], notes
+    else:
+        assert notes == []
+    assert from_open_clip.to_config(command.split(), gpus=8)[0]["train"]["batch_size"] == 800
+
+
+def test_the_samples_in_an_epoch_come_from_the_shards_sizes_json_as_open_clip_train_reads_them(tmp_path):
+    (tmp_path / "sizes.json").write_text('{"00000.tar": 1000, "00001.tar": 1200, "00002.tar": 7}')
+    shards = str(tmp_path / "{00000..00001}.tar")
+    config, notes = from_open_clip.to_config(["--model", "ViT-B-32", "--train-data", shards, "--warmup", "10"], gpus=1)
+    assert config["train"]["num_samples_per_epoch"] == 2200
+    assert notes == ["train.num_samples_per_epoch 2200: the sizes the shards' folder lists (sizes.json or __len__), as "
+                     "open_clip_train reads them without --train-num-samples"]
+    (tmp_path / "sizes.json").unlink()
+    (tmp_path / "__len__").write_text("5000\n")
+    assert from_open_clip.to_config(["--train-data", shards], gpus=1)[0]["train"]["num_samples_per_epoch"] == 5000
+
+
+def test_open_clip_trains_evaluation_frequencies_are_carried_with_its_defaults():
+    base = ["--model", "ViT-B-32", "--train-num-samples", "6400", "--batch-size", "64", "--warmup", "10"]  # 100 steps an epoch
+    evaluation = lambda *more: from_open_clip.to_config([*base, *more], gpus=1)[0]["eval"]  # noqa: E731
+    assert evaluation("--val-data", "/data/val.tar")["every_n_steps"] == 100  # --val-frequency 1
+    assert evaluation("--imagenet-val", "/data/in/val")["every_n_steps"] == 200  # --zeroshot-frequency 2
+    assert evaluation("--imagenet-val", "/data/in/val", "--zeroshot-frequency", "3")["every_n_steps"] == 300
+    assert "every_n_steps" not in evaluation()  # nothing to evaluate: only the end's evaluation
 
 
 def test_data_source_flags_map_to_the_data_keys(tmp_path):
@@ -136,7 +187,7 @@ def test_a_csv_command_needs_no_train_num_samples_its_epoch_is_the_tables_rows(t
     table = tmp_path / "train.csv"
     table.write_text("filepath\ttitle\n" + "".join(f"images/{i}.jpg\tcaption {i}\n" for i in range(1500)))
     config, notes = from_open_clip.to_config(["--model", "ViT-B-32", "--train-data", str(table), "--batch-size", "64",
-                                              "--epochs", "2", "--save-frequency", "1"])
+                                              "--epochs", "2", "--save-frequency", "1", "--warmup", "10"], gpus=1)
     assert config["train"]["num_samples_per_epoch"] == 1500 and notes == []
     assert config["train"]["checkpoint_every"] == 24  # ceil(1500 / 64) steps an epoch
     path = tmp_path / "csv.yaml"
@@ -144,7 +195,8 @@ def test_a_csv_command_needs_no_train_num_samples_its_epoch_is_the_tables_rows(t
     assert load_config(str(path)).train.steps == 48
 
     # open_clip_train ignores --train-num-samples for a CSV: said, and the rows used
-    config, notes = from_open_clip.to_config(["--model", "ViT-B-32", "--train-data", str(table), "--train-num-samples", "10"])
+    config, notes = from_open_clip.to_config(["--model", "ViT-B-32", "--train-data", str(table), "--train-num-samples", "10",
+                                              "--warmup", "10"], gpus=1)
     assert config["train"]["num_samples_per_epoch"] == 1500
     assert notes == ["dropped --train-num-samples 10: an epoch of a CSV is its 1500 rows (open_clip_train ignores the "
                      "flag for a CSV)"]
@@ -157,7 +209,8 @@ def test_a_csv_command_needs_no_train_num_samples_its_epoch_is_the_tables_rows(t
 
 def test_fsdp_is_train_parallel_fsdp():
     config, notes = from_open_clip.to_config(["--model", "ViT-B-32", "--train-num-samples", "10", "--fsdp",
-                                              "--fsdp-offload-cpu", "--fsdp-checkpoint", "sharded"])
+                                              "--fsdp-offload-cpu", "--fsdp-checkpoint", "sharded", "--precision", "amp_bf16",
+                                              "--warmup", "1"], gpus=1)
     assert config["train"]["parallel"] == "fsdp" and config["train"]["fsdp_offload"] is True
     assert notes == [f"dropped --fsdp-checkpoint: {from_open_clip.FLAGS['--fsdp-checkpoint'].text}"]
     with pytest.raises(from_open_clip.ConversionError, match="--fsdp with --precision amp: .* use amp_bf16"):
@@ -177,14 +230,16 @@ MAPPED_EXAMPLES = {
     "--opt": ("adamw",), "--skip-scheduler": (), "--lr-scheduler": ("const",),
     "--lr-cooldown-end": ("1e-6", "|", "--lr-scheduler", "const-cooldown", "--epochs-cooldown", "1"),
     "--lr-cooldown-power": ("2", "|", "--lr-scheduler", "const-cooldown", "--epochs-cooldown", "1"),
-    "--save-frequency": ("2",), "--zeroshot-frequency": ("2",), "--val-frequency": ("2",), "--resume": ("latest",),
+    "--save-frequency": ("2",), "--zeroshot-frequency": ("3", "|", "--imagenet-val", "/data/imagenet/val"),
+    "--val-frequency": ("2", "|", "--val-data", "/data/val.tar"), "--resume": ("latest",),
     "--precision": ("fp32",), "--model": ("ViT-B-16",), "--pretrained": ("{tmp}/b32.pt",), "--lock-image": (),
     "--lock-image-unlocked-groups": ("1", "|", "--lock-image"), "--lock-image-freeze-bn-stats": ("|", "--lock-image"),
     "--image-mean": ("0.5", "0.5", "0.5"), "--image-std": ("0.2", "0.2", "0.2"), "--image-interpolation": ("bilinear",),
     "--image-resize-mode": ("squash",), "--grad-checkpointing": (), "--force-context-length": ("32",),
     "--force-image-size": ("160",), "--force-quick-gelu": (), "--force-patch-dropout": ("0.5",), "--torchcompile": (),
     "--accum-freq": ("2",), "--device": ("cpu",), "--report-to": ("wandb,tensorboard",),
-    "--wandb-project-name": ("p", "|", "--report-to", "wandb"), "--fsdp": (), "--fsdp-offload-cpu": ("|", "--fsdp"),
+    "--wandb-project-name": ("p", "|", "--report-to", "wandb"), "--fsdp": ("|", "--precision", "amp_bf16"),
+    "--fsdp-offload-cpu": ("|", "--fsdp", "--precision", "amp_bf16"),
     "--seed": ("5",), "--grad-clip-norm": ("2.0",), "--lock-text": ("|", "--lock-text-freeze-layer-norm"),
     "--lock-text-unlocked-layers": ("1", "|", "--lock-text", "--lock-text-freeze-layer-norm"),
     "--lock-text-freeze-layer-norm": ("|", "--lock-text"), "--log-every-n-steps": ("5",), "--delete-previous-checkpoint": (),
