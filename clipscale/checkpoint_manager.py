@@ -199,7 +199,8 @@ class CheckpointManager:
         changed = {key: values for key, values in config_differences(checkpoint["config"], self.cfg.to_dict()).items()
                    if on_resume(key) in (FREE, REDEAL)}
         reshaped = saved_on != self.world.world_size or any(on_resume(key) == REDEAL for key in changed)
-        said = [f"on {self.world.world_size} processes from a run on {saved_on}"] if saved_on != self.world.world_size else []
+        processes = f"{self.world.world_size} process" + ("" if self.world.world_size == 1 else "es")
+        said = [f"on {processes} from a run on {saved_on}"] if saved_on != self.world.world_size else []
         said += [f"{key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()]
         if said:
             effect = ("the epoch goes on, what is left of it dealt to the new ranks and workers" if reshaped

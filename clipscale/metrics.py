@@ -227,13 +227,14 @@ class StepReport:
         data = self.cfg.data
         knobs = []
         if data.workers < self.cores and on_resume("data.workers") is not None:
-            knobs.append(f"more data.workers (now {data.workers}, with {self.cores} cores for this process)")
+            knobs.append(f"more data.workers (now {data.workers}, with {_count(self.cores, 'core')} for this process)")
         if self.gpu and self.path.decoder != "device" and on_resume("data.decoder") is not None:
             knobs.append("data.decoder=device to decode on the GPU")
         if knobs:
             return "a resume accepts " + ", or ".join(knobs)
         if data.workers >= self.cores:
-            return f"data.workers={data.workers} already uses this process's {self.cores} cores: the machine's cores are the limit"
+            return (f"data.workers={data.workers} already uses this process's {_count(self.cores, 'core')}: the machine's "
+                    "cores are the limit")
         return "data.workers sets the loader's processes, and a resume of this run does not accept a change; a new run may"
 
 

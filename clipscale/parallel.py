@@ -186,11 +186,12 @@ def gathered(model: nn.Module):
 def tower_blocks(module: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     """(tower, its list of blocks) for the image and the text tower: open_clip's
     `transformer.resblocks`, a timm trunk's `blocks` or `stages`, a Hugging Face encoder's
-    `layer`/`layers`; the largest list of modules of one class in the tower."""
+    `layer`/`layers`; the largest list of modules of one class in the tower (one block is a list too:
+    digits' one-layer text tower)."""
     text = module.text if hasattr(module, "text") else module.transformer  # CustomTextCLIP, or CLIP's own text tower
     found = []
     for tower, root in (("image", module.visual), ("text", text)):
-        lists = [m for m in root.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1
+        lists = [m for m in root.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 1
                  and len({type(child) for child in m}) == 1]
         if not lists:
             raise ParallelError(f"train.parallel=fsdp: the {tower} tower ({type(root).__name__}) has no list of blocks "

@@ -98,7 +98,7 @@ def test_a_resume_on_another_world_size_gives_every_ranks_state_to_the_part_that
     parts["metrics"] = manager.per_rank["metrics"] = Counter()
     rng_before = torch.get_rng_state()
     manager.load(checkpoint)
-    assert said == ["resuming on 1 processes from a run on 2: the epoch goes on, what is left of it dealt to the new "
+    assert said == ["resuming on 1 process from a run on 2: the epoch goes on, what is left of it dealt to the new "
                     "ranks and workers", "took 2 ranks' states"]
     assert parts["data"].value == 34 and parts["metrics"].value == 5
     assert torch.equal(torch.get_rng_state(), rng_before)

@@ -101,6 +101,8 @@ def test_steps_that_wait_get_one_line_naming_knobs_a_resume_accepts(monkeypatch)
         "data.workers sets the loader's processes, and a resume of this run does not accept a change; a new run may")
     assert report_of(waiting, workers=8, monkeypatch=monkeypatch)[0].endswith(
         "data.workers=8 already uses this process's 8 cores: the machine's cores are the limit")
+    assert report_of(waiting, workers=1, cores=1, monkeypatch=monkeypatch)[0].endswith(
+        "data.workers=1 already uses this process's 1 core: the machine's cores are the limit")
 
 
 def test_the_compile_line_follows_the_first_step_whatever_the_log_interval(monkeypatch):

@@ -264,3 +264,14 @@ def test_what_fsdp_cannot_do_is_refused_before_any_work(overrides, key):
 def test_fsdp_and_its_knobs_are_accepted():
     cfg = load_config(DIGITS_YAML, ["train.parallel=fsdp", "train.fsdp_offload=true"])
     assert (cfg.train.parallel, cfg.train.fsdp_reduce, cfg.train.fsdp_offload) == ("fsdp", "chunk", True)
+
+
+def test_a_tower_of_one_block_is_a_list_of_blocks_to_shard():
+    """configs/digits.yaml's text tower has one layer: FSDP shards that one block, as it shards several."""
+    from tests.helpers.tiny_runs import DIGITS_YAML
+
+    cfg = load_config(DIGITS_YAML, [])
+    model = build_model(cfg.model).model
+    blocks = dict(tower_blocks(model))
+    assert len(blocks["text"]) == cfg.model.custom["text_cfg"]["layers"] == 1
+    assert blocks["text"] is model.transformer.resblocks and blocks["image"] is model.visual.transformer.resblocks
