@@ -10,12 +10,13 @@ on the device. Beside it, as `train.py` runs them:
               decoder's process) built from the same configuration, each batch's image chunks
               asked for by a thread and dropped: the next batch being prepared, all the time;
   decoder     the run's decoder alone, decoding a batch of the shards' JPEGs again and again;
-  decoder_alone  the same with no step beside it (12 s): the decoder's own rate;
+  decoder_alone  the same with no step beside it (12 s): the decoder's own rate (run it before
+              data_path: its first chunks compile the crop's programs);
   python      a thread running pure Python (a reference for what any GIL holder costs).
 
 Each case reports the step's median seconds and its ratio to the step alone, how many images a
 second the load delivered beside it (`data_path_images_per_s`: whole batches) and the decoder's
-threads' time per image (`decoded`); with --pyspy, py-spy
+threads' time per image (`decoded`: in all, and inside the JPEG decode call alone); with --pyspy, py-spy
 samples which threads hold the GIL during the data-path case (collapsed stacks, one file a case).
 
     python scripts/bench_contention.py --shards '/tmp/shards-web/synthetic-{0000..0127}.tar' \\
@@ -117,6 +118,30 @@ def decode_only(batches: TrainingBatches, chunk: int, device: torch.device):
     return work
 
 
+class JpegCallTimer:
+    """The time the decoder's threads spend inside the JPEG decode call itself (nvJPEG, the GIL
+    released), apart from the rest of a chunk's decoding (the crop's launches, waits for the GIL)."""
+
+    def __init__(self):
+        from clipscale.data import device_decode
+
+        self.seconds, self.images, self.lock, self.inner = 0.0, 0, threading.Lock(), device_decode.decode_jpegs
+
+        def timed(blobs, device):
+            started = time.perf_counter()
+            decoded = self.inner(blobs, device)
+            with self.lock:
+                self.seconds += time.perf_counter() - started
+                self.images += len(blobs)
+            return decoded
+
+        device_decode.decode_jpegs = timed
+
+    def totals(self) -> tuple[float, int]:
+        with self.lock:
+            return self.seconds, self.images
+
+
 def pure_python(stopping: threading.Event) -> None:
     total = 0
     for k in range(200_000):
@@ -185,6 +210,7 @@ def main(argv=None) -> None:
     size = (size, size) if isinstance(size, int) else tuple(size)
     images = RepeatedChunk(torch.randn(args.chunk, 3, *size, device=device), args.batch)
     batches = TrainingBatches(cfg, plan, world, towers.train_transform, towers.tokenizer, args.chunk)
+    jpeg_calls = JpegCallTimer()
 
     def run_steps(texts) -> list[float]:
         times = []
@@ -215,7 +241,7 @@ def main(argv=None) -> None:
             sys.setswitchinterval(0.0002)
         load = Background(name, background()).start() if background else None
         decoder = batches.decoder
-        decoded_before = (decoder.images_decoded, decoder.decode_s) if decoder is not None else None
+        decoded_before = (decoder.images_decoded, decoder.decode_s, *jpeg_calls.totals()) if decoder is not None else None
         if load is not None:
             time.sleep(2)  # the load running before the first timed step
         spy = None
@@ -230,7 +256,9 @@ def main(argv=None) -> None:
         sys.setswitchinterval(switch)
         if decoded_before is not None:  # what the decoder's threads did meanwhile, the 2 s before the steps included
             count, seconds = decoder.images_decoded - decoded_before[0], decoder.decode_s - decoded_before[1]
-            decoded = {"images": count, "thread_s": seconds, "ms_per_image_in_a_thread": 1e3 * seconds / count if count else None}
+            call_s, call_images = (now - before for now, before in zip(jpeg_calls.totals(), decoded_before[2:]))
+            decoded = {"images": count, "thread_s": seconds, "ms_per_image_in_a_thread": 1e3 * seconds / count if count else None,
+                       "ms_per_image_in_the_jpeg_call": 1e3 * call_s / call_images if call_images else None}
         median = statistics.median(times[1:])
         baseline = baseline or median
         result = {"case": name, "step_s": times, "median_step_s": median, "over_alone": median / baseline,
