@@ -81,8 +81,11 @@ def refused(decode, blobs: list[torch.Tensor]) -> dict:
     return {"none": len(nothing), "failed": len(failed), "first_failures": failed[:3]}
 
 
-def rate_beside_matmuls(decode, blobs: list[torch.Tensor], device: torch.device, repeats: int) -> float:
-    """Images/s of `decode` in a thread while this one queues bf16 matrix products without pause."""
+def rate_beside_matmuls(decode, blobs: list[torch.Tensor], device: torch.device, repeats: int,
+                        small_kernels: bool = False) -> float:
+    """Images/s of `decode` in a thread while this one queues bf16 matrix products without pause,
+    or (`small_kernels`) a stream of short kernels that each fill every SM, queued far ahead as a
+    training step's CUDA graphs queue them."""
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     done, rates = threading.Event(), []
 
@@ -98,6 +101,11 @@ def rate_beside_matmuls(decode, blobs: list[torch.Tensor], device: torch.device,
     thread = threading.Thread(target=decode_loop, daemon=True)
     thread.start()
     while not done.is_set():
+        if small_kernels:
+            for _ in range(200):
+                a.mul_(1.0001)
+            torch.cuda.current_stream(device).synchronize() if done.is_set() else None
+            continue
         for _ in range(4):
             a = (a @ a).clamp_(-1, 1)
         torch.cuda.current_stream(device).synchronize()
@@ -162,6 +170,18 @@ def main(argv=None) -> None:
         stopping.set()
         thread.join()
         result["beside_matmuls_images_per_s"] = rate_beside_matmuls(decode, usable, device, max(2, args.repeats // 4))
+        result["beside_small_kernels_images_per_s"] = rate_beside_matmuls(decode, usable, device, max(2, args.repeats // 4),
+                                                                          small_kernels=True)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+            decode(usable)
+            torch.cuda.synchronize()
+        kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        names: dict[str, int] = {}
+        for event in kernels:
+            names[event.name[:60]] = names.get(event.name[:60], 0) + 1
+        result["device_events_a_chunk"] = len(kernels)
+        result["device_events_by_name"] = dict(sorted(names.items(), key=lambda kv: -kv[1])[:8])
         if name == "nvimgcodec":
             urgent = torch.cuda.Stream(device, priority=-100)  # mapped to the highest priority the GPU has
             result["beside_matmuls_high_priority_images_per_s"] = rate_beside_matmuls(
