@@ -1,8 +1,11 @@
 """How fast the trainer's data path delivers a batch with no model behind it: the loader workers
 read the shards, decode (`data.decoder: loader`) or only parse each JPEG's header
 (`device`), tokenize, and `BatchStream` gathers the pieces, exactly as train.py builds them
-(`clipscale.data.pipeline.TrainingBatches`). Nothing is decoded on the device: this is the rate the workers
-can feed a step at, and so the bound on a first step, whose batch cannot be gathered ahead.
+(`clipscale.data.pipeline.TrainingBatches`). With `decode=1` (on a GPU) every chunk of each batch
+is also decoded there, as a step's first pass asks for it: the whole path, shards to decoded GPU
+tensors; without it nothing is decoded on the device: the rate the workers can feed a step at, and
+so the bound on a first step, whose batch cannot be gathered ahead. Each case reports the cores
+its processes kept busy (their CPU seconds over the window's, with psutil).
 
 A component benchmark on real shards: it explains what `scripts/bench_e2e.py` measures
 through train.py; it does not replace it.
@@ -11,7 +14,7 @@ through train.py; it does not replace it.
         --case decoder=device,batch=65536 --case decoder=loader,batch=65536 --out results/bench_loader.json
 
 `--profile-worker PIECES` first runs what one loader worker runs (`ShardStream` with the device
-decoder's settings: header, crop draw, reduced-scale check, tokenizer) in this process, alone,
+decoder's settings: header, crop draw, the worker's own decode of what the device does not take, tokenizer) in this process, alone,
 for that many pieces of 512 under cProfile: milliseconds a sample without the profiler and with
 it, and where the profiled time goes (`worker_profile`). Its rate times the workers is what the
 workers could deliver with a core each; the cases say what they deliver.
@@ -39,27 +42,57 @@ from clipscale.data.pipeline import TrainingBatches  # noqa: E402
 from clipscale.provenance import provenance  # noqa: E402
 
 
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its children (the loader workers) so far."""
+    import psutil
+
+    me = psutil.Process()
+    processes = [me, *me.children(recursive=True)]
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def run_case(case: dict, shards: str, workers: int) -> dict:
+    import torch
+
     batch, chunk, batches = int(case["batch"]), int(case.get("chunk", 512)), int(case.get("batches", 3))
+    on_gpu = bool(int(case.get("decode", 0)))
     cfg = load_config(REPO / "configs" / "vit_b16_infcl.yaml", [
         f"model.name={case.get('model', 'ViT-B-32')}", "data.kind=webdataset", f"data.train_shards={shards}",
         f"data.workers={workers}", f"data.decoder={case['decoder']}", f"train.batch_size={batch}",
         f"train.chunk_size={chunk}", f"train.steps={batches}", "eval.zeroshot=false", "run.output_dir=/tmp/bench_loader"])
-    world = World()
+    world = World(device=torch.device("cuda", 0)) if on_gpu else World()
+    if on_gpu:
+        torch.cuda.set_device(world.device)
     started = time.perf_counter()
     towers = build_model(cfg.model)
     stream = TrainingBatches(cfg, plan_run(cfg, world), world, towers.train_transform, towers.tokenizer, chunk)
-    arrived = []  # seconds since the start when each batch's last piece was in
+    arrived, cpu = [], []  # seconds since the start when each batch was in (decoded, with decode=1); CPU seconds then
     try:
         for _ in range(batches):
-            with stream.next():  # used at once (it waits for every piece): the next batch is gathered flat out
-                pass
+            with stream.next() as got:  # used at once: the next batch is gathered flat out
+                if on_gpu:
+                    bounds = [(start, min(start + chunk, len(got))) for start in range(0, len(got), chunk)]
+                    for _ in got.images.chunks(bounds, world.device, 1):
+                        pass
+                    got.texts.whole()
+                    torch.cuda.synchronize(world.device)
+                else:
+                    got.arrivals.wait_for(len(got))
             arrived.append(time.perf_counter() - started)
+            cpu.append(cpu_seconds())
     finally:
         stream.close()
     later = [b - a for a, b in zip(arrived, arrived[1:])]
     return {"case": case, "first_batch_s": arrived[0], "later_batch_s": later,
-            "samples_per_s": batch * len(later) / sum(later) if later else None}
+            "samples_per_s": batch * len(later) / sum(later) if later else None,
+            "cores_busy": (cpu[-1] - cpu[0]) / (arrived[-1] - arrived[0]) if later else None}
 
 
 # Where a worker's time goes, by the functions that own it (cumulative time of each, profiled).
@@ -70,7 +103,7 @@ WORKER_PARTS = {
     "JPEG header (the device check)": ("encoded.py", "jpeg_frame"),
     "worker's own decode (images the device does not take)": ("transforms.py", "apply"),
     "per-sample RNG seeding (fork_rng)": ("random.py", "fork_rng"),
-    "tokenizer (the piece's captions)": ("tokenizer.py", "__call__"),
+    "tokenizer (the piece's captions)": ("captions.py", "__call__"),
     "captions cut (tokenized again)": ("caption_length.py", "captions_cut"),
     "encoded bytes into one tensor": ("encoded.py", "from_samples"),
 }
@@ -82,12 +115,13 @@ def profile_worker(shards: str, pieces: int, model: str = "ViT-B-32", piece_size
     import torch
     import webdataset as wds
 
+    from clipscale.data.captions import CaptionTokenizer
     from clipscale.data.shards import ShardStream
     from clipscale.data.transforms import SplitTransform
 
     torch.set_num_threads(1)  # as in a DataLoader worker
     _, transform, _ = open_clip.create_model_and_transforms(model)
-    tokenizer = open_clip.get_tokenizer(model)
+    tokenizer = CaptionTokenizer.of(open_clip.get_tokenizer(model))  # as train.py's workers tokenize
     stream = ShardStream(wds.shardlists.expand_urls(shards), piece_size=piece_size, rank=0, world_size=1, num_workers=1,
                          seed=0, image_transform=transform, tokenizer=tokenizer, split=SplitTransform.split(transform),
                          keep_encoded=True, decode=False)
@@ -123,7 +157,7 @@ def main(argv=None) -> None:
     parser.add_argument("--shards", required=True, help="brace pattern of webdataset shards")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     parser.add_argument("--case", action="append", default=[],
-                        help="decoder=loader|device,batch=N[,chunk=512][,batches=3][,model=ViT-B-32]")
+                        help="decoder=loader|device,batch=N[,chunk=512][,batches=3][,model=ViT-B-32][,decode=0|1]")
     parser.add_argument("--profile-worker", type=int, default=0, metavar="PIECES",
                         help="first profile one worker's work in this process for PIECES pieces (see above)")
     parser.add_argument("--out", required=True)

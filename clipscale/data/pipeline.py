@@ -17,6 +17,7 @@ import torch
 from clipscale.config import Config, ConfigError
 from clipscale.data import prepare_data
 from clipscale.data.batches import BatchStream, ImageDecoder, StreamedBatch, piece_size_for
+from clipscale.data.captions import CaptionTokenizer
 from clipscale.data.chunks import KeepBudget
 from clipscale.data.device_decode import DeviceDecoder
 from clipscale.data.epoch import WorkList
@@ -96,7 +97,7 @@ class TrainingBatches:
             num_workers=cfg.data.workers,
             seed=cfg.run.seed,
             image_transform=image_transform,
-            tokenizer=tokenizer,
+            tokenizer=CaptionTokenizer.of(tokenizer),
             shuffle_buffer=cfg.data.shuffle_buffer,
             state=self.state,
             split=split,
