@@ -21,6 +21,7 @@ import torch
 
 from clipscale.data.chunks import Arrivals, ChunkSource, DeviceTransform, KeepBudget, PinnedRows, on_the_callers_device
 from clipscale.data.shards import StreamState
+from clipscale.errors import UserError
 
 # A worker decodes a piece before handing it over: large pieces delay the first step and
 # hold more memory in flight; small ones cost per-piece overhead (tokenizer call, IPC).
@@ -142,6 +143,8 @@ class BatchStream:
             batch = gathered[0]
         else:
             batch = self.ready.get()
+            if isinstance(batch, UserError):
+                raise type(batch)(last_line(str(batch))) from None  # a worker's, wrapped with its traceback's text
             if isinstance(batch, BaseException):
                 raise RuntimeError("the data loader failed") from batch
         batch.handed_out_after_s = time.perf_counter() - started
@@ -223,6 +226,13 @@ class BatchStream:
         except BaseException as error:
             arrivals.fail(error)
             raise
+
+
+def last_line(message: str) -> str:
+    """A loader worker's error as the DataLoader re-raises it ("Caught X in DataLoader worker
+    process 0. Original Traceback ... X: message"): the message alone."""
+    last = message.rstrip().splitlines()[-1] if message.strip() else message
+    return last.split(": ", 1)[1] if "Original Traceback" in message and ": " in last else message
 
 
 def piece_size_for(batch_size: int, chunk_size: int) -> int:

@@ -24,6 +24,7 @@ import torch
 import webdataset as wds
 
 from clipscale.caption_length import captions_cut
+from clipscale.errors import UserError
 from clipscale.data.encoded import EncodedImages, device_decodes, jpeg_frame, size_only
 from clipscale.data.epoch import EpochOrder, EpochPlan, ShuffledEpoch, WorkList
 from clipscale.data.members import DATA_ERRORS, check_pixel_bound, decode_text, first_member, open_image
@@ -31,6 +32,11 @@ from clipscale.data.sources import IMAGE_KEYS, TEXT_KEYS, ShardSource
 from clipscale.data.transforms import SplitTransform
 
 EPOCHS_COUNTED = 4  # how many of the latest epochs `StreamState.drawn` keeps
+
+
+class NoUsableSample(UserError):
+    """The data holds no sample the run can train on: an error line, not a traceback. Raised in a
+    loader worker, it reaches the trainer wrapped by the DataLoader (`BatchStream` unwraps it)."""
 
 
 @dataclass
@@ -278,7 +284,10 @@ class ShardStream(torch.utils.data.IterableDataset):
             # worth of them in a row means the data itself is broken, and waiting would hang the run.
             barren, drew = (0, False) if usable else (barren + 1, drew or shuffled.draws > 0)
             if barren == self.order.per_epoch and not drew:
-                raise RuntimeError(f"consumer {consumer} found no samples in its shards: {self.source.shards}")
+                raise NoUsableSample(f"the training data holds no samples (loader {consumer} read its share of "
+                                     f"{len(self.source.shards)} shard(s), first {self.source.shards[0]}, and found none)")
             if barren == 3 * self.order.per_epoch:
-                raise RuntimeError(f"consumer {consumer} decoded no sample in 3 passes over its shards ({skipped} skipped)")
+                raise NoUsableSample(f"the training data holds no usable sample: loader {consumer} decoded no sample in 3 "
+                                     f"passes over its shards ({skipped} skipped; first shard {self.source.shards[0]}): "
+                                     "check data.image_key and data.caption_key against the shards' member names")
             item, position = item + consumers, ()

@@ -18,6 +18,7 @@ from clipscale.checkpoint import latest_checkpoint
 from clipscale.config import load_config
 from clipscale.data.shards import ShardErrors, ShardStream, StreamState
 from clipscale.data.transforms import SplitTransform
+from clipscale.errors import UserError
 from clipscale.metrics import read_metrics
 
 from tests.helpers.tiny_runs import DIGITS_YAML, tiny_run
@@ -103,8 +104,27 @@ def test_a_stream_without_one_usable_sample_stops_with_a_clear_message(tmp_path)
     with wds.TarWriter(shard) as sink:
         for i in range(5):
             sink.write({"__key__": f"s{i}", "png": _png(i)})
-    with pytest.raises(RuntimeError, match="decoded no sample in 3 passes"):
+    with pytest.raises(UserError, match="decoded no sample in 3 passes"):
         next(iter(_stream([shard])))
+
+
+@pytest.mark.timeout(180)
+def test_training_on_data_without_a_usable_sample_ends_in_one_error_line(tmp_path):
+    """train.py with the default loader workers on shards whose samples have no caption: one
+    `error:` line naming what to check, status 2, no traceback."""
+    from tests.helpers.tiny_runs import run_train
+    from tests.helpers.trainer_harness import shard_run
+
+    shard = tmp_path / "shards" / "uncaptioned.tar"
+    shard.parent.mkdir()
+    with wds.TarWriter(str(shard)) as sink:
+        for i in range(20):
+            sink.write({"__key__": f"s{i}", "png": _png(i)})
+    done = run_train(shard_run(str(shard), tmp_path / "runs", "nothing", "train.steps=2", "train.batch_size=8"))
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: the training data holds no usable sample") and "data.caption_key" in lines[-1]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ import torchvision.transforms as T
 from clipscale.config import ConfigError, DataConfig, load_config
 from clipscale.data import prepare_data
 from clipscale.data.shards import ShardStream, StreamState
+from clipscale.errors import UserError
 from clipscale.data.sources import IMAGE_KEYS, TEXT_KEYS, keys
 from clipscale.distributed import World
 from clipscale.metrics import read_metrics
@@ -60,7 +61,7 @@ def test_image_and_caption_keys_are_configurable(tmp_path):
     pattern = write_img2dataset_shards(tmp_path / "shards", shards=2, per_shard=8, image_key="picture.png",
                                        caption_key="alt")
     default = stream_of(config("data.kind=webdataset", f"data.train_shards={pattern}"))
-    with pytest.raises(RuntimeError, match="decoded no sample"):  # neither key is a default one
+    with pytest.raises(UserError, match="decoded no sample"):  # neither key is a default one
         next(iter(default))
     own = config("data.kind=webdataset", f"data.train_shards={pattern}", "data.image_key=picture.png",
                  "data.caption_key=title;alt")
