@@ -7,6 +7,11 @@ read from the shards into memory first. Decoders:
   torchvision   torchvision.io.decode_jpeg(list, device="cuda"): one call a chunk (nvJPEG; baseline
                 JPEGs batched on the hardware engines where the GPU has them)
   nvimgcodec    nvImageCodec's HW_GPU_ONLY backend, one `decode` a chunk of CodeStreams
+  nvjpeg_direct, nvjpeg_direct_urgent
+                nvJPEG's batched hardware decode called through ctypes (the libnvjpeg that
+                torchvision ships) into one chunk-sized buffer, on a stream of ours of normal or
+                of the highest priority: an experiment, not yet in the trainer. Only the JPEGs
+                the hardware takes (nvjpegDecodeBatchedSupported) are timed; the rest are counted
 
 For each: images/s over --repeats chunks, the images it returned None for or failed on,
 `python_share`: a pure-Python loop's iterations in the main thread while the decoder runs in a
@@ -21,6 +26,7 @@ matrix products (what a training step does to it), its calls on a stream of norm
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import sys
 import threading
@@ -65,6 +71,73 @@ def nvimgcodec_decoder(device: torch.device, stream: torch.cuda.Stream | None = 
         images = decoder.decode([nvimgcodec.CodeStream(blob.numpy()) for blob in blobs], params=params,
                                 cuda_stream=(stream or torch.cuda.current_stream(device)).cuda_stream)
         return [None if image is None else torch.from_dlpack(image) for image in images]
+
+    return decode
+
+
+class NvjpegImage(ctypes.Structure):
+    _fields_ = [("channel", ctypes.c_void_p * 4), ("pitch", ctypes.c_size_t * 4)]  # nvjpeg.h's nvjpegImage_t
+
+
+def nvjpeg_direct_decoder(device: torch.device, priority: int):
+    """nvJPEG's batched hardware decode (NVJPEG_BACKEND_HARDWARE) through ctypes, on a stream of
+    `priority` (negative: higher). Returns decode(blobs) -> list of uint8 [3, H, W] views of one
+    buffer, None for the JPEGs the hardware does not take (judged once a blob, by nvJPEG itself)."""
+    import glob
+    import torchvision
+
+    folder = Path(torchvision.__file__).parent.parent / "torchvision.libs"
+    lib = ctypes.CDLL(sorted(glob.glob(str(folder / "libnvjpeg*.so*")))[0])
+
+    def check(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{what} failed with nvjpegStatus {status}")
+
+    handle, state, parsed = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+    check(lib.nvjpegCreateEx(3, None, None, 0, ctypes.byref(handle)), "nvjpegCreateEx(HARDWARE)")
+    check(lib.nvjpegJpegStateCreate(handle, ctypes.byref(state)), "nvjpegJpegStateCreate")
+    check(lib.nvjpegJpegStreamCreate(handle, ctypes.byref(parsed)), "nvjpegJpegStreamCreate")
+    stream = torch.cuda.Stream(device, priority=priority)
+    judged: dict[int, tuple | None] = {}  # blob address -> (height, width) where the hardware takes it
+    batch = [0]
+
+    def judge(blob: torch.Tensor) -> tuple | None:
+        from clipscale.data.encoded import jpeg_frame
+
+        data = blob.numpy().tobytes()
+        check(lib.nvjpegJpegStreamParseHeader(handle, data, ctypes.c_size_t(len(data)), parsed), "ParseHeader")
+        supported = ctypes.c_int(-1)
+        check(lib.nvjpegDecodeBatchedSupported(handle, parsed, ctypes.byref(supported)), "DecodeBatchedSupported")
+        frame = jpeg_frame(data)
+        return (frame.height, frame.width) if supported.value == 0 and frame is not None else None
+
+    def decode(blobs: list[torch.Tensor]) -> list:
+        sizes = [judged.setdefault(blob.data_ptr(), judge(blob)) for blob in blobs]
+        taken = [k for k, size in enumerate(sizes) if size is not None]
+        starts = [0]
+        for k in taken:
+            starts.append(starts[-1] + 3 * sizes[k][0] * sizes[k][1])
+        with torch.cuda.stream(stream):
+            out = torch.empty(starts[-1], dtype=torch.uint8, device=device)
+        images = (NvjpegImage * len(taken))()
+        for image, k, start in zip(images, taken, starts):
+            height, width = sizes[k]
+            for c in range(3):
+                image.channel[c] = out.data_ptr() + start + c * height * width
+                image.pitch[c] = width
+        data = (ctypes.c_void_p * len(taken))(*[blobs[k].data_ptr() for k in taken])
+        lengths = (ctypes.c_size_t * len(taken))(*[blobs[k].numel() for k in taken])
+        if batch[0] != len(taken):
+            check(lib.nvjpegDecodeBatchedInitialize(handle, state, len(taken), 1, 3), "DecodeBatchedInitialize(RGB)")
+            batch[0] = len(taken)
+        check(lib.nvjpegDecodeBatched(handle, state, data, lengths, images, ctypes.c_void_p(stream.cuda_stream)),
+              "nvjpegDecodeBatched")
+        torch.cuda.current_stream(device).wait_stream(stream)
+        decoded: list = [None] * len(blobs)
+        for k, start in zip(taken, starts):
+            height, width = sizes[k]
+            decoded[k] = out[start : start + 3 * height * width].view(3, height, width)
+        return decoded
 
     return decode
 
@@ -126,7 +199,7 @@ def main(argv=None) -> None:
     parser.add_argument("--shards", required=True)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--decoders", default="torchvision,nvimgcodec")
+    parser.add_argument("--decoders", default="torchvision,nvjpeg_direct,nvjpeg_direct_urgent,nvimgcodec")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     device = torch.device("cuda", 0)
@@ -137,7 +210,9 @@ def main(argv=None) -> None:
               "python_alone_per_s": python_rate(3.0), "decoders": []}
     for name in args.decoders.split(","):
         try:
-            decode = {"torchvision": torchvision_decoder, "nvimgcodec": nvimgcodec_decoder}[name](device)
+            decode = {"torchvision": torchvision_decoder, "nvimgcodec": nvimgcodec_decoder,
+                      "nvjpeg_direct": lambda d: nvjpeg_direct_decoder(d, 0),
+                      "nvjpeg_direct_urgent": lambda d: nvjpeg_direct_decoder(d, -100)}[name](device)
         except Exception as error:  # noqa: BLE001
             record["decoders"].append({"decoder": name, "error": repr(error)})
             continue
