@@ -245,7 +245,7 @@ def test_image_bombs_are_skipped_and_counted_and_the_stream_goes_on(tmp_path, de
             sink.write({"__key__": key, kind: image, "txt": f"caption {key}"})
     stream = ShardStream([str(tmp_path / "bombs.tar")], piece_size=4, rank=0, world_size=1, num_workers=1, seed=3,
                          image_transform=TRAIN, tokenizer=list, shuffle_buffer=1, split=SPLIT, keep_encoded=True,
-                         decode=decode)
+                         decode=decode, keep_keys=True)
     pieces = iter(stream)
     first_epoch = [next(pieces) for _ in range(4)]  # 16 usable samples of 18
     assert sum(p["skipped_samples"] for p in first_epoch) == 2

@@ -221,7 +221,8 @@ class BatchStream:
                 images.put(rows, piece)
                 texts.put(rows, piece)
                 batch.records.append({key: piece[key] for key in ("cursor", "drawn", "sample_keys", "skipped_samples",
-                                                                   "shard_errors", "captions_cut", "problem_shards")})
+                                                                   "shard_errors", "captions_cut", "problem_shards")
+                                      if key in piece})
                 arrivals.add(self.piece_size)
         except BaseException as error:
             arrivals.fail(error)

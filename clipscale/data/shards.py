@@ -177,7 +177,8 @@ class ShardStream(torch.utils.data.IterableDataset):
     A piece is a dict: "images" (uint8 [n, 3, H, W] with `split`, else the transform's float
     tensor; absent without `decode`), "texts" (token ids), "encoded" (offload, or without
     `decode`: an `EncodedImages` of the same samples), "cursor" (worker, work-list item, its epoch,
-    *position in its slot), "sample_keys" ((epoch, key) of each sample), "drawn" ({epoch: raw
+    *position in its slot), with `keep_keys` "sample_keys" ((epoch, key) of each sample: a Python object
+    a sample, for tests and tools, never on the trainer's path), "drawn" ({epoch: raw
     samples drawn for the piece, skipped ones included}), "skipped_samples", "shard_errors",
     "problem_shards"."""
 
@@ -198,6 +199,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         keep_encoded: bool = False,
         decode: bool = True,
         max_image_pixels: Optional[int] = None,
+        keep_keys: bool = False,
     ):
         if (keep_encoded or not decode) and split is None:
             raise ValueError("keeping images encoded needs a split transform (the crop drawn apart from the decode)")
@@ -214,6 +216,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.keep_encoded = keep_encoded or not decode
         self.decode = decode
         self.max_image_pixels = max_image_pixels  # None: PIL's Image.MAX_IMAGE_PIXELS
+        self.keep_keys = keep_keys
         self.state = state or StreamState(workers=self.num_workers)  # read when iterated: it may be restored after this is built
         self.order = EpochOrder(self.source, seed)
 
@@ -231,13 +234,14 @@ class ShardStream(torch.utils.data.IterableDataset):
         piece = {
             "texts": texts,
             "cursor": cursor,
-            "sample_keys": list(keys),
             "drawn": dict(drawn),
             "skipped_samples": skipped,
             "captions_cut": captions_cut(self.tokenizer, list(captions), texts),  # longer than the context length
             "shard_errors": errors.count,
             "problem_shards": [shard for shard in dict.fromkeys(problem_shards + errors.shards) if shard],  # where skips and cuts were met
         }
+        if self.keep_keys:
+            piece["sample_keys"] = list(keys)
         if self.decode:
             piece["images"] = torch.stack(pixels)
         if self.keep_encoded:  # without `decode`, the images the device will not decode come as pixels

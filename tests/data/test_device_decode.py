@@ -90,7 +90,7 @@ def test_every_kind_of_image_arrives_as_promised_through_the_device_path(tmp_pat
             sink.write({"__key__": name, "jpg": data, "txt": f"a {name} image"})
     stream = lambda decode: ShardStream([url], piece_size=5, rank=0, world_size=1, num_workers=1, seed=1, image_transform=TRAIN,  # noqa: E731
                                         tokenizer=lambda captions: torch.tensor([len(c) for c in captions]), shuffle_buffer=1,
-                                        split=SPLIT, keep_encoded=True, decode=decode)
+                                        split=SPLIT, keep_encoded=True, decode=decode, keep_keys=True)
     device, loader = next(iter(stream(False))), next(iter(stream(True)))
     assert device["skipped_samples"] == loader["skipped_samples"] == 1
     names = [key for _, key in device["sample_keys"]]
@@ -102,6 +102,19 @@ def test_every_kind_of_image_arrives_as_promised_through_the_device_path(tmp_pat
         assert torch.equal(encoded.pixels[k], loader["images"][row]) and len(encoded.blob(row)) == 0
     pixels, black = decode_rows(SPLIT, encoded, 0, 5, torch.device("cpu"))
     assert black == 0 and (pixels.int() - loader["images"].int()).abs().max() <= 8
+
+
+def test_a_runs_pieces_carry_nothing_per_sample_but_tensors(jpeg_shards):
+    """What crosses from a loader worker to the trainer: tensors (and a few counts), no Python
+    object a sample: no keys (those only where asked, `keep_keys`), no list of captions or crops."""
+    piece = next(iter(_stream(jpeg_shards, decode=False)))
+    assert "sample_keys" not in piece and "images" not in piece
+    for key, value in piece.items():
+        if isinstance(value, (list, tuple, dict)):
+            assert len(value) < 50, f"{key} holds {len(value)} Python objects"
+    encoded = piece["encoded"]
+    assert all(isinstance(getattr(encoded, name), torch.Tensor) for name in ("data", "offsets", "params", "pixels", "pixel_rows"))
+    assert isinstance(piece["texts"], torch.Tensor) and len(piece["texts"]) == 50
 
 
 def test_a_chunks_bytes_taken_at_once_equal_those_taken_sample_by_sample():

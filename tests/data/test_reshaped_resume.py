@@ -52,7 +52,8 @@ def _run(source, shapes) -> dict[int, Counter]:
             state = (StreamState.resumed(saved, rank, ranks, max(1, workers)) if saved
                      else StreamState(workers=max(1, workers)))
             stream = ShardStream(source, piece_size=PIECE, rank=rank, world_size=ranks, num_workers=workers, seed=3,
-                                 image_transform=T.ToTensor(), tokenizer=list, shuffle_buffer=4, state=state)
+                                 image_transform=T.ToTensor(), tokenizer=list, shuffle_buffer=4, state=state,
+                                 keep_keys=True)
             loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers)
             for piece in islice(loader, steps):  # what the loader read beyond them is read again after the resume
                 state.update(piece)

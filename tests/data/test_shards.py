@@ -26,7 +26,8 @@ def _keep_captions(captions):
 
 def _rank_pieces(pattern_shards, rank, count):
     stream = ShardStream(pattern_shards, piece_size=BATCH, rank=rank, world_size=WORLD, num_workers=WORKERS, seed=11,
-                         image_transform=T.ToTensor(), tokenizer=_keep_captions, shuffle_buffer=7)
+                         image_transform=T.ToTensor(), tokenizer=_keep_captions, shuffle_buffer=7,
+                         keep_keys=True)
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=WORKERS)
     return list(islice(loader, count))
 

@@ -175,10 +175,16 @@ def record_checkpoint_reads(folder: str) -> None:
 
 def record_used_samples(folder: str) -> None:
     """Each rank appends the (epoch, key) of every sample of each piece its steps used (the stream's
-    `StreamState.update`) to <folder>/rank<RANK>-<pid>.jsonl, a line a piece."""
-    from clipscale.data.shards import StreamState
+    `StreamState.update`) to <folder>/rank<RANK>-<pid>.jsonl, a line a piece (the loader keeps the
+    keys, which a run's pieces leave out)."""
+    from clipscale.data.shards import ShardStream, StreamState
 
-    update = StreamState.update
+    update, init = StreamState.update, ShardStream.__init__
+
+    def keeping_keys(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "keep_keys": True})
+
+    ShardStream.__init__ = keeping_keys
 
     def recording_update(self, piece):
         with open(Path(folder) / f"rank{os.environ.get('RANK', '0')}-{os.getpid()}.jsonl", "a") as record:

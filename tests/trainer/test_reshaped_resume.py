@@ -80,7 +80,7 @@ def _one_consumers_epochs(data) -> dict[int, Counter]:
     """{epoch: Counter of keys} of the first two epochs as one consumer never stopped reads them."""
     source = prepare_data(load_config(DIGITS_YAML, ["data.kind=webdataset", *data]).data, World()).train_shards
     stream = ShardStream(source, piece_size=BATCH, rank=0, world_size=1, num_workers=0, seed=0,
-                         image_transform=T.ToTensor(), tokenizer=list, shuffle_buffer=2)
+                         image_transform=T.ToTensor(), tokenizer=list, shuffle_buffer=2, keep_keys=True)
     epochs: dict[int, Counter] = {}
     for piece in islice(stream, 2 * EPOCH // BATCH):
         for epoch, key in piece["sample_keys"]:
