@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Protocol
 import torch
 
 from clipscale.data.chunks import Arrivals, ChunkSource, DeviceTransform, KeepBudget, PinnedRows, on_the_callers_device
-from clipscale.data.shards import StreamState
+from clipscale.data.shards import SKIPS_NAMED, StreamState
 from clipscale.errors import UserError
 
 # A worker decodes a piece before handing it over: large pieces delay the first step and
@@ -63,7 +63,7 @@ class StreamedBatch:
     arrivals: Arrivals
     slot: int
     stream: "BatchStream"
-    records: list = field(default_factory=list)  # (cursor, skipped, shard errors, problem shards) of each piece, in order
+    records: list = field(default_factory=list)  # (cursor, skipped, skips named, shard errors, problem shards) of each piece, in order
     handed_out_after_s: float = 0.0  # how long `BatchStream.next` waited for this batch to start
 
     @property
@@ -84,7 +84,7 @@ class StreamedBatch:
 class BatchStream:
     """Gathers the loader's pieces into per-step batches in a background thread, one batch ahead.
 
-    loader:     an iterable of pieces (dicts of "images", "texts", "cursor", "skipped_samples", "problem_shards",
+    loader:     an iterable of pieces (dicts of "images", "texts", "cursor", "skipped_samples", "skips", "problem_shards",
                 "shard_errors", and "encoded" for a decoder), typically a DataLoader over `ShardStream`.
     batch_size: this rank's samples per step, a multiple of piece_size.
     state:      where the stream stands (`StreamState`, the one the loader's `ShardStream` reads
@@ -121,6 +121,7 @@ class BatchStream:
         self.ready: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
         self.problem_shards: list[str] = []  # shards where the used batches met skipped samples or a cut (for the console)
+        self.skips: list[tuple[str, str]] = []  # (where, why) of the first samples the used batches skipped (`take_skips`)
         self.thread = None
 
     def start(self) -> None:
@@ -158,10 +159,16 @@ class BatchStream:
             for record in batch.records:
                 self.state.update(record)
                 self.problem_shards += [shard for shard in record["problem_shards"] if shard not in self.problem_shards]
+                self.skips += record.get("skips", [])[: SKIPS_NAMED - len(self.skips)]
             self.state.batches += 1
         batch.images.release()
         batch.texts.release()
         self.free.put(batch.slot)
+
+    def take_skips(self) -> list[tuple[str, str]]:
+        """(where, why) of the first `SKIPS_NAMED` samples (this rank's) that the batches used since the last call skipped."""
+        skips, self.skips = self.skips, []
+        return skips
 
     def close(self) -> None:
         """Stop gathering, release the batches gathered ahead and shut the loader's workers down
@@ -220,7 +227,7 @@ class BatchStream:
                     raise RuntimeError(f"a loader piece has {len(piece['texts'])} samples, expected {self.piece_size}")
                 images.put(rows, piece)
                 texts.put(rows, piece)
-                batch.records.append({key: piece[key] for key in ("cursor", "drawn", "sample_keys", "skipped_samples",
+                batch.records.append({key: piece[key] for key in ("cursor", "drawn", "sample_keys", "skipped_samples", "skips",
                                                                    "shard_errors", "captions_cut", "problem_shards")
                                       if key in piece})
                 arrivals.add(self.piece_size)

@@ -6,9 +6,9 @@ The epochs' order is the same on any number of ranks and loader workers (`clipsc
 a global sequence of slots (shards or parts of them), each shuffled through a buffer of its own.
 Each (rank, loader worker) pair is a consumer taking every C-th slot of what is left of it; the
 DataLoader hands pieces out round-robin, piece k of a rank from logical worker (k + first) mod W. A
-piece holds uint8 pixels (or the whole transform's floats), token ids, its worker's cursor, the
-(epoch, key) of its samples and how many it drew from each epoch, and the samples and shards it
-skipped; with `keep_encoded` also the images' bytes and crops (`EncodedImages`), without `decode`
+piece holds uint8 pixels (or the whole transform's floats), token ids, its worker's cursor, how
+many samples it drew from each epoch, and the samples and shards it skipped (the first few of
+those samples named, with why: `SKIPS_NAMED`); with `keep_encoded` also the images' bytes and crops (`EncodedImages`), without `decode`
 only those. Nothing in the data stops a run or shrinks a batch. docs/architecture.md tells the
 order and how a resumed stream, on any shape, finds its place.
 """
@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
 import webdataset as wds
+from PIL import UnidentifiedImageError
 
 from clipscale.caption_length import captions_cut
 from clipscale.errors import UserError
@@ -32,6 +34,8 @@ from clipscale.data.sources import IMAGE_KEYS, TEXT_KEYS, ShardSource
 from clipscale.data.transforms import SplitTransform
 
 EPOCHS_COUNTED = 4  # how many of the latest epochs `StreamState.drawn` keeps
+SKIPS_NAMED = 3  # skipped samples a piece names, with why (the console's data lines say the first few)
+REASON_CHARS = 120  # a skip's reason is cut to this many characters
 
 
 class NoUsableSample(UserError):
@@ -133,9 +137,22 @@ class ShardErrors:
         yield from wds.tarfile_to_samples(handler=self)(iter([{"url": url}]))
 
 
+class UnusableSample(Exception):
+    """A sample that cannot be trained on; its message says why, in a few words."""
+
+
 def load_sample(raw: dict, transform: Callable, split: Optional[SplitTransform], keep_encoded: bool,
                 decode: bool = True, max_pixels: Optional[int] = None) -> Optional[tuple]:
-    """(pixels, (bytes, crop) or None, caption), or None when the sample is unusable.
+    """`read_sample`'s (pixels, (bytes, crop) or None, caption), or None when the sample is unusable."""
+    try:
+        return read_sample(raw, transform, split, keep_encoded, decode, max_pixels)
+    except UnusableSample:
+        return None
+
+
+def read_sample(raw: dict, transform: Callable, split: Optional[SplitTransform], keep_encoded: bool,
+                decode: bool = True, max_pixels: Optional[int] = None) -> tuple:
+    """(pixels, (bytes, crop) or None, caption); `UnusableSample` saying why when the sample is unusable.
 
     Only the image and caption members are decoded (`clipscale.data.members`). Pixels are uint8
     when the transform splits (`SplitTransform`), else the whole transform's float tensor. With
@@ -148,7 +165,7 @@ def load_sample(raw: dict, transform: Callable, split: Optional[SplitTransform],
     image_key = first_member(raw, IMAGE_KEYS)
     text_key = first_member(raw, TEXT_KEYS)
     if image_key is None or text_key is None:
-        return None
+        raise UnusableSample("no image member (data.image_key)" if image_key is None else "no caption member (data.caption_key)")
     try:
         data = raw[image_key]
         frame = None if decode else jpeg_frame(data)
@@ -164,11 +181,20 @@ def load_sample(raw: dict, transform: Callable, split: Optional[SplitTransform],
                     params = split.draw(img)
                     pixels = split.apply(img, params)
         caption = decode_text(raw[text_key])
-    except DATA_ERRORS:  # undecodable or oversized: skipped and counted; any other error is a bug and stops the run
-        return None
+    except DATA_ERRORS as err:  # undecodable or oversized: skipped and counted; any other error is a bug and stops the run
+        raise UnusableSample(reason_of(err)) from None
     if not caption:
-        return None
+        raise UnusableSample("an empty caption")
     return pixels, ((bytes(data), params) if keep_encoded else None), caption
+
+
+def reason_of(err: BaseException) -> str:
+    """Why bad bytes are unusable, on one line: the error's type and message."""
+    if isinstance(err, UnidentifiedImageError):  # PIL's message names only a BytesIO object
+        return f"{type(err).__name__}: not a JPEG, PNG or WebP image, or cut short before its size"
+    message = " ".join(str(err).split())
+    reason = f"{type(err).__name__}: {message}" if message else type(err).__name__
+    return reason if len(reason) <= REASON_CHARS else reason[: REASON_CHARS - 3] + "..."
 
 
 class ShardStream(torch.utils.data.IterableDataset):
@@ -179,8 +205,9 @@ class ShardStream(torch.utils.data.IterableDataset):
     `decode`: an `EncodedImages` of the same samples), "cursor" (worker, work-list item, its epoch,
     *position in its slot), with `keep_keys` "sample_keys" ((epoch, key) of each sample: a Python object
     a sample, for tests and tools, never on the trainer's path), "drawn" ({epoch: raw
-    samples drawn for the piece, skipped ones included}), "skipped_samples", "shard_errors",
-    "problem_shards"."""
+    samples drawn for the piece, skipped ones included}), "skipped_samples", "skips" ((where, why) of
+    the first `SKIPS_NAMED` skipped samples: a shard and key, or a CSV table's image file),
+    "shard_errors", "problem_shards"."""
 
     def __init__(
         self,
@@ -227,7 +254,20 @@ class ShardStream(torch.utils.data.IterableDataset):
         return ShuffledEpoch(self.source, EpochPlan([slot.shard], stride=slot.parts, phase=slot.phase),
                              self.shuffle_buffer, f"{self.seed}/{number}", errors)
 
-    def _piece(self, samples: list[tuple], cursor: tuple, drawn: Counter, skipped: int, errors: ShardErrors,
+    def skipped_sample(self, raw: Optional[dict], error: Optional[UnusableSample], shard: str) -> tuple[str, str]:
+        """(where, why) of a skipped sample, as its user finds it: a shard and key, or a CSV table's
+        image file (`CsvTable`'s samples are keyed by their row; a file it could not read has no image)."""
+        if raw is None:
+            return shard or "a shard", "a buffered sample no longer readable (the shard changed since the checkpoint)"
+        rows = getattr(self.source, "rows", None)
+        if raw.get("__url__") is None and rows is not None:
+            path = rows[int(raw["__key__"])][0]
+            if first_member(raw, IMAGE_KEYS) is None:
+                return path, "cannot read the file" + ("" if Path(path).exists() else ": no such file")
+            return path, str(error)
+        return f"{raw.get('__url__') or shard}: sample {raw.get('__key__')}", str(error)
+
+    def _piece(self, samples: list[tuple], cursor: tuple, drawn: Counter, skipped: int, skips: list, errors: ShardErrors,
                problem_shards: list) -> dict:
         pixels, encoded, captions, keys = zip(*samples)
         texts = self.tokenizer(list(captions))
@@ -236,6 +276,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             "cursor": cursor,
             "drawn": dict(drawn),
             "skipped_samples": skipped,
+            "skips": skips,
             "captions_cut": captions_cut(self.tokenizer, list(captions), texts),  # longer than the context length
             "shard_errors": errors.count,
             "problem_shards": [shard for shard in dict.fromkeys(problem_shards + errors.shards) if shard],  # where skips and cuts were met
@@ -256,7 +297,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         consumers = self.world_size * self.num_workers
         work = WorkList(**self.state.work)
         item, _, *position = self.state.cursors.get(worker, (consumer, None))
-        samples, drawn, skipped, errors, problem_shards = [], Counter(), 0, ShardErrors(), []
+        samples, drawn, skipped, skips, errors, problem_shards = [], Counter(), 0, [], ShardErrors(), []
         barren, drew = 0, False  # items in a row without a usable sample; whether they held any sample
         while True:
             number, saved = work.item(item)
@@ -270,20 +311,26 @@ class ShardStream(torch.utils.data.IterableDataset):
                 # Only the CPU generator: torch.manual_seed also queues a CUDA reseed, whose stack capture
                 # cost a third of a sample's loading time, and reseeded a GPU's RNG under an in-process loader.
                 sample_seed = zlib.crc32(f"{self.seed}/{number}/{shuffled.draws}".encode())
+                sample, unusable = None, None
                 with torch.random.fork_rng(devices=[]):
                     torch.random.default_generator.manual_seed(sample_seed)
-                    sample = None if raw is None else load_sample(raw, self.image_transform, self.split,
-                                                                   self.keep_encoded, self.decode, self.max_image_pixels)
+                    try:
+                        sample = None if raw is None else read_sample(raw, self.image_transform, self.split,
+                                                                       self.keep_encoded, self.decode, self.max_image_pixels)
+                    except UnusableSample as err:
+                        unusable = err
                 if sample is None:
                     skipped += 1
                     problem_shards.append((raw or {}).get("__url__") or errors.current_shard)
+                    if len(skips) < SKIPS_NAMED:
+                        skips.append(self.skipped_sample(raw, unusable, errors.current_shard))
                     continue
                 usable += 1
                 samples.append((*sample, (epoch, raw["__key__"])))
                 if len(samples) == self.piece_size:
-                    yield self._piece(samples, (worker, item, epoch, *shuffled.position()), drawn, skipped, errors,
+                    yield self._piece(samples, (worker, item, epoch, *shuffled.position()), drawn, skipped, skips, errors,
                                       problem_shards)
-                    samples, drawn, skipped, errors.count, errors.shards, problem_shards = [], Counter(), 0, 0, [], []
+                    samples, drawn, skipped, skips, errors.count, errors.shards, problem_shards = [], Counter(), 0, [], 0, [], []
             # Slots move between consumers every epoch, so a barren stretch can be bad luck; an epoch's
             # worth of them in a row means the data itself is broken, and waiting would hang the run.
             barren, drew = (0, False) if usable else (barren + 1, drew or shuffled.draws > 0)
@@ -291,7 +338,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                 raise NoUsableSample(f"the training data holds no samples (loader {consumer} read its share of "
                                      f"{len(self.source.shards)} shard(s), first {self.source.shards[0]}, and found none)")
             if barren == 3 * self.order.per_epoch:
+                first = f"; the first: {skips[0][0]} ({skips[0][1]})" if skips else ""
                 raise NoUsableSample(f"the training data holds no usable sample: loader {consumer} decoded no sample in 3 "
-                                     f"passes over its shards ({skipped} skipped; first shard {self.source.shards[0]}): "
+                                     f"passes over its shards ({skipped} skipped; first shard {self.source.shards[0]}{first}): "
                                      "check data.image_key and data.caption_key against the shards' member names")
             item, position = item + consumers, ()

@@ -16,12 +16,15 @@ from PIL import Image
 
 from clipscale.checkpoint import latest_checkpoint
 from clipscale.config import load_config
-from clipscale.data.shards import ShardErrors, ShardStream, StreamState
+from clipscale.data import prepare_data
+from clipscale.data.shards import SKIPS_NAMED, ShardErrors, ShardStream, StreamState
 from clipscale.data.transforms import SplitTransform
+from clipscale.distributed import World
 from clipscale.errors import UserError
 from clipscale.metrics import read_metrics
 
 from tests.helpers.tiny_runs import DIGITS_YAML, tiny_run
+from tests.helpers.user_data import write_csv
 
 SAMPLES_PER_SHARD = 40
 CORRUPT = {f"corrupt-{i:03d}" for i in range(0, SAMPLES_PER_SHARD, 5)}  # 8 images of garbage bytes
@@ -99,13 +102,52 @@ def test_a_resumed_stream_counts_on_without_counting_replayed_samples(broken_sha
     assert resumed == uninterrupted
 
 
+def test_a_piece_names_its_first_skipped_samples_and_why(broken_shards):
+    """Each piece names the first SKIPS_NAMED samples it skipped, as (where, why) strings: the shard
+    and key of a sample the fixture broke, and what is wrong with it."""
+    named = set()
+    for piece in islice(_stream(broken_shards), 30):
+        assert len(piece["skips"]) == min(piece["skipped_samples"], SKIPS_NAMED), piece["skips"]
+        for where, why in piece["skips"]:
+            assert isinstance(where, str) and isinstance(why, str)
+            shard, key = where.split(": sample ")
+            assert Path(shard).name == key.split("-")[0] + ".tar", where
+            index = int(key.split("-")[1])
+            if key in CORRUPT:
+                assert why.startswith("UnidentifiedImageError: "), (where, why)
+            elif key.startswith("uncaptioned") and index < 2:
+                assert why == "an empty caption", (where, why)
+            else:
+                assert key.startswith("uncaptioned") and index < 8, where
+                assert why == "no caption member (data.caption_key)", (where, why)
+            named.add(key)
+    assert any(key in CORRUPT for key in named) and any(key.startswith("uncaptioned") for key in named), named
+
+
+def test_a_csv_tables_skipped_samples_are_named_by_their_image_file(tmp_path):
+    """A CSV table has no shard: a skipped row is named by its image file, with why."""
+    table = write_csv(tmp_path, rows=20, missing={3})
+    (tmp_path / "images" / "5.png").write_bytes(b"not an image")
+    (tmp_path / "images" / "7.png").unlink()
+    (tmp_path / "images" / "7.png").mkdir()
+    cfg = load_config(DIGITS_YAML, ["data.kind=csv", f"data.train_shards={table}", "data.shuffle_buffer=4"])
+    stream = ShardStream(prepare_data(cfg.data, World()).train_shards, piece_size=5, rank=0, world_size=1, num_workers=0,
+                         seed=5, image_transform=T.ToTensor(), tokenizer=list, shuffle_buffer=4)
+    named = dict(skip for piece in islice(stream, 4) for skip in piece["skips"])  # 17 usable samples an epoch
+    images = tmp_path / "images"
+    assert named == {str(images / "3.png"): "cannot read the file: no such file",
+                     str(images / "5.png"): "UnidentifiedImageError: not a JPEG, PNG or WebP image, or cut short before its size",
+                     str(images / "7.png"): "cannot read the file"}, named
+
+
 def test_a_stream_without_one_usable_sample_stops_with_a_clear_message(tmp_path):
     shard = str(tmp_path / "uncaptioned.tar")
     with wds.TarWriter(shard) as sink:
         for i in range(5):
             sink.write({"__key__": f"s{i}", "png": _png(i)})
-    with pytest.raises(UserError, match="decoded no sample in 3 passes"):
+    with pytest.raises(UserError, match="decoded no sample in 3 passes") as raised:
         next(iter(_stream([shard])))
+    assert f"the first: {shard}: sample s" in str(raised.value) and "(no caption member (data.caption_key))" in str(raised.value)
 
 
 @pytest.mark.timeout(180)
@@ -124,6 +166,7 @@ def test_training_on_data_without_a_usable_sample_ends_in_one_error_line(tmp_pat
     assert done.returncode == 2, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: the training data holds no usable sample") and "data.caption_key" in lines[-1]
+    assert f"the first: {shard}: sample s" in lines[-1] and "no caption member" in lines[-1], lines[-1]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
