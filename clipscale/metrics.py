@@ -4,7 +4,8 @@
 the steps into console lines, called after every step whatever train.log_every is:
 `StepReport` (how long compiling took; whether the steps wait for their data, judged over a
 window of steps after the loader's start, with advice that names only knobs this machine has and
-a resume accepts) and `DataProblems` (skipped samples and shards cut short, rate-limited).
+a resume accepts) and `DataProblems` (skipped samples, named, and shards cut short, said at the
+logged steps, where the totals over ranks are gathered, rate-limited).
 Only rank 0 writes. On resume, lines past the checkpoint's step are dropped so
 the file always reads as one clean curve, and so is a last line cut short by a
 crash or a full disk (with a warning naming the file); that rewrite, like every
@@ -26,7 +27,7 @@ import resource
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -39,6 +40,7 @@ from clipscale.utilization import peak_bf16_flops
 if TYPE_CHECKING:
     from clipscale.step import StepResult
 
+SKIPS_SAID = 3  # skipped samples a data line names, with why
 NONFINITE = "nonfinite"  # the key listing a record's values that were NaN or infinite
 DATA_COUNTS = ("skipped samples", "shard errors", "captions cut")  # TrainingBatches.error_totals, in its order
 TENSORBOARD = "tensorboard"  # the event files' folder in the run folder
@@ -240,15 +242,19 @@ class StepReport:
 
 class DataProblems:
     """Console lines for data problems: samples skipped (undecodable, missing a member) and shards
-    cut short, each line saying how many since the previous line, in which shard, and the totals
-    so far; at most one line every `interval_s` seconds (what happens meanwhile is summed into the
-    next line), except after the run's last step (`steps` of them in this process), whose line
-    brings the totals to the end. `after_step` takes the run's totals over all ranks and the shards
-    the problems were last seen in (the pieces' records), and returns the line when one is due.
+    cut short, each line saying how many since the previous line, in which shard, the first few
+    samples skipped (where and why) and the totals so far; at most one line every `interval_s`
+    seconds (what happens meanwhile is summed into the next line), except after the run's last
+    step (`steps` of them in this process), whose line brings the totals to the end.
 
-    Captions longer than the context length are cut, not skipped: the first step that cuts one gets
-    a line with the share cut so far (of `batch_size` captions a step), once; metrics.jsonl has the
-    share at every record."""
+    `after_step` is called after every step with the shards the problems were last seen in and the
+    (where, why) of the first samples skipped (this rank's pieces' records), and, at the steps that
+    gather them (a collective: the trainer's logged steps, the last among them), the run's totals
+    over all ranks; it returns the line when one is due. A step without totals says nothing.
+
+    Captions longer than the context length are cut, not skipped: the first step with totals that
+    counts a cut one gets a line with the share cut so far (of `batch_size` captions a step), once;
+    metrics.jsonl has the share at every record."""
 
     def __init__(self, interval_s: float = 60.0, totals: tuple[int, ...] = (0, 0, 0), steps: int | None = None,
                  batch_size: int = 0):
@@ -258,13 +264,19 @@ class DataProblems:
         self.captions_said = False
         self.steps, self.batch_size, self.steps_done = steps, batch_size, 0
         self.shards: list[str] = []
+        self.skips: list[tuple[str, str]] = []  # (where, why) of the first samples skipped since the last line
         self.next_at = 0.0
 
-    def after_step(self, skipped_total: int, shard_errors_total: int, captions_cut_total: int,
-                   shards: list[str] = ()) -> list[str]:
+    def after_step(self, totals: Sequence[int] | None, shards: Sequence[str] = (),
+                   skips: Sequence[tuple[str, str]] = ()) -> list[str]:
+        """`totals`: (skipped samples, shard errors, captions cut) over all ranks since the run began, or None."""
         self.steps_done += 1
-        lines = self.captions_line(captions_cut_total)
         self.shards += [shard for shard in shards if shard not in self.shards]
+        self.skips += list(skips)[: SKIPS_SAID - len(self.skips)]
+        if totals is None:
+            return []
+        skipped_total, shard_errors_total, captions_cut_total = totals
+        lines = self.captions_line(captions_cut_total)
         skipped, cut = skipped_total - self.said[0], shard_errors_total - self.said[1]
         last = self.steps_done == self.steps
         if not (skipped or cut) or (time.monotonic() < self.next_at and not last):
@@ -275,8 +287,11 @@ class DataProblems:
         where = ""
         if self.shards:
             where = f" in {self.shards[-1]}" + (f" and {len(self.shards) - 1} other shards" if len(self.shards) > 1 else "")
-        self.said, self.shards = (skipped_total, shard_errors_total), []
-        return [*lines, f"data: {' and '.join(news)}{where}; so far {_count(skipped_total, 'sample')} skipped and "
+        named = ""
+        if self.skips:
+            named = "; first skipped: " + ", ".join(f"{place} ({why})" for place, why in self.skips)
+        self.said, self.shards, self.skips = (skipped_total, shard_errors_total), [], []
+        return [*lines, f"data: {' and '.join(news)}{where}{named}; so far {_count(skipped_total, 'sample')} skipped and "
                 f"{_count(shard_errors_total, 'shard')} cut short (metrics.jsonl: skipped_samples, shard_errors)"]
 
     def captions_line(self, captions_cut_total: int) -> list[str]:

@@ -181,8 +181,13 @@ class Run:
         self.progress.set_postfix(self.window.progress_figures(record, self.model.module.context_length))
 
     def report(self, data_wait_s: float) -> None:
-        """Console lines from every step: the compile time, steps waiting for data, data problems."""
-        problems = self.data_problems.after_step(*self.batches.error_totals(), self.batches.take_problem_shards())
+        """Console lines from every step: the compile time, steps waiting for data, data problems.
+        The data problems' totals over ranks (a blocking collective) are gathered only at the steps
+        that log, the same on every rank; between them the shards and samples met are kept."""
+        done = self.start_step + self.data_problems.steps_done + 1
+        logs = done % self.cfg.train.log_every == 0 or done == self.cfg.train.steps
+        problems = self.data_problems.after_step(self.batches.error_totals() if logs else None,
+                                                 self.batches.take_problem_shards(), self.batches.stream.take_skips())
         for line in [*self.step_report.after_step(data_wait_s), *problems]:
             self.console.say(line)
 

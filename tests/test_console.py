@@ -115,32 +115,93 @@ def test_data_problems_are_one_line_at_a_time_with_the_shard_and_the_totals(monk
     clock = Clock()
     monkeypatch.setattr(metrics.time, "monotonic", clock)
     problems = DataProblems(interval_s=60, steps=6)
-    assert problems.after_step(0, 0, 0) == []
-    assert problems.after_step(3, 0, 0, ["shards/00012.tar"]) == [
+    assert problems.after_step((0, 0, 0)) == []
+    assert problems.after_step((3, 0, 0), ["shards/00012.tar"]) == [
         "data: 3 samples skipped in shards/00012.tar; so far 3 samples skipped and 0 shards cut short "
         "(metrics.jsonl: skipped_samples, shard_errors)"]
     clock.now = 30  # within the interval: summed into the next line
-    assert problems.after_step(4, 1, 0, ["shards/00040.tar"]) == []
-    assert problems.after_step(9, 1, 0, ["shards/00041.tar"]) == []
+    assert problems.after_step((4, 1, 0), ["shards/00040.tar"]) == []
+    assert problems.after_step((9, 1, 0), ["shards/00041.tar"]) == []
     clock.now = 61
-    assert problems.after_step(9, 1, 0) == [
+    assert problems.after_step((9, 1, 0)) == [
         "data: 6 samples skipped and 1 shard cut short in shards/00041.tar and 1 other shards; so far 9 samples "
         "skipped and 1 shard cut short (metrics.jsonl: skipped_samples, shard_errors)"]
     clock.now = 62  # the last step's news is said within the interval: the console's totals end as the run's
-    assert problems.after_step(10, 1, 0) == [
+    assert problems.after_step((10, 1, 0)) == [
         "data: 1 sample skipped; so far 10 samples skipped and 1 shard cut short (metrics.jsonl: skipped_samples, shard_errors)"]
     resumed = DataProblems(totals=(10, 1, 0))  # a resume starts from the checkpoint's totals
-    assert resumed.after_step(10, 1, 0) == []
+    assert resumed.after_step((10, 1, 0)) == []
+
+
+def test_a_data_line_names_the_first_samples_skipped_and_why(monkeypatch):
+    """Up to three skipped samples since the previous line, as the pieces named them (a shard and
+    key, or a table's image file); a step without the totals over ranks says nothing and keeps them."""
+    clock = Clock()
+    monkeypatch.setattr(metrics.time, "monotonic", clock)
+    problems = DataProblems(interval_s=60, steps=4)
+    assert problems.after_step(None, ["a.tar"], [("a.tar: sample 0007", "OSError: image file is truncated")]) == []
+    assert problems.after_step((2, 0, 0), ["b.tar"], [("images/3.png", "cannot read the file: no such file")]) == [
+        "data: 2 samples skipped in b.tar and 1 other shards; first skipped: a.tar: sample 0007 (OSError: image file "
+        "is truncated), images/3.png (cannot read the file: no such file); so far 2 samples skipped and 0 shards cut "
+        "short (metrics.jsonl: skipped_samples, shard_errors)"]
+    clock.now = 61
+    many = [(f"c.tar: sample {i}", "an empty caption") for i in range(5)]
+    assert problems.after_step((7, 0, 0), ["c.tar"], many) == [
+        "data: 5 samples skipped in c.tar; first skipped: c.tar: sample 0 (an empty caption), c.tar: sample 1 (an empty "
+        "caption), c.tar: sample 2 (an empty caption); so far 7 samples skipped and 0 shards cut short (metrics.jsonl: "
+        "skipped_samples, shard_errors)"]
 
 
 def test_captions_cut_are_said_once_with_their_share(monkeypatch):
     problems = DataProblems(totals=(0, 0, 5), batch_size=320)  # a resume: 5 cut before it
-    assert problems.after_step(0, 0, 5) == []
-    assert problems.after_step(0, 0, 88) == [
+    assert problems.after_step((0, 0, 5)) == []
+    assert problems.after_step((0, 0, 88)) == [
         "text: 83 of 640 captions so far (13.0%) were longer than the text tower's context length and are cut to it: "
         "the tokenizer keeps a caption's first context_length - 2 tokens and ends it with the end-of-text token, and "
         "the rest is never seen (metrics.jsonl: captions_cut_share)"]
-    assert problems.after_step(0, 0, 90) == []
+    assert problems.after_step((0, 0, 90)) == []
+
+
+class CountedBatches:
+    """A run's data for `Run.report`: counts the collectives asked for (error_totals)."""
+
+    def __init__(self):
+        self.totals_asked = 0
+        self.stream = self
+
+    def error_totals(self) -> list[int]:
+        self.totals_asked += 1
+        return [self.totals_asked, 0, 0]
+
+    def take_problem_shards(self) -> list[str]:
+        return ["a.tar"]
+
+    def take_skips(self) -> list[tuple[str, str]]:
+        return [("a.tar: sample 1", "an empty caption")]
+
+
+@pytest.mark.parametrize("start_step", [0, 7])
+def test_the_report_gathers_the_data_totals_over_ranks_only_at_the_steps_that_log(start_step, monkeypatch):
+    """error_totals is a blocking all-reduce: Run.report asks for it at the logged steps and the
+    last one (the same steps on every rank), not every step, and a line says the news then."""
+    from types import SimpleNamespace
+
+    from clipscale.trainer import Run
+
+    monkeypatch.setattr(metrics.time, "monotonic", Clock())
+    cfg = load_config(DIGITS_YAML, ["train.steps=23", "train.log_every=5"])
+    said, batches = [], CountedBatches()
+    run = SimpleNamespace(cfg=cfg, start_step=start_step, batches=batches, console=SimpleNamespace(say=said.append),
+                          step_report=SimpleNamespace(after_step=lambda wait: []),
+                          data_problems=DataProblems(interval_s=0, steps=23 - start_step))
+    asked_at = []
+    for step in range(start_step + 1, 24):
+        before = batches.totals_asked
+        Run.report(run, 0.0)
+        if batches.totals_asked > before:
+            asked_at.append(step)
+    assert asked_at == [step for step in (5, 10, 15, 20, 23) if step > start_step]
+    assert len(said) == len(asked_at) and all("first skipped: a.tar: sample 1 (an empty caption)" in line for line in said)
 
 
 def test_the_progress_line_shows_the_text_positions_where_the_padding_cut_computes_fewer():
