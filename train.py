@@ -1,22 +1,28 @@
 """Train a CLIP model: `python train.py --config configs/digits.yaml [section.key=value ...]`.
 
-Also `torchrun --nproc_per_node N train.py --config ...` (gloo on CPU, NCCL on GPUs).
+Also `torchrun --nproc_per_node N train.py --config ...` (gloo on CPU, NCCL on GPUs). Overrides
+may come before or after --config.
 """
 
 import argparse
 
-from clipscale.config import load_config, schema_help
+from clipscale.config import check_names, load_config, schema_help
 from clipscale.errors import run_main
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, epilog=schema_help(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/digits.yaml", help="YAML run configuration")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 loss.name=infcl")
-    args = parser.parse_args()
+    return parser.parse_intermixed_args(argv)  # overrides on both sides of --config
+
+
+def main() -> int:
+    args = parse_args()
     cfg = load_config(args.config, args.overrides)
-    # torch and open_clip take seconds to import: a mistake in the YAML or a key is reported before them.
+    # torch and open_clip take seconds to import: a mistake in the YAML, a key or a name is reported before them.
+    check_names(cfg)
     from clipscale.checks import check_config
     from clipscale.trainer import train
 

@@ -32,7 +32,7 @@ import torch
 from open_clip.model import CLIPTextCfg, CLIPVisionCfg
 
 from clipscale.config import (Config, ConfigError, LossConfig, ModelConfig, check_model_section, check_value, epochs_in_rows,
-                              epochs_of_rows, load_config)
+                              epochs_of_rows, load_config, unknown_architecture, unknown_loss)
 from clipscale.data import check_source, table_rows
 from clipscale.data.chunks import kept_bytes
 from clipscale.data.sources import CSV_SUFFIXES
@@ -51,7 +51,7 @@ def check_model(cfg: ModelConfig) -> tuple[str, ...]:
         check_custom_keys(cfg.custom)
     model_cfg = open_clip_model_config(cfg)
     if model_cfg is None:
-        raise ConfigError(f"model.name: unknown open_clip architecture {cfg.name!r}; see open_clip.list_models()")
+        raise unknown_architecture(cfg.name, open_clip.list_models())
     if "multimodal_cfg" in model_cfg:
         key = "model.custom.multimodal_cfg" if cfg.custom is not None else f"model.name={cfg.name}"
         raise ConfigError(f"{key}: a CoCa model (open_clip config with a multimodal_cfg); its captioning loss is "
@@ -128,7 +128,7 @@ def check_loss(loss: LossConfig, model: ModelConfig) -> dict:
     """loss.name and loss.options against the loss's contract and the model; returns the
     options with their checked values (5e-4 given as text read as the number it means)."""
     if loss.name not in available_losses():
-        raise ConfigError(f"loss.name: got {loss.name!r}, expected one of {', '.join(available_losses())}")
+        raise unknown_loss(loss.name, available_losses())
     outputs = check_model(model)
     contract = loss_contract(loss.name)
     problem = _input_problem(loss.name, contract.inputs, outputs, model)

@@ -9,8 +9,9 @@ names the key, the expected type and (for choices) the allowed values.
 This module knows the schema and imports none of the components. Checks that need them (an
 open_clip architecture exists, the loss's options and inputs fit it, the evaluation sets resolve,
 clipscale.eval.tasks.eval_task) live in clipscale.checks, which also resolves the configuration
-for the world it runs on (`RunPlan`); train.py runs load_config before it imports them, so a
-mistake here is reported at once.
+for the world it runs on (`RunPlan`); train.py runs load_config and `check_names` (loss.name and
+model.name, known without importing a component) before it imports them, so a mistake here is
+reported at once.
 
 The schema says which keys a resumed run may change (field metadata `ON_RESUME`, `on_resume`):
 the others change what is trained, and a run folder that holds another value refuses them.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import os
 import sys
@@ -412,6 +414,54 @@ def nearest_key(name: str) -> str | None:
         return by_key[close[0]]
     close = difflib.get_close_matches(name, dotted, n=1)
     return close[0] if close else None
+
+
+# clipscale.losses' own losses (a test keeps the two lists equal): importing it to ask would import torch.
+BUILTIN_LOSSES = ("disco", "infcl", "local", "ntxent", "siglip", "vanilla")
+
+
+def known_losses() -> list[str]:
+    """The loss names a run may give, without importing torch where nothing else did: the built-in
+    ones, and any registered by user code (`register_loss`), which has imported clipscale.losses."""
+    losses = sys.modules.get("clipscale.losses")
+    return losses.available_losses() if losses is not None else sorted(BUILTIN_LOSSES)
+
+
+def open_clip_architectures() -> list[str] | None:
+    """open_clip's architecture names (its model_configs/*.json), read without importing it (and torch)
+    where nothing else did; once imported, its own list (user code may have added configs). None
+    where open_clip is not installed."""
+    module = sys.modules.get("open_clip")
+    if module is not None:
+        return module.list_models()
+    spec = importlib.util.find_spec("open_clip")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return sorted(path.stem for folder in spec.submodule_search_locations for path in (Path(folder) / "model_configs").glob("*.json"))
+
+
+def unknown_loss(name: str, known: list[str]) -> ConfigError:
+    return ConfigError(f"loss.name: got {name!r}, expected one of {', '.join(known)}")
+
+
+def unknown_architecture(name: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(name, known, n=1)
+    nearest = f" (the nearest is {close[0]})" if close else ""
+    return ConfigError(f"model.name: unknown open_clip architecture {name!r}{nearest}; see open_clip.list_models()")
+
+
+def check_names(cfg: Config) -> None:
+    """loss.name and model.name against the losses and architectures known without importing torch
+    (`known_losses`, `open_clip_architectures`): train.py's mistakes in a name in a fraction of a
+    second. A model name with a schema (local-dir:, hf-hub:) is clipscale.checks' to judge, as is
+    everything else about the loss and the architecture."""
+    losses = known_losses()
+    if cfg.loss.name not in losses:
+        raise unknown_loss(cfg.loss.name, losses)
+    architectures = open_clip_architectures()
+    if cfg.model.name is not None and ":" not in cfg.model.name and architectures is not None \
+            and cfg.model.name not in architectures:
+        raise unknown_architecture(cfg.model.name, architectures)
 
 
 def _merge(base: dict, extra: dict) -> dict:

@@ -5,6 +5,7 @@ and says which ones a resumed run may change; the run plan resolves it once for 
 from __future__ import annotations
 
 import dataclasses
+import runpy
 import subprocess
 import sys
 
@@ -71,6 +72,51 @@ def test_train_py_stops_before_any_work_on_a_bad_key(tmp_path):
     assert result.returncode != 0
     assert "unknown key optim.learning_rate" in result.stderr
     assert not any(tmp_path.iterdir())
+
+
+def importing_train_py(args: list[str]) -> subprocess.CompletedProcess:
+    """`python -X importtime train.py ARGS`: stderr lists every module imported, then its output."""
+    return subprocess.run([sys.executable, "-X", "importtime", TRAIN, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", DIGITS_YAML, "loss.name=clip"],
+     "error: loss.name: got 'clip', expected one of disco, infcl, local, ntxent, siglip, vanilla"),
+    (["--config", DIGITS_YAML, "model.custom=null", "model.name=ViT-B-322"],
+     "error: model.name: unknown open_clip architecture 'ViT-B-322' (the nearest is ViT-B-32); see open_clip.list_models()"),
+    (["train.steps=1", "--config", DIGITS_YAML, "loss.name=clip"],  # overrides on both sides of --config
+     "error: loss.name: got 'clip', expected one of disco, infcl, local, ntxent, siglip, vanilla"),
+])
+def test_train_py_names_a_wrong_loss_or_architecture_in_one_line_before_importing_torch(args, message):
+    """Importing torch and open_clip takes seconds: a name that is wrong is said before them."""
+    done = importing_train_py(args)
+    output = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert (done.returncode, output) == (2, [message]), done.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert not {"torch", "open_clip"} & imported, sorted(imported)
+
+
+def test_train_py_takes_overrides_before_and_after_the_config_file():
+    parse_args = runpy.run_path(TRAIN)["parse_args"]
+    args = parse_args(["train.steps=7", "--config", DIGITS_YAML, "run.name=x", "optim.lr=0.5"])
+    cfg = load_config(args.config, args.overrides)
+    assert (cfg.train.steps, cfg.run.name, cfg.optim.lr) == (7, "x", 0.5)
+
+
+def test_the_names_known_before_torch_are_the_components_own(monkeypatch):
+    """The built-in losses listed in config are clipscale.losses'; open_clip's architectures read from
+    its folder are open_clip's list; a loss registered by user code (which imported clipscale.losses) is known."""
+    import open_clip
+
+    from clipscale import losses
+    from clipscale.config import BUILTIN_LOSSES, known_losses, open_clip_architectures
+
+    assert sorted(BUILTIN_LOSSES) == sorted(losses._LOSS_MODULES)
+    monkeypatch.delitem(sys.modules, "open_clip")
+    assert open_clip_architectures() == sorted(open_clip.list_models())
+    monkeypatch.setitem(losses._REGISTRY, "mine", None)
+    assert "mine" in known_losses()
 
 
 def test_run_length_in_samples_and_epochs():
