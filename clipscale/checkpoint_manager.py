@@ -4,7 +4,7 @@ which checkpoint to resume from and the run's end are the run folder's (clipscal
 the files themselves (atomic writes, `latest`, pruning) checkpoint.py's.
 
     parts = {"model": ModelAndOptimizer(module, optimizer, world, sharded=...),
-             "step": train_step, "data": stream_state, "metrics": window, "rng": RandomState(device)}
+             "step": train_step, "data": stream_state, "metrics": window, "rng": GlobalGenerators(device)}
     manager = CheckpointManager(run_dir / CHECKPOINTS, cfg, world, console, parts)
     start = manager.load(checkpoint)       # the step the run starts from; 0 without a checkpoint
     manager.save(step, stopping)           # at train.checkpoint_every, on a stop signal, at the last step
@@ -145,7 +145,7 @@ class ModelAndOptimizer:
         return {"state": {ordered[k]: value for k, value in numbered["state"].items()}, "param_groups": groups}
 
 
-class RandomState:
+class GlobalGenerators:
     """This rank's global random generators: the CPU's, and the CUDA device's when it trains on one."""
 
     def __init__(self, device: torch.device):

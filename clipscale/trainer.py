@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from clipscale.caption_length import text_lengths_computed, text_lengths_for_run
 from clipscale.checkpoint import CHECKPOINTS
-from clipscale.checkpoint_manager import CheckpointManager, ModelAndOptimizer, RandomState
+from clipscale.checkpoint_manager import CheckpointManager, GlobalGenerators, ModelAndOptimizer
 from clipscale.checks import RunPlan, plan_run
 from clipscale.compile import CompilePolicy, save_portable_cache
 from clipscale.config import Config
@@ -120,7 +120,7 @@ class Run:
         try:
             window = RecordWindow(cfg.train.batch_size, world.device, world.world_size, flops)
             parts = {"model": ModelAndOptimizer(model.module, optimizer, world, sharded=train.parallel == "fsdp"),
-                     "step": step, "data": batches, "metrics": window, "rng": RandomState(world.device)}
+                     "step": step, "data": batches, "metrics": window, "rng": GlobalGenerators(world.device)}
             checkpoints = CheckpointManager(folder.run_dir / CHECKPOINTS, cfg, world, console, parts)
             torch.manual_seed(cfg.run.seed + world.rank)  # dropout masks differ between ranks; a checkpoint's replace them
             start_step = checkpoints.load(checkpoint)

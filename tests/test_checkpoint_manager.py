@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from clipscale.checkpoint import CHECKPOINTS, load_latest
-from clipscale.checkpoint_manager import CheckpointManager, ModelAndOptimizer, RandomState
+from clipscale.checkpoint_manager import CheckpointManager, GlobalGenerators, ModelAndOptimizer
 from clipscale.config import load_config
 from clipscale.distributed import World
 
@@ -43,7 +43,7 @@ def _manager(tmp_path, *overrides, data=0, seed=0):
     said = []
     console = type("Console", (), {"say": lambda self, line: said.append(line)})()
     parts = {"model": ModelAndOptimizer(model, optimizer, World(), sharded=False), "step": Step(),
-             "data": Counter(data), "rng": RandomState(torch.device("cpu"))}
+             "data": Counter(data), "rng": GlobalGenerators(torch.device("cpu"))}
     return CheckpointManager(tmp_path / CHECKPOINTS, cfg, World(), console, parts), parts, said
 
 

@@ -99,6 +99,19 @@ def test_config_and_the_components_stay_apart():
     assert graph["clipscale.launcher"] == set()
 
 
+def test_no_two_classes_share_a_name():
+    """A reader finds a class by its name: one class a name in the package (the checkpoint's
+    generators once shared RandomState with Gradient Cache's per-chunk one). The two NoUsableSample
+    are the training stream's and an evaluation's, each raised and caught inside its own package."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(module_name(path))
+    shared = {name: modules for name, modules in where.items() if len(modules) > 1}
+    assert shared == {"NoUsableSample": ["clipscale.data.shards", "clipscale.eval.datasets"]}, shared
+
+
 def requirement_set(lines) -> set[str]:
     return {str(Requirement(line)) for line in lines}
 
