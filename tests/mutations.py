@@ -8,7 +8,10 @@ the tree, run the tests said to catch it, and report whether at least one of the
 A mutation is a literal replacement that must match the source exactly once: when the code it
 names moves or changes, or a test file it names is not there, this script stops and says so
 instead of testing an unchanged tree.
-Exit status 1 when a mutation survives (every listed test passed with the bug in place).
+Each mutation is caught (a listed test failed), survived (every listed test passed with the bug in
+place) or hung (its tests ran past --timeout and were killed, with every process they started:
+a hang is no catch, a test should fail with its own message instead). Exit status 1 when a
+mutation survives or hangs.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(1, str(REPO))  # run as a script: tests/ is sys.path[0]
+from tests.helpers.tiny_runs import kill_tree  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -292,14 +297,20 @@ def mutated_source(mutation: Mutation, tree: Path) -> str:
 
 
 def run_tests(mutation: Mutation, tree: Path, timeout: float) -> tuple[str, str]:
-    """('caught' | 'survived', pytest's summary lines). PYTHONPATH puts the mutated package ahead
+    """('caught' | 'survived' | 'hung', pytest's summary lines). PYTHONPATH puts the mutated package ahead
     of the editable install of the real one, in pytest and in every process a test starts."""
     env = {**os.environ, "PYTHONPATH": str(tree) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *mutation.tests],
+                            cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *mutation.tests],
-                                cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return "caught", f"timed out after {timeout:.0f} s"
+        kill_tree(proc.pid)
+        stdout, _ = proc.communicate()
+        running = [line for line in stdout.splitlines() if line.strip()][-1:]
+        return "hung", f"no result within {timeout:.0f} s: killed" + (f" (last output: {running[0]})" if running else "")
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     summary = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
     tail = result.stdout.strip().splitlines()[-1:] if result.stdout.strip() else [result.stderr.strip()[-500:]]
     if result.returncode == 0:
@@ -329,7 +340,7 @@ def main() -> int:
         missing = [test for test in mutation.tests if not (REPO / test.split("::")[0]).is_file()]
         if missing:
             raise SystemExit(f"{mutation.name}: no such test file for {missing}; update tests/mutations.py")
-    survivors = []
+    survivors, hangs = [], []
     for mutation in chosen:
         with tempfile.TemporaryDirectory(prefix=f"mutant-{mutation.name}-") as folder:
             tree = Path(folder)
@@ -339,10 +350,11 @@ def main() -> int:
             verdict, detail = run_tests(mutation, tree, args.timeout)
         print(f"{verdict:8s} {mutation.name} ({time.perf_counter() - start:.0f} s): {mutation.bug}\n  "
               + detail.replace("\n", "\n  "), flush=True)
-        if verdict == "survived":
-            survivors.append(mutation.name)
-    print(f"{len(chosen) - len(survivors)} of {len(chosen)} caught" + (f"; survived: {survivors}" if survivors else ""))
-    return 1 if survivors else 0
+        {"survived": survivors, "hung": hangs}.get(verdict, []).append(mutation.name)
+    caught = len(chosen) - len(survivors) - len(hangs)
+    print(f"{caught} of {len(chosen)} caught" + (f"; hung: {hangs}" if hangs else "")
+          + (f"; survived: {survivors}" if survivors else ""))
+    return 1 if survivors or hangs else 0
 
 
 if __name__ == "__main__":
