@@ -4,11 +4,14 @@ torch.compile turns each transformer block's forward (and, through AOTAutograd, 
 into fused Triton kernels. Regional compilation: the blocks of a tower share one code object, so
 dynamo compiles one block and every other block of that tower reuses its graph (torch's "regional
 compilation" recipe); the patch embedding, the token embedding and the heads stay eager, a few
-kernels a chunk. Gradient Cache calls each tower alone, without autograd (pass 1) and with it
-(pass 2), so a tower's block has two graphs. Image blocks are compiled for static shapes (the
-full chunk, and a short last chunk once); text blocks with dynamic shapes, because length-sorted
-text chunks (`caption_length.py`) come in several lengths, which static shapes would compile
-once each (14 text graphs of the whole tower took most of a four-minute first step).
+kernels a chunk. With `model.patch_embed: matmul` the patch embedding is compiled too, without CUDA
+graphs (which would first copy each chunk's pixels into their own memory): its unfold and autocast
+cast then are one kernel before the matrix product. Gradient Cache calls each tower alone, without
+autograd (pass 1) and with it (pass 2), so a tower's block has two graphs. Image blocks are
+compiled for static shapes (the full chunk, and a short last chunk once); text blocks with dynamic
+shapes, because length-sorted text chunks (`caption_length.py`) come in several lengths, which
+static shapes would compile once each (14 text graphs of the whole tower took most of a
+four-minute first step).
 
 The compiled code is cached in `cache_dir` (the run folder's, or `model.compile_cache`): Inductor's
 FX graph and AOTAutograd caches and the Triton kernels, and, after the first step,
@@ -88,6 +91,7 @@ def compile_towers(model: nn.Module, cache_dir: Path, backend: str = "inductor",
     block replayed as CUDA graphs ("reduce-overhead"), where the model has lists of blocks (their
     outputs feed the towers' eager heads, so no feature lives in the graphs' memory); the step must
     know it (`TrainStep(cuda_graphs=True)`). Returns the lines the run says of the cache."""
+    from clipscale.models import PatchMatmul
     from clipscale.parallel import ParallelError, tower_blocks  # the blocks FSDP shards are the ones compiled
 
     cache_dir = cache_dir.resolve()
@@ -103,6 +107,9 @@ def compile_towers(model: nn.Module, cache_dir: Path, backend: str = "inductor",
     for tower, blocks in towers:
         for block in blocks:
             block.compile(backend=backend, dynamic=tower == "text", mode=mode)
+    patch_embedding = getattr(model.visual, "conv1", None)
+    if isinstance(patch_embedding, PatchMatmul):  # model.patch_embed: matmul (see the module docstring)
+        patch_embedding.compile(backend=backend, dynamic=False)
     return notes
 
 
