@@ -32,7 +32,8 @@ decoder (clipscale; default the config's), compile (clipscale: 0/1,
 default the config's: auto; openclip: 1 adds --torchcompile), cache (clipscale: a
 model.compile_cache folder, so a second case reuses what the first compiled), resampled
 (clipscale: 1 draws shards with replacement, so a batch may be larger than the shards), parallel
-(clipscale: ddp or fsdp), fsdp_offload and grad_checkpointing (clipscale: 0/1), nproc (torchrun
+(clipscale: ddp or fsdp), fsdp_offload and grad_checkpointing (clipscale: 0/1), patch_embed (clipscale: conv
+or matmul, default the config's: conv; issue 49), nproc (torchrun
 processes, default 1; openclip too), accum (openclip: --accum-freq; batch stays the global batch),
 local_loss (openclip: 1 adds --local-loss --gather-with-grad), pythonpath (prepended for this case
 only: open_clip_train needs webdataset 0.2.x), ceiling (clipscale: 0 skips its ceiling), ceiling_batch
@@ -141,7 +142,8 @@ class Sampler(threading.Thread):
 CONFIG = REPO / "configs" / "vit_b16_infcl.yaml"
 OPTIONAL = {"chunk": "train.chunk_size", "decoder": "data.decoder",
             "compile": "model.compile", "cuda_graphs": "model.cuda_graphs", "cache": "model.compile_cache", "resampled": "data.resampled",
-            "parallel": "train.parallel", "fsdp_offload": "train.fsdp_offload", "grad_checkpointing": "model.grad_checkpointing"}
+            "parallel": "train.parallel", "fsdp_offload": "train.fsdp_offload", "grad_checkpointing": "model.grad_checkpointing",
+            "patch_embed": "model.patch_embed"}
 
 
 def config_overrides(case: dict, shards: str, workers: int, out_dir: Path, extra: list[str]) -> list[str]:
