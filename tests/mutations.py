@@ -272,6 +272,12 @@ MUTATIONS = [
              "clipscale/data/__init__.py", "return CsvTable(tables, factors=factors, **sampling)",
              "return CsvTable(tables, **sampling)",
              ("tests/data/test_own_data.py::test_csv_sources_are_drawn_by_their_upsampling_factors",)),
+    Mutation("patch_rows_and_columns_swapped", "model.patch_embed=matmul unfolds each patch's columns before its rows",
+             "clipscale/models.py", ".permute(0, 2, 4, 1, 3, 5)", ".permute(0, 2, 4, 1, 5, 3)",
+             ("tests/test_patch_embed.py::test_the_patches_order_inside_the_product",)),
+    Mutation("patch_grid_transposed", "model.patch_embed=matmul gives the grid's columns as its rows",
+             "clipscale/models.py", ".unflatten(2, (gh, gw))", ".unflatten(2, (gw, gh))",
+             ("tests/test_patch_embed.py::test_the_patches_order_inside_the_product",)),
 ]
 
 
