@@ -23,9 +23,12 @@ REPO = Path(__file__).resolve().parents[1]
 SOURCES = "results/bench_e2e_*.json"
 BEGIN = "<!-- speed table: written by scripts/results_table.py from results/bench_e2e_*.json; do not edit by hand -->"
 END = "<!-- end of speed table -->"
-HEADER = ("| trainer | model | GPUs (loader workers each) | global batch | chunk | decoder | text positions a sample "
+HEADER = ("| trainer | model | GPUs (loader workers each) | images | global batch | chunk | decoder | text positions a sample "
           "| samples/s | first / steady step | peak host | peak GPU allocated, per GPU | file |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+# The shards scripts/gpu_setup.sh writes, by their folder: which images a row decoded.
+IMAGES = {"/tmp/shards-img/": "img2dataset-like: short side 256, 25 KiB", "/tmp/shards-web/": "224-px noise, 30 KiB",
+          "/tmp/shards/": "224-px noise, 30 KiB"}
 
 
 def rows(repo: Path = REPO) -> list[tuple[tuple, str]]:
@@ -78,10 +81,16 @@ def row(result: dict, record: dict, path: Path) -> tuple[tuple, str]:
     trainer = "open_clip_train" if not clipscale else f"clipscale, loss {case['loss']}" if "loss" in case else "clipscale"
     if case.get("parallel") == "fsdp":
         trainer += ", FSDP" + (" with offload" if case.get("fsdp_offload") == "1" else "")
-    cells = [trainer, case["model"], f"{gpus} × {short(record['device'])} ({record['workers']})", f"{batch:,}",
+    cells = [trainer, case["model"], f"{gpus} × {short(record['device'])} ({record['workers']})", images_of(record), f"{batch:,}",
              chunk_of(case, result, batch // gpus), decoder, text_positions(result, clipscale), speed, steps, f"{result['peak_host_gib']:.1f} GiB", gpu,
              f"[{path.name}]({path})"]
     return (case["model"], batch, gpus, decoder, not clipscale, str(path)), "| " + " | ".join(cells) + " |"
+
+
+def images_of(record: dict) -> str:
+    """What the shards of a record held, from their folder (scripts/gpu_setup.sh's kinds); "–" where unknown."""
+    shards = record.get("shards", "")
+    return next((kind for folder, kind in IMAGES.items() if shards.startswith(folder)), "–")
 
 
 def chunk_of(case: dict, result: dict, per_gpu_batch: int) -> str:
@@ -119,6 +128,8 @@ def decoder_of(result: dict) -> str:
     if "console" not in result:  # recorded before data.decoder had "auto": its default was the loader
         return "loader"
     said = " ".join(result.get("console", []))
+    if "the GPU (nvJPEG)" in said:  # the one decoder: torchvision's nvJPEG in the training process (2026-11-27 on)
+        return "auto: GPU, nvJPEG, the one chunk decoder"
     if "(nvimgcodec)" in said or "(nvjpeg)" in said:
         where = {"thread": ", in threads", "process": ", in its own process"}.get(result["case"].get("decode_in"), "")
         return "auto: " + ("GPU, nvImageCodec engines" if "(nvimgcodec)" in said else "GPU, nvJPEG") + where

@@ -116,7 +116,7 @@ def test_the_table_shows_current_cases_only(tmp_path):
     (tmp_path / "results" / "bench_e2e_new.json").write_text(json.dumps(record))
     lines = results_table().table(tmp_path).splitlines()
     assert len(lines) == 3
-    assert lines[2].startswith("| clipscale | ViT-B-16 | 1 × H100 (14) | 65,536 | 512 | loader | – | 1,234 | 80 s / 50.0 s "
+    assert lines[2].startswith("| clipscale | ViT-B-16 | 1 × H100 (14) | – | 65,536 | 512 | loader | – | 1,234 | 80 s / 50.0 s "
                                "| 20.0 GiB | 44.0 GiB |")  # no text positions logged: "–"
 
 
@@ -129,6 +129,10 @@ def test_a_case_measured_beside_its_ceiling_shows_the_fraction(tmp_path):
     record = {"device": "NVIDIA H100 80GB HBM3", "workers": 14, "cases": [case]}
     (tmp_path / "results" / "bench_e2e_ceiling.json").write_text(json.dumps(record))
     assert "| 4,800 (96% of its towers' ceiling, median step 95%, same command) |" in results_table().table(tmp_path)
+    assert "| 1 × H100 (14) | – | 65,536 |" in results_table().table(tmp_path)  # shards not recorded: images unknown
+    record["shards"] = "/tmp/shards-img/synthetic-{0000..0259}.tar"
+    (tmp_path / "results" / "bench_e2e_ceiling.json").write_text(json.dumps(record))
+    assert "| 1 × H100 (14) | img2dataset-like: short side 256, 25 KiB | 65,536 |" in results_table().table(tmp_path)
 
 
 def test_a_case_shows_its_text_positions_and_a_ceiling_measured_beside_its_twin(tmp_path):
