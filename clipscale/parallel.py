@@ -183,16 +183,22 @@ def gathered(model: nn.Module):
             module.reshard()
 
 
+# Lists of blocks by their usual names (open_clip, timm, Hugging Face): one of these holds a tower's
+# blocks even when it has a single one (digits' one-layer text tower).
+BLOCK_LISTS = ("resblocks", "blocks", "stages", "layers", "layer")
+
+
 def tower_blocks(module: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     """(tower, its list of blocks) for the image and the text tower: open_clip's
     `transformer.resblocks`, a timm trunk's `blocks` or `stages`, a Hugging Face encoder's
-    `layer`/`layers`; the largest list of modules of one class in the tower (one block is a list too:
-    digits' one-layer text tower)."""
+    `layer`/`layers` (any of BLOCK_LISTS, even of one block); else the largest list of two or more
+    modules of one class in the tower."""
     text = module.text if hasattr(module, "text") else module.transformer  # CustomTextCLIP, or CLIP's own text tower
     found = []
     for tower, root in (("image", module.visual), ("text", text)):
-        lists = [m for m in root.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 1
-                 and len({type(child) for child in m}) == 1]
+        homogeneous = [(name.rsplit(".", 1)[-1], m) for name, m in root.named_modules()
+                       if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 1 and len({type(child) for child in m}) == 1]
+        lists = [m for name, m in homogeneous if name in BLOCK_LISTS] or [m for _, m in homogeneous if len(m) > 1]
         if not lists:
             raise ParallelError(f"train.parallel=fsdp: the {tower} tower ({type(root).__name__}) has no list of blocks "
                                 "to shard; use train.parallel=ddp")
