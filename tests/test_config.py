@@ -114,7 +114,10 @@ def test_the_names_known_before_torch_are_the_components_own(monkeypatch):
 
     assert sorted(BUILTIN_LOSSES) == sorted(losses._LOSS_MODULES)
     monkeypatch.delitem(sys.modules, "open_clip")
-    assert open_clip_architectures() == sorted(open_clip.list_models())
+    # Less the configs this process registered itself (models.py's custom towers: clipscale-custom-*),
+    # which earlier tests in the same worker may have added to open_clip's list.
+    registered_here = [name for name in open_clip.list_models() if name.startswith("clipscale-custom")]
+    assert open_clip_architectures() == sorted(set(open_clip.list_models()) - set(registered_here))
     monkeypatch.setitem(losses._REGISTRY, "mine", None)
     assert "mine" in known_losses()
 
