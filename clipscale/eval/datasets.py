@@ -27,7 +27,7 @@ import os
 import warnings
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -81,11 +81,13 @@ class Skips:
         return f"{self.count} sample{'' if self.count == 1 else 's'} skipped ({listed}{more})"
 
 
-def batch_parts(batch) -> tuple:
-    """(images, targets, skipped samples) of a loader's batch: `collate_samples`' three, or
-    (images, targets) from any other loader, which skipped nothing."""
-    images, targets, *rest = batch
-    return images, targets, (rest[0] if rest else [])
+def usable_batches(batches: Iterable, skips: Skips) -> Iterator[tuple]:
+    """(images, targets) of each batch that kept a sample, its skipped samples added to `skips`: a
+    batch is `collate_samples`' three (images, targets, skipped), or any other loader's two."""
+    for images, targets, *rest in batches:
+        skips.add(rest[0] if rest else [])
+        if len(images):
+            yield images, targets
 
 
 class LabelledFolder(torchvision.datasets.ImageFolder):

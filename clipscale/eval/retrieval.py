@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from clipscale.eval.datasets import NoUsableSample, Skips, batch_parts
+from clipscale.eval.datasets import NoUsableSample, Skips, usable_batches
 from clipscale.eval.gather import concat_over_ranks, offset_of_this_rank, sum_over_ranks
 from clipscale.eval.inference import Autocast, encode_images, encode_texts, evaluating, progress_bar, say_skipped
 from clipscale.eval.ranking import target_rank
@@ -41,11 +41,7 @@ def evaluate_retrieval(model, tokenizer, dataloader, device, autocast: Autocast 
     num_images = 0
     skips = Skips()
     with evaluating(model) as inner:
-        for batch in progress_bar(dataloader, progress, name):
-            images, captions, skipped = batch_parts(batch)
-            skips.add(skipped)
-            if len(images) == 0:
-                continue
+        for images, captions in usable_batches(progress_bar(dataloader, progress, name), skips):
             captions = [[c] if isinstance(c, str) else list(c) for c in captions]
             image_features.append(encode_images(inner, images, device, autocast))
             text_features.append(encode_texts(inner, tokenizer, [c for cs in captions for c in cs], device, autocast))

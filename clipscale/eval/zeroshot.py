@@ -17,7 +17,7 @@ from typing import Callable, Sequence, Union
 
 import torch
 
-from clipscale.eval.datasets import NoUsableSample, Skips, batch_parts
+from clipscale.eval.datasets import NoUsableSample, Skips, usable_batches
 from clipscale.eval.gather import sum_over_ranks
 from clipscale.eval.inference import Autocast, encode_images, encode_texts, evaluating, progress_bar, say_skipped
 from clipscale.eval.ranking import target_rank
@@ -85,11 +85,7 @@ def evaluate_zeroshot(
     per_class_top1 = torch.zeros(num_classes, dtype=torch.long, device=device)
     skips = Skips()
     with evaluating(model) as inner:
-        for batch in progress_bar(dataloader, progress, name):
-            images, labels, skipped = batch_parts(batch)
-            skips.add(skipped)
-            if len(images) == 0:
-                continue
+        for images, labels in usable_batches(progress_bar(dataloader, progress, name), skips):
             labels = torch.as_tensor(labels, device=device)
             rank = target_rank(encode_images(inner, images, device, autocast) @ classifier, labels)
             top1 += (rank < 1).sum()
