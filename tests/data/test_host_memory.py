@@ -26,7 +26,7 @@ from tests.helpers.tiny_runs import DIGITS_YAML, REPO
 
 pytestmark = pytest.mark.slow
 
-SIZE = 128  # the model's input: 3 * 128 * 128 = 49,152 uint8 bytes a sample: a batch of 4,096 is 200 MB,
+SIZE = 160  # the model's input: 3 * 160 * 160 = 76,800 uint8 bytes a sample: a batch of 2,048 is 157 MB,
 # far above the tens of MB the workers' allocator drifts by from run to run
 CHILD = """
 import sys
@@ -57,9 +57,9 @@ def _bench_e2e():
 
 @pytest.fixture(scope="module")
 def jpeg_shards(module_tmp) -> str:
-    root = module_tmp("jpeg144")
+    root = module_tmp("jpeg176")
     subprocess.run([sys.executable, str(REPO / "scripts" / "make_synthetic_shards.py"), "--out", str(root), "--shards", "2",
-                    "--per-shard", "1024", "--size", "144"], check=True, capture_output=True, timeout=120)
+                    "--per-shard", "1024", "--size", "176"], check=True, capture_output=True, timeout=120)
     return str(root / "synthetic-{0000..0001}.tar")
 
 
@@ -112,7 +112,7 @@ def _measure(shards: str, batch_size: int, tmp_path) -> dict[str, int]:
     return {**held, "peak": max(sampler.host, held["tree"])}
 
 
-SMALL, LARGE = 512, 4096
+SMALL, LARGE = 256, 2048
 # Both sizes read the same samples (two large batches, or sixteen small ones): what the loader workers'
 # allocator keeps grows with the samples decoded (measured: 0.83 of a sample's pixels a sample, batch
 # 512 then 8,192), and that must not pass for a batch held in a worker.
@@ -120,7 +120,7 @@ SAMPLES = 2 * LARGE
 
 
 def test_host_memory_grows_by_at_most_two_and_a_half_uint8_batches(jpeg_shards, tmp_path):
-    """With the default loader workers: batch 512 against 4,096, the same samples read."""
+    """With the default loader workers: batch 256 against 2,048, the same samples read."""
     small, large = _measure(jpeg_shards, SMALL, tmp_path), _measure(jpeg_shards, LARGE, tmp_path)
     uint8_sample = 3 * SIZE * SIZE
     growth = {part: (large[part] - small[part]) / (LARGE - SMALL) / uint8_sample for part in ("trainer", "workers")}
