@@ -36,6 +36,7 @@ from types import MappingProxyType
 import torch
 import triton
 
+from clipscale.caption_length import to_device_async
 from clipscale.triton_modes import interpreting, programs
 
 FILTER_RADIUS = MappingProxyType({"bilinear": 1, "bicubic": 2})  # half the support at scale 1, in input pixels
@@ -65,8 +66,7 @@ def resized_crops(images: list[torch.Tensor], boxes, size: tuple[int, int], inte
     images = [img if img.is_contiguous() else img.contiguous() for img in images]  # the GPU decoder's are; a CPU one's are HWC views
     where = torch.tensor([(img.data_ptr(), img.shape[1], img.shape[2]) for img in images], dtype=torch.int64)
     table = torch.cat([where, boxes], 1)  # the columns crop_resize_programs.TABLE names
-    if device.type == "cuda":
-        table = table.pin_memory().to(device, non_blocking=True)
+    table = to_device_async(table, device)
     max_rows, max_columns = boxes[:, 2:4].max(0).values.tolist()
     rows = torch.empty(len(images), 3, max_rows, out_w, dtype=torch.float32, device=device)
     out = torch.empty(len(images), 3, out_h, out_w, dtype=torch.uint8, device=device)

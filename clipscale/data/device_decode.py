@@ -24,6 +24,7 @@ from contextlib import nullcontext
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
+from clipscale.caption_length import to_device_async  # a copy that never waits for the step's queued work
 from clipscale.data.chunks import Arrivals, ChunkSource, DeviceTransform, KeepBudget
 from clipscale.data.encoded import EncodedBatch, EncodedImages
 from clipscale.data.transforms import SplitTransform
@@ -65,7 +66,8 @@ def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop:
     n = stop - start
     blobs = encoded.blobs(start, stop)
     pixel_rows, pixel_index = encoded.decoded_rows(start, stop)
-    jpeg_rows = [k for k in range(n) if k not in set(pixel_rows)] if pixel_rows else list(range(n))
+    by_worker = set(pixel_rows)
+    jpeg_rows = [k for k in range(n) if k not in by_worker]
     decoded = decode_jpegs([blobs[k] for k in jpeg_rows] if pixel_rows else list(blobs), device)
     boxes = encoded.params[start:stop]
     refused = [k for k, image in zip(jpeg_rows, decoded) if image is None]
@@ -77,9 +79,9 @@ def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop:
         return out, 0
     rows = torch.empty(n, *out.shape[1:], dtype=torch.uint8, device=device)
     if jpeg_rows:
-        rows[to_device(torch.tensor(jpeg_rows), device)] = out
+        rows[to_device_async(torch.tensor(jpeg_rows), device)] = out
     if pixel_rows:
-        rows[to_device(torch.tensor(pixel_rows), device)] = to_device(encoded.pixels[pixel_index], device)
+        rows[to_device_async(torch.tensor(pixel_rows), device)] = to_device_async(encoded.pixels[pixel_index], device)
     undecodable = 0
     for k in refused:  # rare: a JPEG whose header looked whole, nvJPEG refused it
         try:
@@ -92,31 +94,21 @@ def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop:
     return rows, undecodable
 
 
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting: from pinned memory, ordered on the current stream
-    (a copy from pageable memory would wait for the stream's queued work, the step's beside it)."""
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
-
-
 def resized_crops(split: SplitTransform, images: list[torch.Tensor], boxes: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Decoded images cropped and resized by `split`'s PIL steps (`boxes`: int64 [n, k], each
     image's drawn crop): uint8 [n, 3, H, W]. On a GPU (or under Triton's interpreter) one batched
     pass for the whole list (`crop_resize`) when the steps are a single RandomResizedCrop it can
     run; torchvision's kernels image by image otherwise."""
     crop = split.only_random_resized_crop()
-    if crop is not None and (device.type == "cuda" or interpreting_triton()):
-        from clipscale.data import crop_resize  # Triton: imported where it runs
+    from clipscale.triton_modes import interpreting  # Triton: imported where it runs
+
+    if crop is not None and (device.type == "cuda" or interpreting()):
+        from clipscale.data import crop_resize
 
         return crop_resize.resized_crops(images, boxes, tuple(crop.size), crop.interpolation.value)
     if not images:
         return torch.empty(0, 3, *crop.size, dtype=torch.uint8, device=device)
     return torch.stack([split.apply_to_tensor(img, tuple(box)) for img, box in zip(images, boxes.tolist())])
-
-
-def interpreting_triton() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def decode_parts(split: SplitTransform, parts: list[tuple[EncodedImages, int, int]], device: torch.device) -> tuple[torch.Tensor, int]:
