@@ -12,6 +12,8 @@ read from the shards into memory first. Decoders:
                 torchvision ships) into one chunk-sized buffer, on a stream of ours of normal or
                 of the highest priority: an experiment, not yet in the trainer. Only the JPEGs
                 the hardware takes (nvjpegDecodeBatchedSupported) are timed; the rest are counted
+  nvjpeg_direct_urgent_pinned
+                the same with the JPEG bytes in pinned host memory (as the trainer's chunk has them)
 
 For each: images/s over --repeats chunks, the images it returned None for or failed on,
 `python_share`: a pure-Python loop's iterations in the main thread while the decoder runs in a
@@ -75,6 +77,18 @@ def nvimgcodec_decoder(device: torch.device, stream: torch.cuda.Stream | None = 
     return decode
 
 
+def loaded_nvjpeg(device: torch.device) -> str:
+    """The libnvjpeg torchvision itself loads (bundled in torchvision.libs or from the nvidia-nvjpeg
+    wheel, depending on the build): decode one image through it, then read the process's maps."""
+    from torchvision.io import decode_jpeg, encode_jpeg
+
+    decode_jpeg(encode_jpeg(torch.zeros(3, 16, 16, dtype=torch.uint8)), device=device)
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if "libnvjpeg" in line:
+            return line.split()[-1]
+    raise RuntimeError("torchvision's GPU decode loaded no libnvjpeg")
+
+
 class NvjpegImage(ctypes.Structure):
     _fields_ = [("channel", ctypes.c_void_p * 4), ("pitch", ctypes.c_size_t * 4)]  # nvjpeg.h's nvjpegImage_t
 
@@ -83,11 +97,7 @@ def nvjpeg_direct_decoder(device: torch.device, priority: int):
     """nvJPEG's batched hardware decode (NVJPEG_BACKEND_HARDWARE) through ctypes, on a stream of
     `priority` (negative: higher). Returns decode(blobs) -> list of uint8 [3, H, W] views of one
     buffer, None for the JPEGs the hardware does not take (judged once a blob, by nvJPEG itself)."""
-    import glob
-    import torchvision
-
-    folder = Path(torchvision.__file__).parent.parent / "torchvision.libs"
-    lib = ctypes.CDLL(sorted(glob.glob(str(folder / "libnvjpeg*.so*")))[0])
+    lib = ctypes.CDLL(loaded_nvjpeg(device))
 
     def check(status: int, what: str) -> None:
         if status != 0:
@@ -199,7 +209,7 @@ def main(argv=None) -> None:
     parser.add_argument("--shards", required=True)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--decoders", default="torchvision,nvjpeg_direct,nvjpeg_direct_urgent,nvimgcodec")
+    parser.add_argument("--decoders", default="torchvision,nvjpeg_direct,nvjpeg_direct_urgent,nvjpeg_direct_urgent_pinned")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     device = torch.device("cuda", 0)
@@ -212,18 +222,23 @@ def main(argv=None) -> None:
         try:
             decode = {"torchvision": torchvision_decoder, "nvimgcodec": nvimgcodec_decoder,
                       "nvjpeg_direct": lambda d: nvjpeg_direct_decoder(d, 0),
-                      "nvjpeg_direct_urgent": lambda d: nvjpeg_direct_decoder(d, -100)}[name](device)
+                      "nvjpeg_direct_urgent": lambda d: nvjpeg_direct_decoder(d, -100),
+                      "nvjpeg_direct_urgent_pinned": lambda d: nvjpeg_direct_decoder(d, -100)}[name](device)
         except Exception as error:  # noqa: BLE001
             record["decoders"].append({"decoder": name, "error": repr(error)})
             continue
         result = {"decoder": name, "refused": refused(decode, blobs)}
-        usable = blobs
+        usable = [blob.pin_memory() for blob in blobs] if name.endswith("_pinned") else blobs
         try:
             decode(usable)
         except Exception as error:  # noqa: BLE001 - a batch with one bad image fails whole: say so
             result["batch_error"] = repr(error)[:300]
             record["decoders"].append(result)
             continue
+        if name != "torchvision":  # the same pixels as torchvision's nvJPEG call gives?
+            ours, theirs = decode(usable[:64]), torchvision_decoder(device)(usable[:64])
+            result["max_abs_diff_vs_torchvision"] = max(
+                (a.int() - b.int()).abs().max().item() for a, b in zip(ours, theirs) if a is not None)
         torch.cuda.synchronize()
         started = time.perf_counter()
         for _ in range(args.repeats):
