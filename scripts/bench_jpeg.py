@@ -14,6 +14,8 @@ read from the shards into memory first. Decoders:
                 the hardware takes (nvjpegDecodeBatchedSupported) are timed; the rest are counted
   nvjpeg_direct_urgent_pinned
                 the same with the JPEG bytes in pinned host memory (as the trainer's chunk has them)
+  nvjpeg_direct_urgent[_pinned]_torch_allocators
+                the same with nvJPEG's device and pinned buffers from PyTorch's caching allocators
 
 For each: images/s over --repeats chunks, the images it returned None for or failed on,
 `python_share`: a pure-Python loop's iterations in the main thread while the decoder runs in a
@@ -93,10 +95,51 @@ class NvjpegImage(ctypes.Structure):
     _fields_ = [("channel", ctypes.c_void_p * 4), ("pitch", ctypes.c_size_t * 4)]  # nvjpeg.h's nvjpegImage_t
 
 
-def nvjpeg_direct_decoder(device: torch.device, priority: int):
+DEV_MALLOC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t)
+DEV_FREE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+PINNED_MALLOC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint)
+
+
+class DevAllocator(ctypes.Structure):
+    _fields_ = [("dev_malloc", DEV_MALLOC), ("dev_free", DEV_FREE)]  # nvjpegDevAllocator_t
+
+
+class PinnedAllocator(ctypes.Structure):
+    _fields_ = [("pinned_malloc", PINNED_MALLOC), ("pinned_free", DEV_FREE)]  # nvjpegPinnedAllocator_t
+
+
+def torch_allocators(device: torch.device) -> tuple:
+    """nvJPEG's device and pinned buffers from PyTorch's caching allocators, so that nvJPEG never
+    calls cudaMalloc/cudaFree or cudaHostAlloc/cudaFreeHost (each waits for the whole device)."""
+    pinned: dict[int, torch.Tensor] = {}
+
+    def dev_malloc(where, size):
+        where[0] = torch.cuda.caching_allocator_alloc(max(size, 1), device.index or 0)
+        return 0
+
+    def dev_free(address):
+        torch.cuda.caching_allocator_delete(address) if address else None
+        return 0
+
+    def pinned_malloc(where, size, flags):
+        buffer = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=True)
+        pinned[buffer.data_ptr()] = buffer
+        where[0] = buffer.data_ptr()
+        return 0
+
+    def pinned_free(address):
+        pinned.pop(address, None)
+        return 0
+
+    return (DevAllocator(DEV_MALLOC(dev_malloc), DEV_FREE(dev_free)),
+            PinnedAllocator(PINNED_MALLOC(pinned_malloc), DEV_FREE(pinned_free)))
+
+
+def nvjpeg_direct_decoder(device: torch.device, priority: int, allocators: str = "nvjpeg"):
     """nvJPEG's batched hardware decode (NVJPEG_BACKEND_HARDWARE) through ctypes, on a stream of
-    `priority` (negative: higher). Returns decode(blobs) -> list of uint8 [3, H, W] views of one
-    buffer, None for the JPEGs the hardware does not take (judged once a blob, by nvJPEG itself)."""
+    `priority` (negative: higher), its buffers from nvJPEG's own allocators or (`allocators="torch"`)
+    PyTorch's. Returns decode(blobs) -> list of uint8 [3, H, W] views of one buffer, None for the
+    JPEGs the hardware does not take (judged once a blob, by nvJPEG itself)."""
     lib = ctypes.CDLL(loaded_nvjpeg(device))
 
     def check(status: int, what: str) -> None:
@@ -104,7 +147,9 @@ def nvjpeg_direct_decoder(device: torch.device, priority: int):
             raise RuntimeError(f"{what} failed with nvjpegStatus {status}")
 
     handle, state, parsed = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-    check(lib.nvjpegCreateEx(3, None, None, 0, ctypes.byref(handle)), "nvjpegCreateEx(HARDWARE)")
+    kept = torch_allocators(device) if allocators == "torch" else (None, None)  # alive as long as the handle
+    check(lib.nvjpegCreateEx(3, *(ctypes.byref(a) if a else None for a in kept), 0, ctypes.byref(handle)),
+          "nvjpegCreateEx(HARDWARE)")
     check(lib.nvjpegJpegStateCreate(handle, ctypes.byref(state)), "nvjpegJpegStateCreate")
     check(lib.nvjpegJpegStreamCreate(handle, ctypes.byref(parsed)), "nvjpegJpegStreamCreate")
     stream = torch.cuda.Stream(device, priority=priority)
@@ -124,6 +169,8 @@ def nvjpeg_direct_decoder(device: torch.device, priority: int):
     def decode(blobs: list[torch.Tensor]) -> list:
         sizes = [judged.setdefault(blob.data_ptr(), judge(blob)) for blob in blobs]
         taken = [k for k, size in enumerate(sizes) if size is not None]
+        if not taken:
+            return [None] * len(blobs)
         starts = [0]
         for k in taken:
             starts.append(starts[-1] + 3 * sizes[k][0] * sizes[k][1])
@@ -140,6 +187,7 @@ def nvjpeg_direct_decoder(device: torch.device, priority: int):
         if batch[0] != len(taken):
             check(lib.nvjpegDecodeBatchedInitialize(handle, state, len(taken), 1, 3), "DecodeBatchedInitialize(RGB)")
             batch[0] = len(taken)
+        decode.allocators = kept
         check(lib.nvjpegDecodeBatched(handle, state, data, lengths, images, ctypes.c_void_p(stream.cuda_stream)),
               "nvjpegDecodeBatched")
         torch.cuda.current_stream(device).wait_stream(stream)
@@ -165,19 +213,27 @@ def refused(decode, blobs: list[torch.Tensor]) -> dict:
 
 
 def rate_beside_matmuls(decode, blobs: list[torch.Tensor], device: torch.device, repeats: int,
-                        small_kernels: bool = False) -> float:
+                        small_kernels: bool = False, side_stream: bool = False) -> float:
     """Images/s of `decode` in a thread while this one queues bf16 matrix products without pause,
     or (`small_kernels`) a stream of short kernels that each fill every SM, queued far ahead as a
-    training step's CUDA graphs queue them."""
+    training step's CUDA graphs queue them; on the default (legacy) stream, or (`side_stream`) on
+    a stream of PyTorch's pool, which does not synchronize with the legacy stream."""
+    if side_stream:
+        with torch.cuda.stream(torch.cuda.Stream(device)):
+            return rate_beside_matmuls(decode, blobs, device, repeats, small_kernels)
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     done, rates = threading.Event(), []
 
     def decode_loop() -> None:
+        # Waits for its own images only, as the trainer's decoding thread does: a device-wide
+        # synchronize here would wait for the main thread's queue too, and time that instead.
         torch.cuda.set_device(device)
+        own = torch.cuda.Stream(device)
         started = time.perf_counter()
-        for _ in range(repeats):
-            decode(blobs)
-            torch.cuda.synchronize()
+        with torch.cuda.stream(own):
+            for _ in range(repeats):
+                decode(blobs)
+                own.synchronize()
         rates.append(repeats * len(blobs) / (time.perf_counter() - started))
         done.set()
 
@@ -223,12 +279,15 @@ def main(argv=None) -> None:
             decode = {"torchvision": torchvision_decoder, "nvimgcodec": nvimgcodec_decoder,
                       "nvjpeg_direct": lambda d: nvjpeg_direct_decoder(d, 0),
                       "nvjpeg_direct_urgent": lambda d: nvjpeg_direct_decoder(d, -100),
-                      "nvjpeg_direct_urgent_pinned": lambda d: nvjpeg_direct_decoder(d, -100)}[name](device)
+                      "nvjpeg_direct_urgent_pinned": lambda d: nvjpeg_direct_decoder(d, -100),
+                      "nvjpeg_direct_urgent_torch_allocators": lambda d: nvjpeg_direct_decoder(d, -100, "torch"),
+                      "nvjpeg_direct_urgent_pinned_torch_allocators": lambda d: nvjpeg_direct_decoder(d, -100, "torch"),
+                      }[name](device)
         except Exception as error:  # noqa: BLE001
             record["decoders"].append({"decoder": name, "error": repr(error)})
             continue
         result = {"decoder": name, "refused": refused(decode, blobs)}
-        usable = [blob.pin_memory() for blob in blobs] if name.endswith("_pinned") else blobs
+        usable = [blob.pin_memory() for blob in blobs] if "_pinned" in name else blobs
         try:
             decode(usable)
         except Exception as error:  # noqa: BLE001 - a batch with one bad image fails whole: say so
@@ -262,6 +321,8 @@ def main(argv=None) -> None:
         result["beside_matmuls_images_per_s"] = rate_beside_matmuls(decode, usable, device, max(2, args.repeats // 4))
         result["beside_small_kernels_images_per_s"] = rate_beside_matmuls(decode, usable, device, max(2, args.repeats // 4),
                                                                           small_kernels=True)
+        result["beside_small_kernels_side_stream_images_per_s"] = rate_beside_matmuls(
+            decode, usable, device, max(2, args.repeats // 4), small_kernels=True, side_stream=True)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
             decode(usable)
