@@ -120,8 +120,9 @@ class ModelConfig:
     channels_last: bool = may_change(False)  # NHWC image tower: faster convolutions (timm convnets); no gain for ViTs
     # How an open_clip ViT embeds its patches (visual.conv1, a stride-p p x p convolution): "conv", or
     # "matmul": the same weights (same state_dict key) applied as one matrix product over the unfolded
-    # patches, compiled with the towers. matmul: measure first, see issue 49 (docs/models.md).
-    patch_embed: Literal["conv", "matmul"] = may_change("conv")
+    # patches, compiled with the towers; "auto": matmul where the towers are compiled and the image
+    # tower is an open_clip ViT (1.15x a ViT-B/32 step on an H200, docs/models.md), else conv.
+    patch_embed: Literal["auto", "conv", "matmul"] = may_change("auto")
     # The text tower at its captions' own length (clipscale.caption_length): each step encodes its
     # texts in length order, each chunk only up to its longest caption, where that gives the same
     # features (open_clip's causal towers pooled at the end-of-text token; the run says why not).

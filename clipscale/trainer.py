@@ -99,7 +99,7 @@ class Run:
         """`checkpoint`: the one the run resumes from, or None. Nothing is written to the run
         folder before every part is built: a mistake found here leaves it as it was."""
         torch.manual_seed(cfg.run.seed)  # the model's initial weights: the same on every rank
-        towers = build_model(cfg.model)
+        towers = build_model(cfg.model, world.device)
         train = cfg.train
         text_order, text_notes = text_lengths_for_run(towers.model, cfg.model.cut_text_padding,
                                                       cfg.model.causal_text_attention)

@@ -195,7 +195,7 @@ def main(argv=None) -> None:
     world = World(device=device)
     plan = plan_run(cfg, world)
 
-    towers = build_model(cfg.model)
+    towers = build_model(cfg.model, device)
     text_order, notes = text_lengths_for_run(towers.model, cfg.model.cut_text_padding, cfg.model.causal_text_attention)
     model = towers.model.to(device).train()
     policy = CompilePolicy.of(cfg.model, device, cfg.train.parallel, chunks=-(-args.batch // args.chunk))  # as train.py's

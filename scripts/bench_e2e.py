@@ -32,8 +32,8 @@ decoder (clipscale; default the config's), compile (clipscale: 0/1,
 default the config's: auto; openclip: 1 adds --torchcompile), cache (clipscale: a
 model.compile_cache folder, so a second case reuses what the first compiled), resampled
 (clipscale: 1 draws shards with replacement, so a batch may be larger than the shards), parallel
-(clipscale: ddp or fsdp), fsdp_offload and grad_checkpointing (clipscale: 0/1), patch_embed (clipscale: conv
-or matmul, default the config's: conv; issue 49), nproc (torchrun
+(clipscale: ddp or fsdp), fsdp_offload and grad_checkpointing (clipscale: 0/1), patch_embed (clipscale: auto, conv
+or matmul, default the config's: auto; issue 49), nproc (torchrun
 processes, default 1; openclip too), accum (openclip: --accum-freq; batch stays the global batch),
 local_loss (openclip: 1 adds --local-loss --gather-with-grad), pythonpath (prepended for this case
 only: open_clip_train needs webdataset 0.2.x), ceiling (clipscale: 0 skips its ceiling), ceiling_batch
@@ -344,7 +344,7 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
     """The towers' ceiling for `case` (see the module docstring), one JSON line per step in `out`."""
     cfg = load_config(str(CONFIG), config_overrides(case, shards, 1, out.parent, extra))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    towers = build_model(cfg.model)
+    towers = build_model(cfg.model, device)
     model = towers.model.to(device).train()
     batch = int(case["batch"])
     chunk = int(case.get("chunk") or cfg.train.chunk_size or batch)

@@ -166,7 +166,22 @@ def test_an_unknown_value_is_a_config_error_naming_the_allowed_ones():
     with pytest.raises(ConfigError) as error:
         load_config(DIGITS_YAML, ["model.patch_embed=unfold"])
     assert "model.patch_embed" in str(error.value) and "'conv'" in str(error.value) and "'matmul'" in str(error.value)
-    assert load_config(DIGITS_YAML, []).model.patch_embed == "conv"  # not the default until measured (issue 49)
+    assert load_config(DIGITS_YAML, []).model.patch_embed == "auto"
+
+
+def test_auto_is_the_product_where_the_towers_compile_and_the_convolution_where_not():
+    """model.patch_embed: auto (the default) swaps the convolution only where it was measured
+    faster: towers compiled for a GPU. Eager CPU towers (the digits default) keep nn.Conv2d, and a
+    tower with no patch convolution is left as it is, not refused."""
+    custom = vit(32, 8)
+    cuda = torch.device("cuda")
+    assert type(build_model(ModelConfig(custom=custom)).model.visual.conv1) is nn.Conv2d
+    assert type(build_model(ModelConfig(custom=custom), torch.device("cpu")).model.visual.conv1) is nn.Conv2d
+    assert isinstance(build_model(ModelConfig(custom=custom), cuda).model.visual.conv1, PatchMatmul)
+    assert type(build_model(ModelConfig(custom=custom, compile=False), cuda).model.visual.conv1) is nn.Conv2d
+    assert type(build_model(ModelConfig(custom=custom, patch_embed="conv"), cuda).model.visual.conv1) is nn.Conv2d
+    resnet = {"embed_dim": 16, "text_cfg": TEXT, "vision_cfg": {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8, "head_width": 8}}
+    assert not isinstance(build_model(ModelConfig(custom=resnet), cuda).model.visual, PatchMatmul)
 
 
 def test_an_image_tower_without_a_patch_convolution_is_refused_in_one_line():
@@ -174,7 +189,7 @@ def test_an_image_tower_without_a_patch_convolution_is_refused_in_one_line():
     resnet = {"embed_dim": 16, "text_cfg": TEXT, "vision_cfg": vision}
     with pytest.raises(UserError, match="model.patch_embed: matmul applies to open_clip's own ViT .* ModifiedResNet"):
         build_model(ModelConfig(custom=resnet, patch_embed="matmul"))
-    build_model(ModelConfig(custom=resnet))  # conv: the tower as open_clip builds it
+    build_model(ModelConfig(custom=resnet, patch_embed="conv"))  # the tower as open_clip builds it
 
 
 # --- compiled towers ---------------------------------------------------------------------
