@@ -46,7 +46,6 @@ from open_clip.tokenizer import HFTokenizer
 from open_clip.transformer import VisionTransformer
 
 from clipscale.checkpoint import refusing_pickled_objects
-from clipscale.compile import compile_enabled
 from clipscale.config import ModelConfig
 from clipscale.errors import UserError
 
@@ -68,9 +67,9 @@ class Towers:
     open_clip_config: dict  # what open_clip's `local-dir:` loader needs to rebuild the model
 
 
-def build_model(cfg: ModelConfig, device: torch.device | None = None) -> Towers:
-    """The towers of `cfg` on the CPU. `device`: where they will run, for the settings that depend
-    on it (model.patch_embed: auto); None: as on the CPU."""
+def build_model(cfg: ModelConfig, compiled: bool = False) -> Towers:
+    """The towers of `cfg`, on the CPU. `compiled`: whether they will be compiled
+    (`compile.compile_enabled`), which model.patch_embed: auto follows."""
     # A named architecture with model.force_* set is registered like a custom one: the config
     # written into the run folder is then the one the model was built from.
     forced = cfg.custom is not None or _forces(cfg)
@@ -87,7 +86,7 @@ def build_model(cfg: ModelConfig, device: torch.device | None = None) -> Towers:
         load_clip_checkpoint(model, cfg.pretrained)
     if cfg.pretrained_image is not None:
         load_timm_trunk(model.visual, cfg.pretrained_image)
-    if cfg.patch_embed == "matmul" or (cfg.patch_embed == "auto" and patch_matmul_pays(cfg, model.visual, device)):
+    if cfg.patch_embed == "matmul" or (cfg.patch_embed == "auto" and compiled and has_patch_convolution(model.visual)):
         embed_patches_by_matmul(model.visual)
     if cfg.force_image_size is not None and hasattr(model.visual, "trunk"):
         model.visual.set_input_size(cfg.force_image_size)  # a timm trunk's own size, after its weights (as open_clip)
@@ -132,18 +131,14 @@ class PatchMatmul(nn.Conv2d):
 
 
 def has_patch_convolution(visual: nn.Module) -> bool:
-    """An open_clip ViT whose `conv1` is a plain patch convolution (what `PatchMatmul` replaces)."""
+    """An open_clip ViT whose `conv1` is a plain patch convolution (what `PatchMatmul` replaces).
+    model.patch_embed: auto replaces it where the towers are compiled: with the product compiled
+    beside them, a ViT-B/32 step was 1.15x faster than with cuDNN's convolution on an H200,
+    through train.py (results/bench_e2e_h200_b32_32k_patch_embed.json); eager, it is not measured."""
     conv = getattr(visual, "conv1", None)
     return (isinstance(visual, VisionTransformer) and type(conv) is nn.Conv2d and conv.bias is None
             and conv.stride == conv.kernel_size and conv.padding == (0, 0) and conv.dilation == (1, 1)
             and conv.groups == 1)
-
-
-def patch_matmul_pays(cfg: ModelConfig, visual: nn.Module, device: torch.device | None) -> bool:
-    """model.patch_embed: auto. The product where the towers compile (it is compiled with them):
-    a ViT-B/32 step 1.15x faster than with cuDNN's convolution on an H200, through train.py
-    (results/bench_e2e_h200_b32_32k_patch_embed.json); eager, on the CPU, it is not measured."""
-    return device is not None and compile_enabled(cfg.compile, device) and has_patch_convolution(visual)
 
 
 def embed_patches_by_matmul(visual: nn.Module) -> None:

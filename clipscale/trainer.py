@@ -17,7 +17,7 @@ from clipscale.caption_length import text_lengths_computed, text_lengths_for_run
 from clipscale.checkpoint import CHECKPOINTS
 from clipscale.checkpoint_manager import CheckpointManager, GlobalGenerators, ModelAndOptimizer
 from clipscale.checks import RunPlan, plan_run
-from clipscale.compile import CompilePolicy, save_portable_cache
+from clipscale.compile import CompilePolicy, compile_enabled, save_portable_cache
 from clipscale.config import Config
 from clipscale.console import Console, figures, library_noise_kept_off, weights_line
 from clipscale.data.pipeline import TrainingBatches
@@ -99,7 +99,7 @@ class Run:
         """`checkpoint`: the one the run resumes from, or None. Nothing is written to the run
         folder before every part is built: a mistake found here leaves it as it was."""
         torch.manual_seed(cfg.run.seed)  # the model's initial weights: the same on every rank
-        towers = build_model(cfg.model, world.device)
+        towers = build_model(cfg.model, compiled=compile_enabled(cfg.model.compile, world.device))
         train = cfg.train
         text_order, text_notes = text_lengths_for_run(towers.model, cfg.model.cut_text_padding,
                                                       cfg.model.causal_text_attention)

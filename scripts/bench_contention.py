@@ -46,7 +46,7 @@ from bench_e2e import CONFIG, RepeatedChunk, config_overrides, shard_captions  #
 
 from clipscale.caption_length import text_lengths_for_run  # noqa: E402
 from clipscale.checks import plan_run  # noqa: E402
-from clipscale.compile import CompilePolicy  # noqa: E402
+from clipscale.compile import CompilePolicy, compile_enabled  # noqa: E402
 from clipscale.config import load_config  # noqa: E402
 from clipscale.data.pipeline import TrainingBatches  # noqa: E402
 from clipscale.distributed import World  # noqa: E402
@@ -195,7 +195,7 @@ def main(argv=None) -> None:
     world = World(device=device)
     plan = plan_run(cfg, world)
 
-    towers = build_model(cfg.model, device)
+    towers = build_model(cfg.model, compiled=compile_enabled(cfg.model.compile, device))
     text_order, notes = text_lengths_for_run(towers.model, cfg.model.cut_text_padding, cfg.model.causal_text_attention)
     model = towers.model.to(device).train()
     policy = CompilePolicy.of(cfg.model, device, cfg.train.parallel, chunks=-(-args.batch // args.chunk))  # as train.py's

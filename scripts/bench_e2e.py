@@ -66,7 +66,7 @@ import torch
 import webdataset as wds
 
 from clipscale.caption_length import TextChunks, caption_lengths, cut_padding, length_order, use_causal_kernel
-from clipscale.compile import CompilePolicy
+from clipscale.compile import CompilePolicy, compile_enabled
 from clipscale.config import load_config
 from clipscale.gradcache import trainable_towers
 from clipscale.losses import build_loss
@@ -344,7 +344,7 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
     """The towers' ceiling for `case` (see the module docstring), one JSON line per step in `out`."""
     cfg = load_config(str(CONFIG), config_overrides(case, shards, 1, out.parent, extra))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    towers = build_model(cfg.model, device)
+    towers = build_model(cfg.model, compiled=compile_enabled(cfg.model.compile, device))
     model = towers.model.to(device).train()
     batch = int(case["batch"])
     chunk = int(case.get("chunk") or cfg.train.chunk_size or batch)

@@ -20,7 +20,7 @@ import torch.nn as nn
 from open_clip.transformer import VisionTransformer
 from torch._dynamo.utils import counters
 
-from clipscale.compile import compile_towers
+from clipscale.compile import compile_enabled, compile_towers
 from clipscale.config import ConfigError, ModelConfig, load_config
 from clipscale.errors import UserError
 from clipscale.models import OPEN_CLIP_WEIGHTS, PatchMatmul, build_model, embed_patches_by_matmul, register_custom
@@ -174,14 +174,12 @@ def test_auto_is_the_product_where_the_towers_compile_and_the_convolution_where_
     faster: towers compiled for a GPU. Eager CPU towers (the digits default) keep nn.Conv2d, and a
     tower with no patch convolution is left as it is, not refused."""
     custom = vit(32, 8)
-    cuda = torch.device("cuda")
-    assert type(build_model(ModelConfig(custom=custom)).model.visual.conv1) is nn.Conv2d
-    assert type(build_model(ModelConfig(custom=custom), torch.device("cpu")).model.visual.conv1) is nn.Conv2d
-    assert isinstance(build_model(ModelConfig(custom=custom), cuda).model.visual.conv1, PatchMatmul)
-    assert type(build_model(ModelConfig(custom=custom, compile=False), cuda).model.visual.conv1) is nn.Conv2d
-    assert type(build_model(ModelConfig(custom=custom, patch_embed="conv"), cuda).model.visual.conv1) is nn.Conv2d
+    conv1 = lambda compiled, **options: build_model(ModelConfig(custom=custom, **options), compiled).model.visual.conv1  # noqa: E731
+    assert type(conv1(False)) is nn.Conv2d and isinstance(conv1(True), PatchMatmul)
+    assert type(conv1(True, patch_embed="conv")) is nn.Conv2d and isinstance(conv1(False, patch_embed="matmul"), PatchMatmul)
+    assert compile_enabled("auto", torch.device("cuda")) and not compile_enabled("auto", torch.device("cpu"))
     resnet = {"embed_dim": 16, "text_cfg": TEXT, "vision_cfg": {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8, "head_width": 8}}
-    assert not isinstance(build_model(ModelConfig(custom=resnet), cuda).model.visual, PatchMatmul)
+    assert not isinstance(build_model(ModelConfig(custom=resnet), True).model.visual, PatchMatmul)
 
 
 def test_an_image_tower_without_a_patch_convolution_is_refused_in_one_line():
