@@ -226,7 +226,7 @@ class DeviceDecoder:
         if not hasattr(self.own, "stream"):  # this thread's first chunk
             # The highest priority: the decode's and the crop's kernels take SMs as the step's kernels free them.
             self.own.stream = torch.cuda.Stream(self.device, priority=-100) if self.device.type == "cuda" else None
-            self.own.engines = JpegEngines.open(self.device) if self.device.type == "cuda" else None
+            self.own.engines = JpegEngines.open(self.device, self.own.stream) if self.device.type == "cuda" else None
         stream = self.own.stream
         started = time.perf_counter()
         with torch.cuda.stream(stream) if stream is not None else nullcontext():

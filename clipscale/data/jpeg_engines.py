@@ -20,6 +20,7 @@ then decodes the chunk the other way.
 from __future__ import annotations
 
 import ctypes
+import threading
 from pathlib import Path
 
 import torch
@@ -63,18 +64,26 @@ def loaded_nvjpeg(device: torch.device) -> str | None:
 
 
 class JpegEngines:
-    """One thread's nvJPEG hardware decoder (a handle and its state: nvJPEG's states are one per
-    thread) on `device`. `open` gives None where there are no JPEG engines or no libnvjpeg."""
+    """One decoding thread's nvJPEG hardware decoder on `device`, decoding on `stream` (a handle
+    and its state: nvJPEG's states are one a thread). `open` gives None where there are no JPEG
+    engines or no libnvjpeg.
 
-    def __init__(self, lib: ctypes.CDLL, device: torch.device):
-        self.lib, self.device = lib, device
+    nvJPEG's buffers come from PyTorch's caching allocators (cudaMalloc and cudaFree would wait
+    for the whole device), always for `stream`, and what nvJPEG frees goes back to them only
+    once `stream` has passed the call that freed it: work queued before the free may still use it."""
+
+    call_lock = threading.Lock()  # the engines' calls one at a time in a process, as torchvision's are
+
+    def __init__(self, lib: ctypes.CDLL, device: torch.device, stream: torch.cuda.Stream):
+        self.lib, self.device, self.stream = lib, device, stream
         self.pinned: dict[int, torch.Tensor] = {}  # nvJPEG's pinned buffers, alive until it frees them
+        self.freed: list = []  # device addresses and pinned buffers nvJPEG freed during the current call
+        self.retired: list[tuple[torch.cuda.Event, list]] = []  # ... and after which event they may be reused
         # The callbacks and their structs live as long as the handle that calls them.
         self.allocators = (DevAllocator(DEV_MALLOC(self._dev_malloc), FREE(self._dev_free)),
                            PinnedAllocator(PINNED_MALLOC(self._pinned_malloc), FREE(self._pinned_free)))
         self.handle, self.state = ctypes.c_void_p(), ctypes.c_void_p()
         self.batch = 0  # the batch size the state is initialized for
-        self.in_flight: list[tuple[torch.cuda.Event, torch.Tensor]] = []  # pinned bytes the stream may still read
         status = lib.nvjpegCreateEx(HARDWARE_BACKEND, ctypes.byref(self.allocators[0]), ctypes.byref(self.allocators[1]),
                                     0, ctypes.byref(self.handle))
         if status == ARCH_MISMATCH:
@@ -83,24 +92,23 @@ class JpegEngines:
         self._check(lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)), "nvjpegJpegStateCreate")
 
     @classmethod
-    def open(cls, device: torch.device) -> "JpegEngines | None":
+    def open(cls, device: torch.device, stream: torch.cuda.Stream) -> "JpegEngines | None":
         path = loaded_nvjpeg(device) if device.type == "cuda" else None
         if path is None:
             return None
         try:
-            return cls(ctypes.CDLL(path), device)
+            return cls(ctypes.CDLL(path), device, stream)
         except (OSError, AttributeError, JpegEnginesError):  # an old libnvjpeg, or a GPU without engines
             return None
 
     def decode(self, spans: list[torch.Tensor], starts: torch.Tensor, lengths: torch.Tensor,
                sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """JPEGs at `starts` (int64 [n]) of `lengths` bytes in the host bytes `spans` laid end to
-        end, of `sizes[k]` = (height, width), decoded on the current stream: (uint8 on the device,
+        end, of `sizes[k]` = (height, width), decoded on the engines' stream: (uint8 on the device,
         the images one after another, each [3, height, width]; int64 [n + 1], where each starts).
         The bytes are first copied into one pinned buffer (the engines' copies then overlap),
         kept until the stream has read it. Raises JpegEnginesError where nvJPEG refuses the batch."""
-        stream = torch.cuda.current_stream(self.device)
-        self.in_flight = [(done, buffer) for done, buffer in self.in_flight if not done.query()]
+        self._release_passed()
         data = torch.empty(sum(len(span) for span in spans), dtype=torch.uint8, pin_memory=True)
         torch.cat(spans, out=data)
         n = len(sizes)
@@ -108,22 +116,33 @@ class JpegEngines:
         plane = heights * widths
         image_starts = torch.zeros(n + 1, dtype=torch.int64)
         torch.cumsum(3 * plane, 0, out=image_starts[1:])
-        out = torch.empty(int(image_starts[-1]), dtype=torch.uint8, device=self.device)
+        with torch.cuda.stream(self.stream):
+            out = torch.empty(int(image_starts[-1]), dtype=torch.uint8, device=self.device)
         images = torch.zeros(n, IMAGE_FIELDS, dtype=torch.int64)  # nvjpegImage_t [n]
         images[:, 0:3] = out.data_ptr() + image_starts[:-1, None] + plane[:, None] * torch.arange(3)
         images[:, 4:7] = widths[:, None]  # each plane's pitch
         pointers = data.data_ptr() + starts  # const unsigned char* [n]
-        if self.batch != n:
-            self._check(self.lib.nvjpegDecodeBatchedInitialize(self.handle, self.state, n, 1, OUTPUT_RGB),
-                        "nvjpegDecodeBatchedInitialize")
-            self.batch = n
         try:
-            self._check(self.lib.nvjpegDecodeBatched(self.handle, self.state, _address(pointers), _address(lengths),
-                                                     _address(images), ctypes.c_void_p(stream.cuda_stream)),
-                        "nvjpegDecodeBatched")
+            with self.call_lock:
+                if self.batch != n:
+                    self.batch = 0
+                    self._check(self.lib.nvjpegDecodeBatchedInitialize(self.handle, self.state, n, 1, OUTPUT_RGB),
+                                "nvjpegDecodeBatchedInitialize")
+                    self.batch = n
+                self._check(self.lib.nvjpegDecodeBatched(self.handle, self.state, _address(pointers), _address(lengths),
+                                                         _address(images), ctypes.c_void_p(self.stream.cuda_stream)),
+                            "nvjpegDecodeBatched")
         finally:
-            self.in_flight.append((stream.record_event(), data))
+            self.retired.append((self.stream.record_event(), [*self.freed, data]))
+            self.freed = []
         return out, image_starts
+
+    def _release_passed(self) -> None:
+        """Give back to PyTorch what nvJPEG freed during calls the stream has passed."""
+        while self.retired and self.retired[0][0].query():
+            for buffer in self.retired.pop(0)[1]:
+                if isinstance(buffer, int):
+                    torch.cuda.caching_allocator_delete(buffer)
 
     @staticmethod
     def _check(status: int, call: str) -> None:
@@ -131,12 +150,12 @@ class JpegEngines:
             raise JpegEnginesError(f"{call} failed with nvjpegStatus {status}")
 
     def _dev_malloc(self, where, size: int) -> int:
-        where[0] = torch.cuda.caching_allocator_alloc(max(size, 1), self.device.index or 0)
+        where[0] = torch.cuda.caching_allocator_alloc(max(size, 1), self.device.index or 0, self.stream)
         return 0
 
     def _dev_free(self, address) -> int:
         if address:
-            torch.cuda.caching_allocator_delete(address)
+            self.freed.append(address)
         return 0
 
     def _pinned_malloc(self, where, size: int, flags: int) -> int:
@@ -146,7 +165,8 @@ class JpegEngines:
         return 0
 
     def _pinned_free(self, address) -> int:
-        self.pinned.pop(address, None)
+        if address in self.pinned:
+            self.freed.append(self.pinned.pop(address))
         return 0
 
 

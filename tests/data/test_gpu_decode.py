@@ -84,7 +84,8 @@ def test_the_jpeg_engines_decode_a_chunk_as_torchvisions_call_does():
     to torchvision's batched call (the same engines), and the chunk's crops equal with and
     without the engines."""
     device = torch.device("cuda")
-    engines = JpegEngines.open(device)
+    stream = torch.cuda.Stream(device, priority=-100)
+    engines = JpegEngines.open(device, stream)
     name = torch.cuda.get_device_name()
     if engines is None and not any(kind in name for kind in ("A100", "H100", "H200", "B200", "GB200")):
         pytest.skip(f"{name} may have no JPEG engines (nvJPEG's hardware backend)")
@@ -94,7 +95,6 @@ def test_the_jpeg_engines_decode_a_chunk_as_torchvisions_call_does():
     params = [(0, 0, 64, 64)] * len(blobs)
     encoded = EncodedImages.from_samples(tuple(blobs), tuple(params))
     assert encoded.frames[:, 2].all() and encoded.frames[:5, :2].tolist() == [list(size) for size in sizes]
-    stream = torch.cuda.Stream(device, priority=-100)
     with torch.cuda.stream(stream):
         spans = [encoded.data]
         out, starts = engines.decode(spans, encoded.offsets[:-1], encoded.offsets.diff(), encoded.frames[:, :2])
