@@ -1,11 +1,9 @@
 """JPEG decoding on the training device (`data.decoder: device`): the loader reads, the device decodes.
 
 `DeviceDecoder` decodes a batch's chunks in a thread and on a CUDA stream of its own, in the
-training process's own CUDA context: a whole chunk's baseline JPEGs in one call of the GPU's
-JPEG engines (`jpeg_engines`: nvJPEG's batched hardware decode on the thread's stream, its
-buffers from PyTorch's allocators), the rest (progressive, grayscale; all of them on a GPU
-without JPEG engines) in one call of torchvision's batched nvJPEG decoder, then all of its crops
-resized in one pass (`crop_resize`). The images the
+training process's own CUDA context: a whole chunk's JPEGs in one call of nvJPEG (torchvision's
+batched decoder: the GPU's hardware JPEG engines for baseline JPEGs, nvJPEG's hybrid decoder
+for progressive ones), then all of its crops resized in one pass (`crop_resize`). The images the
 device does not take came decoded by the loader's workers (`EncodedImages.pixels`); what nvJPEG
 still refuses, PIL decodes here, and what nothing decodes trains as a black image, counted.
 
@@ -29,7 +27,6 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from clipscale.caption_length import to_device_async  # a copy that never waits for the step's queued work
 from clipscale.data.chunks import Arrivals, ChunkSource, DeviceTransform, KeepBudget
 from clipscale.data.encoded import EncodedBatch, EncodedImages
-from clipscale.data.jpeg_engines import JpegEngines, JpegEnginesError
 from clipscale.data.transforms import SplitTransform
 
 
@@ -61,24 +58,17 @@ def _nvjpeg_or_cpu(blobs: list[torch.Tensor], device: torch.device) -> list[torc
         return decode_jpeg(blobs, mode=ImageReadMode.RGB, device=device)
 
 
-def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop: int, device: torch.device,
-                ready: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
+def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop: int,
+                device: torch.device) -> tuple[torch.Tensor, int]:
     """encoded[start:stop] decoded, cropped and resized on `device`: (uint8 [n, 3, H, W], how many
-    images nothing could decode, trained black). `ready`: (rows counted from `start`, their final
-    pixels on `device`), decoded already (by the JPEG engines). The worker's pixels are put in
-    their rows; the other JPEGs are decoded in one call and cropped in one pass, what nvJPEG
-    refuses by PIL."""
+    images nothing could decode, trained black). The worker's pixels are put in their rows; the
+    JPEGs are decoded in one call and cropped in one pass, what nvJPEG refuses by PIL."""
     n = stop - start
-    pixel_rows, pixel_index = encoded.decoded_rows(start, stop)
-    ready_rows, ready_pixels = ready if ready is not None else (torch.empty(0, dtype=torch.int64), None)
-    if len(ready_rows) == n:
-        return ready_pixels, 0
-    left = torch.ones(n, dtype=torch.bool)
-    left[pixel_rows] = False
-    left[ready_rows] = False
-    jpeg_rows = left.nonzero().flatten().tolist()
     blobs = encoded.blobs(start, stop)
-    decoded = decode_jpegs([blobs[k] for k in jpeg_rows] if len(jpeg_rows) < n else list(blobs), device)
+    pixel_rows, pixel_index = encoded.decoded_rows(start, stop)
+    by_worker = set(pixel_rows)
+    jpeg_rows = [k for k in range(n) if k not in by_worker]
+    decoded = decode_jpegs([blobs[k] for k in jpeg_rows] if pixel_rows else list(blobs), device)
     boxes = encoded.params[start:stop]
     refused = [k for k, image in zip(jpeg_rows, decoded) if image is None]
     if refused:
@@ -92,8 +82,6 @@ def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop:
         rows[to_device_async(torch.tensor(jpeg_rows), device)] = out
     if pixel_rows:
         rows[to_device_async(torch.tensor(pixel_rows), device)] = to_device_async(encoded.pixels[pixel_index], device)
-    if len(ready_rows):
-        rows[to_device_async(ready_rows, device)] = ready_pixels
     undecodable = 0
     for k in refused:  # rare: a JPEG whose header looked whole, nvJPEG refused it
         try:
@@ -104,40 +92,6 @@ def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop:
             rows[k] = split.apply_to_tensor(black, encoded.params_of(start + k))
             undecodable += 1
     return rows, undecodable
-
-
-def engine_crops(split: SplitTransform, parts: list[tuple[EncodedImages, int, int]], engines: JpegEngines,
-                 device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """The JPEGs of a chunk's parts that the GPU's JPEG engines take (`EncodedImages.frames`),
-    decoded in one call and cropped in one pass: for each part (its rows counted from its first,
-    their pixels). None where there are none or the engines refuse the batch (the caller then
-    decodes them with the rest)."""
-    crop = split.only_random_resized_crop()
-    if crop is None:
-        return None
-    picked = [lo + encoded.frames[lo:hi, 2].nonzero().flatten() for encoded, lo, hi in parts]
-    if not sum(len(rows) for rows in picked):
-        return None
-    spans, starts, lengths, sizes, boxes, laid = [], [], [], [], [], 0
-    for (encoded, lo, hi), rows in zip(parts, picked):
-        first = encoded.offsets[lo]
-        spans.append(encoded.data[first : encoded.offsets[hi]])
-        starts.append(laid + encoded.offsets[rows] - first)
-        lengths.append(encoded.offsets[rows + 1] - encoded.offsets[rows])
-        sizes.append(encoded.frames[rows, :2])
-        boxes.append(encoded.params[rows])
-        laid += len(spans[-1])
-    sizes = torch.cat(sizes)
-    try:
-        out, image_starts = engines.decode(spans, torch.cat(starts), torch.cat(lengths), sizes)
-    except JpegEnginesError:
-        return None
-    from clipscale.data import crop_resize  # Triton: imported where it runs
-
-    where = torch.cat([out.data_ptr() + image_starts[:-1, None], sizes], 1)
-    pixels = crop_resize.resized_crops_at(where, torch.cat(boxes), tuple(crop.size), crop.interpolation.value, device)
-    chunks = pixels.split([len(rows) for rows in picked])
-    return [(rows - lo, part) for (_, lo, _), rows, part in zip(parts, picked, chunks)]
 
 
 def resized_crops(split: SplitTransform, images: list[torch.Tensor], boxes: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -157,13 +111,10 @@ def resized_crops(split: SplitTransform, images: list[torch.Tensor], boxes: torc
     return torch.stack([split.apply_to_tensor(img, tuple(box)) for img, box in zip(images, boxes.tolist())])
 
 
-def decode_parts(split: SplitTransform, parts: list[tuple[EncodedImages, int, int]], device: torch.device,
-                 engines: JpegEngines | None = None) -> tuple[torch.Tensor, int]:
+def decode_parts(split: SplitTransform, parts: list[tuple[EncodedImages, int, int]], device: torch.device) -> tuple[torch.Tensor, int]:
     """A chunk kept as pieces (`EncodedBatch.rows`), decoded in order: (uint8 [n, 3, H, W] on
-    `device`, images trained black). With `engines`, its baseline JPEGs are theirs."""
-    ready = engine_crops(split, parts, engines, device) if engines is not None else None
-    decoded = [decode_rows(split, encoded, lo, hi, device, done)
-               for (encoded, lo, hi), done in zip(parts, ready or [None] * len(parts))]
+    `device`, images trained black)."""
+    decoded = [decode_rows(split, encoded, lo, hi, device) for encoded, lo, hi in parts]
     pixels = decoded[0][0] if len(decoded) == 1 else torch.cat([rows for rows, _ in decoded])
     return pixels, sum(black for _, black in decoded)
 
@@ -224,13 +175,12 @@ class DeviceDecoder:
                 ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         arrivals.wait_for(stop)
         if not hasattr(self.own, "stream"):  # this thread's first chunk
-            # The highest priority: the decode's and the crop's kernels take SMs as the step's kernels free them.
+            # The highest priority: the crop's kernels take SMs as the step's kernels free them.
             self.own.stream = torch.cuda.Stream(self.device, priority=-100) if self.device.type == "cuda" else None
-            self.own.engines = JpegEngines.open(self.device, self.own.stream) if self.device.type == "cuda" else None
         stream = self.own.stream
         started = time.perf_counter()
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            pixels, black = decode_parts(self.split, encoded.rows(start, stop), self.device, self.own.engines)
+            pixels, black = decode_parts(self.split, encoded.rows(start, stop), self.device)
         with self.count_lock:
             self.images_decoded += len(pixels)
             self.undecodable += black

@@ -18,8 +18,6 @@ JPEG_START, JPEG_END = b"\xff\xd8", b"\xff\xd9"
 # Frame headers (SOFn) whose JPEGs the device decodes: baseline, extended and progressive Huffman
 # coding. Lossless, hierarchical and arithmetic-coded ones are decoded by the worker (PIL).
 DEVICE_FRAMES = (0xC0, 0xC1, 0xC2)
-# Of those, what the GPU's JPEG engines take (jpeg_engines.py): baseline and extended Huffman in YCbCr.
-ENGINE_FRAMES = (0xC0, 0xC1)
 
 
 @dataclass(frozen=True)
@@ -69,15 +67,6 @@ def device_decodes(frame: JpegFrame | None, data) -> bool:
             and frame.height > 0 and frame.width > 0 and bytes(data[-2:]) == JPEG_END)
 
 
-def engine_frame(data) -> tuple[int, int, int]:
-    """(height, width, 1) for a JPEG the GPU's JPEG engines take (`ENGINE_FRAMES`, 8-bit YCbCr,
-    whole), else (0, 0, 0): a row of `EncodedImages.frames`."""
-    frame = jpeg_frame(data)
-    if frame is None or frame.marker not in ENGINE_FRAMES or frame.components != 3 or not device_decodes(frame, data):
-        return (0, 0, 0)
-    return (frame.height, frame.width, 1)
-
-
 def size_only(height: int, width: int) -> torch.Tensor:
     """An image's size without its pixels, to draw a crop from a JPEG's header: a [3, H, W] view
     of one element, all that torchvision's `F.get_dimensions` reads of an image."""
@@ -89,17 +78,13 @@ class EncodedImages:
     delimiting the samples, and each sample's drawn crop in `params` [n, k]. The images the
     device will not decode (`device_decodes`) come decoded by the worker instead: their final
     uint8 pixels in `pixels` [m, 3, H, W], their rows in `pixel_rows` [m] (ascending), and no
-    bytes. `frames` [n, 3]: (height, width, 1) for the JPEGs the GPU's JPEG engines take, read
-    from their headers by the worker (so the trainer reads no header), (0, 0, 0) for the rest.
-    Tensors, so loader workers pass it through shared memory.
+    bytes. Tensors, so loader workers pass it through shared memory.
 
     `self[i]` is (bytes, params tuple), what `SplitTransform.decode` takes."""
 
     def __init__(self, data: torch.Tensor, offsets: torch.Tensor, params: torch.Tensor,
-                 pixels: torch.Tensor | None = None, pixel_rows: torch.Tensor | None = None,
-                 frames: torch.Tensor | None = None):
+                 pixels: torch.Tensor | None = None, pixel_rows: torch.Tensor | None = None):
         self.data, self.offsets, self.params = data, offsets, params
-        self.frames = frames if frames is not None else torch.zeros(len(offsets) - 1, 3, dtype=torch.int64)
         self.pixels = pixels if pixels is not None else torch.empty(0, 3, 0, 0, dtype=torch.uint8)
         self.pixel_rows = pixel_rows if pixel_rows is not None else torch.empty(0, dtype=torch.int64)
 
@@ -115,9 +100,8 @@ class EncodedImages:
         data = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
         width = len(params[0]) if params else 0
         pixels = torch.stack([decoded[k] for k in rows]) if rows else None
-        frames = torch.tensor([engine_frame(blob) if blob else (0, 0, 0) for blob in blobs], dtype=torch.int64).reshape(-1, 3)
         return cls(data, offsets, torch.tensor(params, dtype=torch.int64).reshape(len(blobs), width),
-                   pixels, torch.tensor(rows, dtype=torch.int64) if rows else None, frames)
+                   pixels, torch.tensor(rows, dtype=torch.int64) if rows else None)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -146,12 +130,11 @@ class EncodedImages:
 
     def clone(self) -> "EncodedImages":
         return EncodedImages(self.data.clone(), self.offsets.clone(), self.params.clone(), self.pixels.clone(),
-                             self.pixel_rows.clone(), self.frames.clone())
+                             self.pixel_rows.clone())
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (self.data, self.offsets, self.params, self.pixels, self.pixel_rows, self.frames))
+        return sum(t.numel() * t.element_size() for t in (self.data, self.offsets, self.params, self.pixels, self.pixel_rows))
 
 
 class EncodedBatch:

@@ -102,61 +102,6 @@ def test_every_kind_of_image_arrives_as_promised_through_the_device_path(tmp_pat
         assert torch.equal(encoded.pixels[k], loader["images"][row]) and len(encoded.blob(row)) == 0
     pixels, black = decode_rows(SPLIT, encoded, 0, 5, torch.device("cpu"))
     assert black == 0 and (pixels.int() - loader["images"].int()).abs().max() <= 8
-    # Only the baseline colour JPEG is the JPEG engines' (its size read by the worker); nvJPEG's
-    # hybrid decoder takes the progressive and grayscale ones, the worker's pixels the rest.
-    frames = {names[row]: encoded.frames[row].tolist() for row in range(5)}
-    assert frames == {"baseline": [40, 48, 1], "progressive": [0, 0, 0], "gray": [0, 0, 0], "cmyk": [0, 0, 0], "png": [0, 0, 0]}
-
-
-class CpuJpegEngines:
-    """The JPEG engines' contract (`jpeg_engines.JpegEngines.decode`) kept on the CPU: each JPEG
-    decoded by torchvision's CPU decoder into one buffer, planar, one image after another, as
-    nvJPEG lays out a batch. It holds `engine_crops`' bookkeeping (where each image's bytes are
-    across pieces, its size, its row); the GPU suite holds the engines themselves."""
-
-    def __init__(self):
-        self.calls = []
-
-    def decode(self, spans, starts, lengths, sizes):
-        from torchvision.io import decode_jpeg
-
-        data = torch.cat(spans)
-        images = [decode_jpeg(data[start : start + length].clone()) for start, length in zip(starts.tolist(), lengths.tolist())]
-        assert [tuple(image.shape[1:]) for image in images] == [tuple(size) for size in sizes.tolist()]
-        self.calls.append(len(images))
-        out = torch.cat([image.flatten() for image in images])
-        return out, torch.cat([torch.zeros(1, dtype=torch.int64), torch.tensor([image.numel() for image in images]).cumsum(0)])
-
-
-def test_a_chunks_engine_jpegs_across_pieces_land_in_their_rows(monkeypatch):
-    """A chunk of two pieces' rows, baseline JPEGs among progressive and grayscale ones and the
-    worker's pixels: the baseline ones decoded in one call of the engines and put in their rows,
-    the rest as before; every row equal to the chunk decoded without the engines (both cropped
-    by crop_resize's programs, in Triton's interpreter)."""
-    from clipscale.data.device_decode import decode_parts
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-    split = SplitTransform.split(image_transform(8, is_train=True, aug_cfg={"scale": (0.5, 1.0)}))  # small: the interpreter is slow
-    picture = lambda k: Image.merge("RGB", [Image.linear_gradient("L").rotate(a + 7 * k).resize((16 + k, 12 + 2 * k))  # noqa: E731
-                                            for a in (0, 90, 45)])
-    kinds = [dict(format="JPEG"), dict(format="JPEG", progressive=True), dict(format="JPEG"), dict(format="PNG"), dict(format="JPEG")]
-    pieces = []
-    for piece in range(2):
-        blobs, decoded, params = [], [], []
-        for k, options in enumerate(kinds):
-            image = picture(5 * piece + k)
-            image = image.convert("L") if (piece, k) == (1, 2) else image
-            blobs.append(b"" if options["format"] == "PNG" else _encoded(image, **options))
-            params.append(split.draw(image))
-            decoded.append(split.apply(image.convert("RGB"), params[-1]) if options["format"] == "PNG" else None)
-        pieces.append(EncodedImages.from_samples(tuple(blobs), tuple(params), tuple(decoded)))
-    parts = [(pieces[0], 1, 5), (pieces[1], 0, 4)]  # the chunk: piece 0's rows 1..4, piece 1's rows 0..3
-    engines = CpuJpegEngines()
-    with_engines, black = decode_parts(split, parts, torch.device("cpu"), engines)
-    without, _ = decode_parts(split, parts, torch.device("cpu"))
-    assert engines.calls == [3]  # piece 0's rows 2 and 4, piece 1's row 0 (its row 2 is grayscale: not the engines')
-    assert black == 0 and torch.equal(with_engines, without)
 
 
 def test_a_runs_pieces_carry_nothing_per_sample_but_tensors(jpeg_shards):
