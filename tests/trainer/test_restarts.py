@@ -57,14 +57,38 @@ def _children(pid: int) -> list[int]:
     return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
 
 
-def test_a_worker_killed_on_one_of_two_nodes_restarts_the_job_with_the_same_final_weights(digits_root, tmp_path):
-    def overrides(name):  # data.workers as digits.yaml has it
-        return tiny_run(digits_root, tmp_path, f"run.name={name}", "train.steps=20", "train.checkpoint_every=10",
-                        "run.device=cpu", "eval.zeroshot=false")
+STEPS, CHECKPOINT_EVERY, KILL_AFTER = 20, 10, 14  # the kill comes 4 steps past the checkpoint, 6 before the end
 
-    reference = run_train(overrides("reference"), nproc=2)
-    assert reference.returncode == 0, reference.stderr[-3000:]
 
+def _overrides(digits_root, output_dir, name):  # data.workers as digits.yaml has it; on the CPU for both topologies
+    return tiny_run(digits_root, output_dir, f"run.name={name}", f"train.steps={STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}",
+                    "run.device=cpu", "eval.zeroshot=false")
+
+
+@pytest.fixture(scope="module")
+def reference(digits_root, module_tmp) -> dict:
+    """The final weights of the run never interrupted, on 2 processes (standalone): both tests' jobs
+    are worlds of two that train the same run."""
+    output_dir = module_tmp("reference")
+    result = run_train(_overrides(digits_root, output_dir, "reference"), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(latest_checkpoint(output_dir / "reference" / "checkpoints"), weights_only=True)["state_dict"]
+
+
+def _killable(checkpoints, metrics) -> bool:
+    """A checkpoint written, and steps trained past it that the restarted world must train again."""
+    return ((checkpoints / f"step_{CHECKPOINT_EVERY:08d}.pt").exists() and metrics.exists()
+            and len(metrics.read_text().splitlines()) >= KILL_AFTER)
+
+
+def _ends_with_the_reference_weights(run_dir, reference) -> None:
+    final = torch.load(latest_checkpoint(run_dir / "checkpoints"), weights_only=True)
+    assert final["step"] == STEPS
+    for key, tensor in reference.items():
+        assert torch.equal(final["state_dict"][key], tensor), key
+
+
+def test_a_worker_killed_on_one_of_two_nodes_restarts_the_job_with_the_same_final_weights(digits_root, reference, tmp_path):
     endpoint, job = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     launchers = [
@@ -72,53 +96,43 @@ def test_a_worker_killed_on_one_of_two_nodes_restarts_the_job_with_the_same_fina
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
              "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job,
              "--rdzv-conf", f"is_host={node == 0}", "--max-restarts", "1",
-             str(REPO / "train.py"), "--config", DIGITS_YAML, *overrides("killed")],
+             str(REPO / "train.py"), "--config", DIGITS_YAML, *_overrides(digits_root, tmp_path, "killed")],
             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         for node in (0, 1)
     ]
     checkpoints, metrics = tmp_path / "killed" / "checkpoints", tmp_path / "killed" / "metrics.jsonl"
     deadline = time.time() + 240
-    while not ((checkpoints / "step_00000010.pt").exists() and metrics.exists() and len(metrics.read_text().splitlines()) >= 14):
+    while not _killable(checkpoints, metrics):
         assert all(p.poll() is None for p in launchers) and time.time() < deadline, "the run ended before a worker could be killed"
         time.sleep(0.05)
     os.kill(_children(launchers[1].pid)[0], signal.SIGKILL)  # the second "node"'s worker
     errors = [launcher.communicate(timeout=300)[1] for launcher in launchers]
     assert [launcher.returncode for launcher in launchers] == [0, 0], errors[1][-3000:] + errors[0][-3000:]
     assert "exitcode: -9" in errors[1]  # that launcher saw the kill, and the restarted job finished
-
-    final = {name: torch.load(latest_checkpoint(tmp_path / name / "checkpoints"), weights_only=True) for name in ("reference", "killed")}
-    assert final["killed"]["step"] == 20
-    for key, tensor in final["reference"]["state_dict"].items():
-        assert torch.equal(final["killed"]["state_dict"][key], tensor), key
+    _ends_with_the_reference_weights(tmp_path / "killed", reference)
 
 
 # --- one node: a worker killed, restarted by torchrun ------------------------------------------
 
 
-def test_a_worker_killed_mid_run_is_restarted_from_the_latest_checkpoint(digits_root, tmp_path):
+def test_a_worker_killed_mid_run_is_restarted_from_the_latest_checkpoint(digits_root, reference, tmp_path):
     """SIGKILL one of two torchrun workers after a checkpoint: with --max-restarts 1 the world
     restarts, resumes from latest.pt and ends with the weights of a run never interrupted. The
     job replaces an older run (run.overwrite=true): its restart resumes, it does not move aside
     the run it started itself."""
-    def overrides(name):
-        return tiny_run(digits_root, tmp_path, f"run.name={name}", "train.steps=40", "train.checkpoint_every=10",
-                        "eval.zeroshot=false")
-
-    reference = run_train(overrides("reference"), nproc=2)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-
     older = tmp_path / "killed"  # the run this job replaces
     older.mkdir()
     (older / "config.yaml").write_text("run: {name: killed}\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     agent = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-         str(REPO / "train.py"), "--config", DIGITS_YAML, *overrides("killed"), "run.resume=false", "run.overwrite=true"],
+         str(REPO / "train.py"), "--config", DIGITS_YAML, *_overrides(digits_root, tmp_path, "killed"), "run.resume=false",
+         "run.overwrite=true"],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     checkpoints, metrics = tmp_path / "killed" / "checkpoints", tmp_path / "killed" / "metrics.jsonl"
     deadline = time.time() + 180
-    while not ((checkpoints / "step_00000010.pt").exists() and len(metrics.read_text().splitlines()) >= 14):
+    while not _killable(checkpoints, metrics):
         assert agent.poll() is None and time.time() < deadline, "the run ended before a worker could be killed"
         time.sleep(0.05)
     os.kill(_children(agent.pid)[-1], signal.SIGKILL)
@@ -126,8 +140,4 @@ def test_a_worker_killed_mid_run_is_restarted_from_the_latest_checkpoint(digits_
     assert agent.returncode == 0, stderr[-3000:]
     assert "exitcode: -9" in stderr  # the agent saw the kill, and the restarted world finished
     assert len(list(tmp_path.glob("killed.old-*"))) == 1, "the restart moved its own run aside as well"
-
-    final = {name: torch.load(latest_checkpoint(tmp_path / name / "checkpoints"), weights_only=True) for name in ("reference", "killed")}
-    assert final["killed"]["step"] == 40
-    for key, tensor in final["reference"]["state_dict"].items():
-        assert torch.equal(final["killed"]["state_dict"][key], tensor), key
+    _ends_with_the_reference_weights(tmp_path / "killed", reference)
