@@ -278,6 +278,15 @@ MUTATIONS = [
     Mutation("patch_grid_transposed", "model.patch_embed=matmul gives the grid's columns as its rows",
              "clipscale/models.py", ".unflatten(2, (gh, gw))", ".unflatten(2, (gw, gh))",
              ("tests/test_patch_embed.py::test_the_patches_order_inside_the_product",)),
+    Mutation("offload_second_decode_raises", "train.offload's pass 2 cannot decode the kept bytes again",
+             "clipscale/data/offload.py", "        return DecodedInPool([future",
+             "        raise RuntimeError('no second decode')\n        return DecodedInPool([future",
+             ("tests/data/test_offload.py::test_an_offloaded_run_follows_the_streamed_runs_curve",
+              "tests/trainer/test_trainer.py::test_gradient_cache_and_offload_follow_the_plain_curve")),
+    Mutation("device_second_decode_raises", "the device decoder's pass 2 cannot decode a chunk again",
+             "clipscale/data/device_decode.py", "        return self.decoder.submit(self.encoded, self.arrivals, start, stop)",
+             "        assert pass_number == 1, 'no second decode'\n        return self.decoder.submit(self.encoded, self.arrivals, start, stop)",
+             ("tests/data/test_device_decode.py::test_the_trainer_decodes_on_the_device_on_the_loaders_curve",)),
 ]
 
 

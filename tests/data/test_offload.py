@@ -202,8 +202,9 @@ def _train(digits_root, tmp_path, name, *extra, monkeypatch=None, record=None):
         monkeypatch.setattr(TrainStep, "__call__", recording_call)
     preempt_at = next((int(e.split("=")[1]) for e in extra if e.startswith("preempt_at=")), None)
     extra = [e for e in extra if not e.startswith("preempt_at=")]
+    # Nothing kept on the device (data.keep_on_device_gib=0): pass 2 decodes every chunk again.
     overrides = tiny_run(digits_root, tmp_path, f"run.name={name}", "eval.zeroshot=false", "train.steps=6",
-                         "train.chunk_size=24", *extra)
+                         "train.chunk_size=24", "data.keep_on_device_gib=0", *extra)
     result = trainer.train(load_config(DIGITS_YAML, overrides))
     return result, [m["loss"] for m in read_metrics(tmp_path / name / "metrics.jsonl")]
 

@@ -65,7 +65,9 @@ def train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, name, *extra, monke
         monkeypatch.setattr(TrainStep, "__call__", recording_call)
     shards = jpeg_shards[0].replace("train-0", "train-{0..2}")
     # Seed 5: the six steps' 384 samples hold the truncated and the garbage JPEGs (skipped and counted).
+    # Nothing kept on the device (data.keep_on_device_gib=0): Gradient Cache's pass 2 decodes every chunk again.
     overrides = tiny_run(digits_root, tmp_path, f"run.name={name}", "eval.zeroshot=false", "train.steps=6", "run.seed=5",
-                         "train.chunk_size=24", "data.kind=webdataset", f"data.train_shards={shards}", *extra)
+                         "train.chunk_size=24", "data.keep_on_device_gib=0", "data.kind=webdataset",
+                         f"data.train_shards={shards}", *extra)
     trainer.train(load_config(DIGITS_YAML, overrides))
     return read_metrics(tmp_path / name / "metrics.jsonl")

@@ -93,12 +93,13 @@ def test_torchrun_two_processes(digits_root, tmp_path):
 def test_gradient_cache_and_offload_follow_the_plain_curve(digits_root, tmp_path, monkeypatch):
     """train.chunk_size splits each step into Gradient Cache chunks; the training is the same.
     With train.offload the batch keeps PNG bytes, decoded again in processes for the second
-    pass; with a transform that cannot be split, the pieces hold the whole transform's floats."""
+    pass (nothing kept on the device, so every chunk is); with a transform that cannot be split,
+    the pieces hold the whole transform's floats."""
     from clipscale.data.transforms import SplitTransform
     from clipscale.trainer import train
 
-    offload = ["train.chunk_size=24", "train.offload=true"]
-    runs = {"plain": [], "chunked": ["train.chunk_size=24"], "offload": offload,
+    offload = ["train.chunk_size=24", "train.offload=true", "data.keep_on_device_gib=0"]  # pass 2 decodes every chunk again
+    runs = {"plain": [], "chunked": ["train.chunk_size=24", "data.keep_on_device_gib=0"], "offload": offload,
             "offload_worker": [*offload, "data.workers=1"], "float_pieces": ["train.chunk_size=24"]}
     curves = {}
     for name, extra in runs.items():
