@@ -162,8 +162,14 @@ class ShuffledEpoch:
         while self.buffer:
             yield self._draw()
 
+    def sample_seed(self) -> int:
+        """The seed of the sample drawn last: its augmentation's randomness, a function of its place
+        in the order alone, so a resumed run, on any shape, draws the same crops. (The next draw's
+        buffer slot is chosen by the same number.)"""
+        return zlib.crc32(f"{self.seed}/{self.draws}".encode())
+
     def _draw(self) -> Optional[dict]:
-        slot = random.Random(zlib.crc32(f"{self.seed}/{self.draws}".encode())).randrange(len(self.buffer))
+        slot = random.Random(self.sample_seed()).randrange(len(self.buffer))
         _, sample = self.buffer[slot]
         self.buffer[slot] = self.buffer[-1]
         self.buffer.pop()

@@ -15,7 +15,6 @@ order and how a resumed stream, on any shape, finds its place.
 
 from __future__ import annotations
 
-import zlib
 from collections import Counter
 from pathlib import Path
 from dataclasses import asdict, dataclass, field
@@ -306,14 +305,11 @@ class ShardStream(torch.utils.data.IterableDataset):
             shuffled = self.shuffled_slot(number, errors)
             for raw in shuffled.samples(*(position or saved)):
                 drawn[epoch] += 1
-                # Augmentation randomness is a function of the sample's place in the order, so a
-                # resumed run, on any shape, draws the same crops as an uninterrupted one.
                 # Only the CPU generator: torch.manual_seed also queues a CUDA reseed, whose stack capture
                 # cost a third of a sample's loading time, and reseeded a GPU's RNG under an in-process loader.
-                sample_seed = zlib.crc32(f"{self.seed}/{number}/{shuffled.draws}".encode())
                 sample, unusable = None, None
                 with torch.random.fork_rng(devices=[]):
-                    torch.random.default_generator.manual_seed(sample_seed)
+                    torch.random.default_generator.manual_seed(shuffled.sample_seed())
                     try:
                         sample = None if raw is None else read_sample(raw, self.image_transform, self.split,
                                                                        self.keep_encoded, self.decode, self.max_image_pixels)
