@@ -34,7 +34,7 @@ DAEMONS = ("munged", "slurmctld", "slurmd")
 NODES = ("n1", "n2")
 CLIENTS = ("sbatch", "scontrol", "scancel", "sinfo", "srun")
 SBIN_PATH = f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"
-STEPS = 30
+STEPS = 15  # a preemption after step 2 or 3 leaves 12 steps for the notice to arrive; acc1 0.17 at the end
 TWO_PROCESSES = {  # sbatch options for a 2-process job: {nodes: options}
     "train_torchrun.sbatch": {  # one torchrun per node, NPROC_PER_NODE workers each
         1: ("--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=2"),
@@ -247,7 +247,7 @@ def test_digits_job_trains_and_evaluates(uninterrupted):
     in_training = json.loads((uninterrupted / "tiny" / "eval" / f"step_{STEPS:08d}.json").read_text())
     script = json.loads((uninterrupted / "eval.json").read_text())["metrics"]
     assert script["acc1"] == pytest.approx(in_training["zeroshot_acc1"], abs=1e-9)
-    assert script["acc1"] > 0.1  # better than chance (ten classes) after 30 tiny steps
+    assert script["acc1"] > 0.1  # better than chance (ten classes) after 15 tiny steps
 
 
 @pytest.mark.parametrize("nodes", [1, 2], ids=["one node", "two nodes"])
