@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 SKIPS_SAID = 3  # skipped samples a data line names, with why
 NONFINITE = "nonfinite"  # the key listing a record's values that were NaN or infinite
-DATA_COUNTS = ("skipped samples", "shard errors", "captions cut")  # TrainingBatches.error_totals, in its order
+DATA_COUNTS = ("skipped samples", "shard errors", "captions cut", "images trained black")  # TrainingBatches.error_totals, in its order
 TENSORBOARD = "tensorboard"  # the event files' folder in the run folder
 
 
@@ -119,7 +119,7 @@ class RecordWindow:
         self.batch_size, self.device, self.world_size = batch_size, device, world_size
         self.flops_per_sample = flops_per_sample  # model FLOPs of a sample by its text length (utilization.py), for `mfu`
         self.peak_flops = peak_bf16_flops(device)
-        self.logged_data_errors: list[int] | None = None  # [skipped samples, shard errors, captions cut] at the previous record
+        self.logged_data_errors: list[int] | None = None  # DATA_COUNTS at the previous record
         self._new_window()
 
     def _new_window(self) -> None:
@@ -142,7 +142,7 @@ class RecordWindow:
                data_errors: list[int]) -> dict:
         """The record, and a new window from now."""
         elapsed = time.perf_counter() - self.start
-        skipped, shard_errors, captions_cut = data_errors
+        skipped, shard_errors, captions_cut, black = data_errors
         samples = sum(n for n, _ in self.text_chunks)
         record = {
             "loss": result.loss.item(),
@@ -158,6 +158,8 @@ class RecordWindow:
             "shard_errors_total": shard_errors,
             "captions_cut_share": (captions_cut - self.logged_data_errors[2]) / (self.steps * self.batch_size),
             "captions_cut_total": captions_cut,
+            "images_trained_black": black - self.logged_data_errors[3],  # the GPU decoder's: no decoder took them
+            "images_trained_black_total": black,
             "nonfinite_steps": nonfinite_steps,
             "data_wait_s": self.data_wait_s / self.steps,  # per step, on this rank
             "text_positions_per_sample": sum(n * positions for n, positions in self.text_chunks) / samples,
@@ -184,7 +186,7 @@ class RecordWindow:
 
     def load_state_dict(self, state: dict) -> None:
         saved = state["logged_data_errors"]
-        self.logged_data_errors = saved + [0] * (len(DATA_COUNTS) - len(saved))  # a checkpoint from before captions were counted
+        self.logged_data_errors = saved + [0] * (len(DATA_COUNTS) - len(saved))  # a checkpoint from before some were counted
 
 
 class StepReport:
@@ -256,10 +258,11 @@ class DataProblems:
     counts a cut one gets a line with the share cut so far (of `batch_size` captions a step), once;
     metrics.jsonl has the share at every record."""
 
-    def __init__(self, interval_s: float = 60.0, totals: tuple[int, ...] = (0, 0, 0), steps: int | None = None,
+    def __init__(self, interval_s: float = 60.0, totals: tuple[int, ...] = (0, 0, 0, 0), steps: int | None = None,
                  batch_size: int = 0):
         self.interval_s = interval_s
-        self.said = totals[:2]  # (skipped samples, shard errors) at the previous line (a resume: the checkpoint's)
+        # (skipped samples, shard errors, images trained black) at the previous line (a resume: the checkpoint's)
+        self.said = (totals[0], totals[1], totals[3])
         self.captions_cut_before = totals[2]  # at this process's start
         self.captions_said = False
         self.steps, self.batch_size, self.steps_done = steps, batch_size, 0
@@ -269,30 +272,34 @@ class DataProblems:
 
     def after_step(self, totals: Sequence[int] | None, shards: Sequence[str] = (),
                    skips: Sequence[tuple[str, str]] = ()) -> list[str]:
-        """`totals`: (skipped samples, shard errors, captions cut) over all ranks since the run began, or None."""
+        """`totals`: DATA_COUNTS over all ranks since the run began, or None."""
         self.steps_done += 1
         self.shards += [shard for shard in shards if shard not in self.shards]
         self.skips += list(skips)[: SKIPS_SAID - len(self.skips)]
         if totals is None:
             return []
-        skipped_total, shard_errors_total, captions_cut_total = totals
+        skipped_total, shard_errors_total, captions_cut_total, black_total = totals
         lines = self.captions_line(captions_cut_total)
-        skipped, cut = skipped_total - self.said[0], shard_errors_total - self.said[1]
+        skipped, cut, black = skipped_total - self.said[0], shard_errors_total - self.said[1], black_total - self.said[2]
         last = self.steps_done == self.steps
-        if not (skipped or cut) or (time.monotonic() < self.next_at and not last):
+        if not (skipped or cut or black) or (time.monotonic() < self.next_at and not last):
             return lines
         self.next_at = time.monotonic() + self.interval_s
         news = [text for count, text in ((skipped, _count(skipped, "sample") + " skipped"),
-                                         (cut, _count(cut, "shard") + " cut short")) if count]
+                                         (cut, _count(cut, "shard") + " cut short"),
+                                         (black, _count(black, "image") + " trained black (no decoder took its bytes)"))
+                if count]
         where = ""
         if self.shards:
             where = f" in {self.shards[-1]}" + (f" and {len(self.shards) - 1} other shards" if len(self.shards) > 1 else "")
         named = ""
         if self.skips:
             named = "; first skipped: " + ", ".join(f"{place} ({why})" for place, why in self.skips)
-        self.said, self.shards, self.skips = (skipped_total, shard_errors_total), [], []
+        self.said, self.shards, self.skips = (skipped_total, shard_errors_total, black_total), [], []
+        blacks = f", {_count(black_total, 'image')} trained black" if black_total else ""
         return [*lines, f"data: {' and '.join(news)}{where}{named}; so far {_count(skipped_total, 'sample')} skipped and "
-                f"{_count(shard_errors_total, 'shard')} cut short (metrics.jsonl: skipped_samples, shard_errors)"]
+                f"{_count(shard_errors_total, 'shard')} cut short{blacks} (metrics.jsonl: skipped_samples, shard_errors"
+                f"{', images_trained_black' if black_total else ''})"]
 
     def captions_line(self, captions_cut_total: int) -> list[str]:
         cut = captions_cut_total - self.captions_cut_before

@@ -284,9 +284,15 @@ MUTATIONS = [
              ("tests/data/test_offload.py::test_an_offloaded_run_follows_the_streamed_runs_curve",
               "tests/trainer/test_trainer.py::test_gradient_cache_and_offload_follow_the_plain_curve")),
     Mutation("device_second_decode_raises", "the device decoder's pass 2 cannot decode a chunk again",
-             "clipscale/data/device_decode.py", "        return self.decoder.submit(self.encoded, self.arrivals, start, stop)",
-             "        assert pass_number == 1, 'no second decode'\n        return self.decoder.submit(self.encoded, self.arrivals, start, stop)",
+             "clipscale/data/device_decode.py", "        return self.decoder.submit(self.encoded, self.arrivals, start, stop, counted=self if pass_number == 1 else None)",
+             "        assert pass_number == 1, 'no second decode'\n        return self.decoder.submit(self.encoded, self.arrivals, start, stop, counted=self if pass_number == 1 else None)",
              ("tests/data/test_device_decode.py::test_the_trainer_decodes_on_the_device_on_the_loaders_curve",)),
+    Mutation("black_images_counted_at_every_decode", "an image trained black is counted again when pass 2 decodes it again",
+             "clipscale/data/device_decode.py", "counted=self if pass_number == 1 else None)", "counted=self)",
+             ("tests/data/test_device_decode.py::test_images_no_decoder_takes_are_trained_black_and_counted_once",)),
+    Mutation("black_images_not_counted", "the images trained black are not added to the stream's counts",
+             "clipscale/data/batches.py", "            self.state.images_trained_black += getattr(", "            0 and getattr(",
+             ("tests/data/test_device_decode.py::test_images_no_decoder_takes_are_trained_black_and_counted_once",)),
 ]
 
 

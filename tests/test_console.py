@@ -115,22 +115,32 @@ def test_data_problems_are_one_line_at_a_time_with_the_shard_and_the_totals(monk
     clock = Clock()
     monkeypatch.setattr(metrics.time, "monotonic", clock)
     problems = DataProblems(interval_s=60, steps=6)
-    assert problems.after_step((0, 0, 0)) == []
-    assert problems.after_step((3, 0, 0), ["shards/00012.tar"]) == [
+    assert problems.after_step((0, 0, 0, 0)) == []
+    assert problems.after_step((3, 0, 0, 0), ["shards/00012.tar"]) == [
         "data: 3 samples skipped in shards/00012.tar; so far 3 samples skipped and 0 shards cut short "
         "(metrics.jsonl: skipped_samples, shard_errors)"]
     clock.now = 30  # within the interval: summed into the next line
-    assert problems.after_step((4, 1, 0), ["shards/00040.tar"]) == []
-    assert problems.after_step((9, 1, 0), ["shards/00041.tar"]) == []
+    assert problems.after_step((4, 1, 0, 0), ["shards/00040.tar"]) == []
+    assert problems.after_step((9, 1, 0, 0), ["shards/00041.tar"]) == []
     clock.now = 61
-    assert problems.after_step((9, 1, 0)) == [
+    assert problems.after_step((9, 1, 0, 0)) == [
         "data: 6 samples skipped and 1 shard cut short in shards/00041.tar and 1 other shards; so far 9 samples "
         "skipped and 1 shard cut short (metrics.jsonl: skipped_samples, shard_errors)"]
     clock.now = 62  # the last step's news is said within the interval: the console's totals end as the run's
-    assert problems.after_step((10, 1, 0)) == [
+    assert problems.after_step((10, 1, 0, 0)) == [
         "data: 1 sample skipped; so far 10 samples skipped and 1 shard cut short (metrics.jsonl: skipped_samples, shard_errors)"]
-    resumed = DataProblems(totals=(10, 1, 0))  # a resume starts from the checkpoint's totals
-    assert resumed.after_step((10, 1, 0)) == []
+    resumed = DataProblems(totals=(10, 1, 0, 0))  # a resume starts from the checkpoint's totals
+    assert resumed.after_step((10, 1, 0, 0)) == []
+
+
+def test_images_no_decoder_took_are_said_as_trained_black():
+    """The GPU decoder's images that nothing decoded (trained black) are data news as skips are."""
+    problems = DataProblems(interval_s=0, steps=3)
+    assert problems.after_step((0, 0, 0, 2)) == [
+        "data: 2 images trained black (no decoder took its bytes); so far 0 samples skipped and 0 shards cut short, "
+        "2 images trained black (metrics.jsonl: skipped_samples, shard_errors, images_trained_black)"]
+    assert problems.after_step((0, 0, 0, 2)) == []
+    assert DataProblems(totals=(0, 0, 0, 2)).after_step((0, 0, 0, 2)) == []  # a resume: said before it
 
 
 def test_a_data_line_names_the_first_samples_skipped_and_why(monkeypatch):
@@ -140,26 +150,26 @@ def test_a_data_line_names_the_first_samples_skipped_and_why(monkeypatch):
     monkeypatch.setattr(metrics.time, "monotonic", clock)
     problems = DataProblems(interval_s=60, steps=4)
     assert problems.after_step(None, ["a.tar"], [("a.tar: sample 0007", "OSError: image file is truncated")]) == []
-    assert problems.after_step((2, 0, 0), ["b.tar"], [("images/3.png", "cannot read the file: no such file")]) == [
+    assert problems.after_step((2, 0, 0, 0), ["b.tar"], [("images/3.png", "cannot read the file: no such file")]) == [
         "data: 2 samples skipped in b.tar and 1 other shards; first skipped: a.tar: sample 0007 (OSError: image file "
         "is truncated), images/3.png (cannot read the file: no such file); so far 2 samples skipped and 0 shards cut "
         "short (metrics.jsonl: skipped_samples, shard_errors)"]
     clock.now = 61
     many = [(f"c.tar: sample {i}", "an empty caption") for i in range(5)]
-    assert problems.after_step((7, 0, 0), ["c.tar"], many) == [
+    assert problems.after_step((7, 0, 0, 0), ["c.tar"], many) == [
         "data: 5 samples skipped in c.tar; first skipped: c.tar: sample 0 (an empty caption), c.tar: sample 1 (an empty "
         "caption), c.tar: sample 2 (an empty caption); so far 7 samples skipped and 0 shards cut short (metrics.jsonl: "
         "skipped_samples, shard_errors)"]
 
 
 def test_captions_cut_are_said_once_with_their_share(monkeypatch):
-    problems = DataProblems(totals=(0, 0, 5), batch_size=320)  # a resume: 5 cut before it
-    assert problems.after_step((0, 0, 5)) == []
-    assert problems.after_step((0, 0, 88)) == [
+    problems = DataProblems(totals=(0, 0, 5, 0), batch_size=320)  # a resume: 5 cut before it
+    assert problems.after_step((0, 0, 5, 0)) == []
+    assert problems.after_step((0, 0, 88, 0)) == [
         "text: 83 of 640 captions so far (13.0%) were longer than the text tower's context length and are cut to it: "
         "the tokenizer keeps a caption's first context_length - 2 tokens and ends it with the end-of-text token, and "
         "the rest is never seen (metrics.jsonl: captions_cut_share)"]
-    assert problems.after_step((0, 0, 90)) == []
+    assert problems.after_step((0, 0, 90, 0)) == []
 
 
 class CountedBatches:
@@ -171,7 +181,7 @@ class CountedBatches:
 
     def error_totals(self) -> list[int]:
         self.totals_asked += 1
-        return [self.totals_asked, 0, 0]
+        return [self.totals_asked, 0, 0, 0]
 
     def take_problem_shards(self) -> list[str]:
         return ["a.tar"]

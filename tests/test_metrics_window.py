@@ -23,14 +23,14 @@ def step(chunks: list[tuple[int, int]]) -> StepResult:
 
 def record(window: RecordWindow, chunks: list[tuple[int, int]]) -> dict:
     window.step_done(0.0, chunks)
-    return window.record(step(chunks), 1e-3, logit_scale=50.0, nonfinite_steps=0, data_errors=[0, 0, 0])
+    return window.record(step(chunks), 1e-3, logit_scale=50.0, nonfinite_steps=0, data_errors=[0, 0, 0, 0])
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_each_record_counts_its_own_steps_text_and_one_gpus_share_of_the_flops(world_size):
     window = RecordWindow(batch_size=8, device=torch.device("cpu"), world_size=world_size, flops_per_sample=FLOPS)
     window.peak_flops = PEAK
-    window.open([0, 0, 0])
+    window.open([0, 0, 0, 0])
     first = record(window, [(4, 16), (4, 16)])
     second = record(window, [(4, 32), (4, 32)])  # another length: a window still holding the first's chunks averages them
     assert first["text_positions_per_sample"] == 16 and second["text_positions_per_sample"] == 32
@@ -43,7 +43,7 @@ def test_samples_per_s_is_the_global_batchs_rate_whatever_the_world_size(world_s
     """train.batch_size is the global batch: a record's rate is its steps' global samples over their
     time, on every rank (not one rank's share of the batch)."""
     window = RecordWindow(batch_size=8, device=torch.device("cpu"), world_size=world_size, flops_per_sample=FLOPS)
-    window.open([0, 0, 0])
+    window.open([0, 0, 0, 0])
     window.step_done(0.0, [(8 // world_size, 16)])
     got = record(window, [(8 // world_size, 16)])  # two steps of 8 samples
     assert got["samples_per_s"] * got["step_s"] == pytest.approx(8, rel=1e-9)

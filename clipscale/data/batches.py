@@ -161,6 +161,7 @@ class BatchStream:
                 self.problem_shards += [shard for shard in record["problem_shards"] if shard not in self.problem_shards]
                 self.skips += record.get("skips", [])[: SKIPS_NAMED - len(self.skips)]
             self.state.batches += 1
+            self.state.images_trained_black += getattr(batch.images.rows, "trained_black", 0)  # a GPU decoder's rows count them
         batch.images.release()
         batch.texts.release()
         self.free.put(batch.slot)

@@ -146,7 +146,8 @@ class DeviceDecoder:
     outpace the step. With a keep budget, each chunk of `chunk_size` is decoded as soon as its
     pieces are in and the budget has room: during the previous step, so pass 1 finds it ready
     (`ChunkSource.prepare_ahead`). `images_decoded` counts every image decoded (the tests hold
-    "once per step" and "at most twice" with it), `undecodable` those trained black."""
+    "once per step" and "at most twice" with it); the images nothing decoded, trained black, are
+    counted by their batch's rows at their chunk's first decode (`DeviceDecodedRows.trained_black`)."""
 
     def __init__(self, split: SplitTransform, device: torch.device, chunk_size: int | None = None,
                  threads: int = DECODE_THREADS):
@@ -157,7 +158,6 @@ class DeviceDecoder:
                                          initargs=(device,) if device.type == "cuda" else ())
         self.count_lock = threading.Lock()
         self.images_decoded = 0
-        self.undecodable = 0
         self.decode_s = 0.0  # the threads' time in decoding calls, summed (their rows' arrival not counted)
 
     def column(self, batch_size: int, arrivals: Arrivals, device_transform: DeviceTransform | None,
@@ -167,11 +167,13 @@ class DeviceDecoder:
         return decoded_column(DeviceDecodedRows(batch_size, arrivals, self), self.split, self.chunk_size, arrivals,
                               device_transform, budget)
 
-    def submit(self, encoded: EncodedBatch, arrivals: Arrivals, start: int, stop: int) -> "DecodedChunk":
-        """Rows [start, stop) decoded once they have arrived."""
-        return DecodedChunk(self.thread.submit(self._decode, encoded, arrivals, start, stop))
+    def submit(self, encoded: EncodedBatch, arrivals: Arrivals, start: int, stop: int,
+               counted: "DeviceDecodedRows | None" = None) -> "DecodedChunk":
+        """Rows [start, stop) decoded once they have arrived; the images trained black are added to
+        `counted`'s count (their first decode's, not a second's)."""
+        return DecodedChunk(self.thread.submit(self._decode, encoded, arrivals, start, stop, counted))
 
-    def _decode(self, encoded: EncodedBatch, arrivals: Arrivals, start: int, stop: int
+    def _decode(self, encoded: EncodedBatch, arrivals: Arrivals, start: int, stop: int, counted: "DeviceDecodedRows | None"
                 ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         arrivals.wait_for(stop)
         if not hasattr(self.own, "stream"):  # this thread's first chunk
@@ -183,7 +185,8 @@ class DeviceDecoder:
             pixels, black = decode_parts(self.split, encoded.rows(start, stop), self.device)
         with self.count_lock:
             self.images_decoded += len(pixels)
-            self.undecodable += black
+            if counted is not None:
+                counted.trained_black += black
             self.decode_s += time.perf_counter() - started
         return pixels, (stream.record_event() if stream is not None else None)
 
@@ -218,6 +221,7 @@ class DeviceDecodedRows:
     def __init__(self, batch_size: int, arrivals: Arrivals, decoder: DeviceDecoder):
         self.batch_size, self.arrivals, self.decoder = batch_size, arrivals, decoder
         self.encoded = EncodedBatch()
+        self.trained_black = 0  # images of the batch nothing decoded, trained black (at their first decode)
 
     def __len__(self) -> int:
         return self.batch_size
@@ -226,7 +230,7 @@ class DeviceDecodedRows:
         self.encoded.add(rows.start, piece["encoded"])
 
     def prepare(self, start: int, stop: int, pass_number: int) -> DecodedChunk:
-        return self.decoder.submit(self.encoded, self.arrivals, start, stop)
+        return self.decoder.submit(self.encoded, self.arrivals, start, stop, counted=self if pass_number == 1 else None)
 
     def release(self) -> None:
         """Nothing is held elsewhere: the bytes are this process's, dropped with the batch."""

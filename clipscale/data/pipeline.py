@@ -125,8 +125,9 @@ class TrainingBatches:
         return self.stream.next()
 
     def error_totals(self) -> list[int]:
-        """[skipped samples, shard errors, captions cut] over all ranks since the run began (every rank calls it)."""
-        return all_reduce_sum_list([self.state.skipped_samples, self.state.shard_errors, self.state.captions_cut], self.world.device)
+        """metrics.DATA_COUNTS over all ranks since the run began (every rank calls it)."""
+        return all_reduce_sum_list([self.state.skipped_samples, self.state.shard_errors, self.state.captions_cut,
+                                    self.state.images_trained_black], self.world.device)
 
     def take_problem_shards(self) -> list[str]:
         """The shards (this rank's) where the batches used since the last call met skipped samples or a cut."""

@@ -58,6 +58,7 @@ class StreamState:
     skipped_samples: int = 0  # undecodable samples in those pieces' stretch of the stream
     shard_errors: int = 0  # shards that could not be read to their end
     captions_cut: int = 0  # captions in those pieces longer than the context length, cut by the tokenizer
+    images_trained_black: int = 0  # images of the used batches that no decoder took, trained black (the GPU decoder's)
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -100,7 +101,7 @@ class StreamState:
         """Rank `rank`'s state on a new shape from every saved rank's: the work left, the steps done;
         the counts that the run logs as sums over ranks go to rank 0."""
         totals = {key: sum(state.get(key, 0) for state in saved) if rank == 0 else 0
-                  for key in ("skipped_samples", "shard_errors", "captions_cut")}
+                  for key in ("skipped_samples", "shard_errors", "captions_cut", "images_trained_black")}
         drawn = Counter()
         for state in saved:
             drawn.update(state["drawn"])

@@ -244,6 +244,23 @@ def test_the_trainer_decodes_on_the_device_on_the_loaders_curve(digits_root, tmp
     assert device[-1]["skipped_samples_total"] >= 1  # the stretch of six steps holds one damaged sample
 
 
+def test_images_no_decoder_takes_are_trained_black_and_counted_once(digits_root, tmp_path, monkeypatch):
+    """JPEGs whole by their headers whose data decodes nowhere are trained black and counted in
+    metrics.jsonl (images_trained_black): once each, whether Gradient Cache's pass 2 decodes
+    their chunk again (nothing kept on the device) or finds it kept."""
+    from tests.helpers import jpeg_shards as helper
+
+    for index in (5, 6, 8, 9, 10, 11):
+        monkeypatch.setitem(helper.DAMAGED, index, "huffman")
+    (tmp_path / "shards").mkdir()
+    urls = helper.write_jpeg_shards(digits_root, tmp_path / "shards")
+    again = train_on_jpeg_shards(digits_root, tmp_path, urls, "again", "data.decoder=device")
+    kept = train_on_jpeg_shards(digits_root, tmp_path, urls, "kept", "data.decoder=device", "data.keep_on_device_gib=1")
+    totals = [m["images_trained_black_total"] for m in again]
+    assert totals[-1] >= 1 and totals == sorted(totals) and sum(m["images_trained_black"] for m in again) == totals[-1]
+    assert totals == [m["images_trained_black_total"] for m in kept]  # each at its own batch's step, chunks decoded ahead or not
+
+
 def test_an_image_whose_data_does_not_decode_is_trained_black_with_a_warning():
     """A header that parses (the worker keeps the sample) over data neither nvJPEG nor PIL decodes:
     the batch keeps its size, the image is black, and the run is told."""

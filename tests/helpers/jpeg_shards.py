@@ -44,6 +44,9 @@ def write_jpeg_shards(digits_root: Path, root: Path) -> list[str]:
             data = b"\xff\xd8\xff" + bytes(range(256)) * 4 + b"\xff\xd9"  # the markers of a JPEG, nothing inside
         elif kind == "trailing":
             data += b"\x00" * 16  # decodable, but not whole by the end marker: the worker judges it
+        elif kind == "huffman":  # a whole JPEG by its frame header and end marker, its first Huffman table bogus
+            table = data.index(b"\xff\xc4") + 5  # the table's 16 code-length counts
+            data = data[:table] + b"\xff" * 16 + data[table + 16 :]
         sinks[i % 3].write({"__key__": sample["__key__"], "jpg": data, "txt": sample["txt"]})
     for sink in sinks:
         sink.close()
