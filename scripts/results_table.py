@@ -6,7 +6,8 @@
 Every case of every results/bench_e2e_*.json file (what scripts/bench_e2e.py writes) is a row,
 unless it has no figures (a process that ended before its first step), was not measured over a
 window of at least 10 steps without the first and the last (`claims_speed`), or it or its file
-carries "void" (figures known to be wrong) or "superseded" (why a later file replaces it): those
+carries "void" (figures known to be wrong) or "superseded" (why a later file replaces it), or is a
+ceiling alone (`runner=ceiling`: the towers' step, no trainer): those
 stay in their files and in docs/benchmarks.md, not in the README. A new file of the same kind
 shows up by running --write; to retire a row, add "superseded": "<why>" to its case.
 tests/test_readme.py fails while README.md's table differs from this script's.
@@ -39,6 +40,8 @@ def rows(repo: Path = REPO) -> list[tuple[tuple, str]]:
         if "void" in record or "superseded" in record:
             continue
         for result in record["cases"]:
+            if result["case"]["runner"] == "ceiling":  # a towers' step on resident tensors, no trainer: docs/benchmarks.md
+                continue
             if "void" in result or "superseded" in result or not result.get("steps_done") or not claims_speed(result):
                 continue
             found.append(row(result, record, path.relative_to(repo)))
@@ -79,6 +82,8 @@ def row(result: dict, record: dict, path: Path) -> tuple[tuple, str]:
         speed += f" (stopped after step {result['steps_done']}, exit {result['exit_code']})"
     gpu = f"{result['peak_gpu_allocated_gib']:.1f} GiB" if "peak_gpu_allocated_gib" in result else "–"
     trainer = "open_clip_train" if not clipscale else f"clipscale, loss {case['loss']}" if "loss" in case else "clipscale"
+    if "patch_embed" in case:  # model.patch_embed set by the case (issue 49); auto's choice otherwise
+        trainer += f", patch_embed {case['patch_embed']}"
     if case.get("parallel") == "fsdp":
         trainer += ", FSDP" + (" with offload" if case.get("fsdp_offload") == "1" else "")
     cells = [trainer, case["model"], f"{gpus} × {short(record['device'])} ({record['workers']})", images_of(record), f"{batch:,}",

@@ -103,7 +103,7 @@ def test_the_speed_table_is_made_from_results():
 
 def test_the_table_shows_current_cases_only(tmp_path):
     """A new results file appears once the table is made again; void and superseded cases do not, nor
-    cases measured over fewer than 10 steps or with the last step in (no `window`)."""
+    cases measured over fewer than 10 steps or with the last step in (no `window`), nor ceilings alone."""
     (tmp_path / "results").mkdir()
     case = {"case": {"runner": "clipscale", "model": "ViT-B-16", "batch": "65536", "chunk": "512", "steps": "12"},
             "exit_code": 0, "steps_done": 12, "window": "steps 2..11 of 12", "samples_per_s": 1234.4, "first_step_s": 80.0,
@@ -112,7 +112,8 @@ def test_the_table_shows_current_cases_only(tmp_path):
     superseded = {**case, "case": {**case["case"], "batch": "2048"}, "superseded": "measured again"}
     short = {**case, "case": {**case["case"], "batch": "4096"}, "short_window": "3 steps measured"}
     last_step_in = {key: value for key, value in {**case, "case": {**case["case"], "batch": "8192"}}.items() if key != "window"}
-    record = {"device": "NVIDIA H100 80GB HBM3", "workers": 14, "cases": [case, void, superseded, short, last_step_in]}
+    ceiling_alone = {**case, "case": {**case["case"], "runner": "ceiling", "batch": "16384"}}  # no trainer ran
+    record = {"device": "NVIDIA H100 80GB HBM3", "workers": 14, "cases": [case, void, superseded, short, last_step_in, ceiling_alone]}
     (tmp_path / "results" / "bench_e2e_new.json").write_text(json.dumps(record))
     lines = results_table().table(tmp_path).splitlines()
     assert len(lines) == 3
