@@ -115,7 +115,8 @@ class Cluster:
         self.root = root
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # not this job's, if any
         self.env.update(SLURM_CONF=str(root / "slurm.conf"), PATH=SBIN_PATH, PYTHON=sys.executable,
-                        OMP_NUM_THREADS="1", WANDB_MODE="disabled", NPROC_PER_NODE="2")  # torchrun: 2 CPU workers
+                        OMP_NUM_THREADS="1", WANDB_MODE="disabled", NPROC_PER_NODE="2",  # torchrun: 2 CPU workers
+                        PYTHONFAULTHANDLER="1")  # a job that never ends shows its threads' stacks (stack_dump)
 
     def run(self, *command: str) -> str:
         result = subprocess.run(command, env=self.env, cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -170,9 +171,25 @@ class Cluster:
     def wait_until_done(self, job_id: str, timeout: float = 240) -> dict:
         deadline = time.time() + timeout
         while (job := self.job(job_id))["JobState"] not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
-            assert time.time() < deadline, f"job {job_id} still {job['JobState']} ({job['Reason']}) after {timeout} s: {self.output(job_id)}"
+            if time.time() > deadline:
+                raise AssertionError(f"job {job_id} still {job['JobState']} ({job['Reason']}) after {timeout} s; "
+                                     f"its processes' stacks: {self.stack_dump(job_id)}")
             time.sleep(0.5)
         return job
+
+    def stack_dump(self, job_id: str) -> str:
+        """Where a job that never ended stands: SIGABRT to each of its Python processes (found by the
+        job id in their environment), whose fault handler writes every thread's stack to the job's
+        output before it dies; that output's end."""
+        for environ in Path("/proc").glob("[0-9]*/environ"):
+            try:
+                is_python = "python" in (environ.parent / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+                if is_python and f"SLURM_JOB_ID={job_id}".encode() in environ.read_bytes().split(b"\0"):
+                    os.kill(int(environ.parent.name), signal.SIGABRT)
+            except (OSError, ValueError):  # ended meanwhile, or not ours to read
+                continue
+        time.sleep(5)
+        return self.full_output(job_id)[-12000:]
 
     def output(self, job_id: str) -> str:
         path = self.root / f"job-{job_id}.out"
