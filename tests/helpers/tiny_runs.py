@@ -13,14 +13,16 @@ REPO = Path(__file__).resolve().parents[2]
 DIGITS_YAML = str(REPO / "configs" / "digits.yaml")
 TRAIN = str(REPO / "train.py")
 
-# A model small enough for a few seconds of CPU training.
+# A model small enough for a few seconds of CPU training. The override merges into digits.yaml's
+# model.custom, so every key that file sets is set here too (its pooling and patch dropout).
 TINY_MODEL = (
     "model.custom={embed_dim: 32, "
-    "vision_cfg: {image_size: 32, patch_size: 8, width: 64, layers: 2, head_width: 32, mlp_ratio: 2.0}, "
+    "vision_cfg: {image_size: 32, patch_size: 8, width: 64, layers: 2, head_width: 32, mlp_ratio: 2.0, "
+    "pool_type: tok, patch_dropout: 0.0}, "
     "text_cfg: {context_length: 16, vocab_size: 49408, width: 64, heads: 2, layers: 2, mlp_ratio: 2.0}}"
 )
 # The same with open_clip's patch dropout: a resumed run must replay its random draws.
-DROPOUT_MODEL = TINY_MODEL.replace("mlp_ratio: 2.0}, text_cfg", "mlp_ratio: 2.0, patch_dropout: 0.5}, text_cfg")
+DROPOUT_MODEL = TINY_MODEL.replace("patch_dropout: 0.0}", "patch_dropout: 0.5}")
 assert DROPOUT_MODEL != TINY_MODEL
 
 
