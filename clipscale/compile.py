@@ -136,8 +136,10 @@ def begin_graph_step() -> None:
     """The towers' next call begins and what their previous calls returned has been used (copied out
     of the towers, or backpropagated): towers replayed as CUDA graphs may reuse their graphs' memory
     (torch.compiler's step marker). Called before each chunk's encoding and each evaluation batch;
-    without CUDA graphs it does nothing."""
-    torch.compiler.cudagraph_mark_step_begin()
+    without CUDA graphs it does nothing. A process that has not used CUDA has no graphs to mark, and
+    the marker's first call imports torch's CUDA-graph trees: a second or two of every CPU run."""
+    if torch.cuda.is_initialized():
+        torch.compiler.cudagraph_mark_step_begin()
 
 
 def save_portable_cache(cache_dir: Path) -> None:

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +25,8 @@ from clipscale.config import load_config
 from clipscale.gradcache import GradCache
 
 from tests.helpers.gradients import float64_clip_loss, grads_of, make_batch, plain_grads, relative_error, tiny_clip
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -95,3 +100,17 @@ def test_a_portable_cache_that_does_not_load_is_one_line_and_the_towers_compile_
     images, texts = make_batch(4, seed=0)
     assert model(images, texts)[0].shape[0] == 4
     assert compile_towers(tiny_clip(0.0), tmp_path / "none", backend="aot_eager") == []  # no cache there: nothing to say
+
+
+def test_a_cpu_step_does_not_import_the_cuda_graph_machinery():
+    """Gradient Cache marks each chunk's call for CUDA graphs; on a CPU there are none, and the
+    marker's first call would import torch's CUDA-graph trees (a second or two of every CPU run)."""
+    probe = ("import sys, torch\n"
+             "from clipscale.gradcache import GradCache\n"
+             "from tests.helpers.gradients import float64_clip_loss, make_batch, tiny_clip\n"
+             "GradCache(tiny_clip(), float64_clip_loss, chunk_size=4)(*make_batch(6, seed=0))\n"
+             "print('torch._inductor.cudagraph_trees' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "False"
