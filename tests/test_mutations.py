@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mutations import Mutation, run_tests
+from tests.mutations import MUTATIONS, REPO, Mutation, mutated_source, run_tests
 
 HANGING = '''
 import subprocess, sys, time
@@ -47,3 +47,11 @@ def test_tests_that_run_past_the_timeout_are_a_hang_not_a_catch(tmp_path):
 def test_a_failing_test_is_a_catch_and_a_passing_one_a_survival(tmp_path):
     assert _verdict(tmp_path, "def test_it():\n    assert 1 == 2\n", timeout=60)[0] == "caught"
     assert _verdict(tmp_path, "def test_it():\n    pass\n", timeout=60)[0] == "survived"
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=lambda mutation: mutation.name)
+def test_every_mutation_still_applies_to_the_code(mutation):
+    """Each bug can still be put in (its text is in its file once) and its tests exist: a change that
+    moved the text would otherwise go unnoticed until the whole list is next run."""
+    mutated_source(mutation, REPO)
+    assert all((REPO / test.split("::")[0]).is_file() for test in mutation.tests)

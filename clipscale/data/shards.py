@@ -42,12 +42,34 @@ class NoUsableSample(UserError):
     loader worker, it reaches the trainer wrapped by the DataLoader (`BatchStream` unwraps it)."""
 
 
+@dataclass(frozen=True)
+class Cursor:
+    """Where a logical loader worker stands after a piece: the work-list `item` it reads (`WorkList`)
+    and the `position` in that item's shuffled slot to go on from (`ShuffledEpoch.position()`;
+    empty: the item's start). A checkpoint holds it as a dict of these fields."""
+
+    worker: int
+    item: int
+    position: tuple = ()
+
+    @classmethod
+    def loaded(cls, worker: int, saved) -> "Cursor":
+        """From a checkpoint: this class's fields, or the tuple (item, its epoch, *position) that
+        checkpoints written before this class held (the epoch was never read)."""
+        if isinstance(saved, Cursor):
+            return saved
+        if isinstance(saved, dict):
+            return cls(saved["worker"], saved["item"], tuple(saved["position"]))
+        item, _, *position = saved
+        return cls(worker, item, tuple(position))
+
+
 @dataclass
 class StreamState:
-    """Where one rank's stream stands. `cursors`: {logical worker: (work-list item, its epoch,
-    *ShuffledEpoch.position())} of the last piece used from each; `work`: the work list its
-    consumers take their items from (`WorkList`, the same on every rank), `workers`: the logical
-    workers of each rank that took them (the world size is the number of ranks saved)."""
+    """Where one rank's stream stands. `cursors`: {logical worker: its `Cursor`} after the last piece
+    used from each; `work`: the work list its consumers take their items from (`WorkList`, the same
+    on every rank), `workers`: the logical workers of each rank that took them (the world size is
+    the number of ranks saved)."""
 
     cursors: dict = field(default_factory=dict)
     work: dict = field(default_factory=lambda: asdict(WorkList()))
@@ -60,16 +82,18 @@ class StreamState:
     captions_cut: int = 0  # captions in those pieces longer than the context length, cut by the tokenizer
     images_trained_black: int = 0  # images of the used batches that no decoder took, trained black (the GPU decoder's)
 
+    def __post_init__(self):
+        self.cursors = {worker: Cursor.loaded(worker, saved) for worker, saved in self.cursors.items()}
+
     def state_dict(self) -> dict:
-        return asdict(self)
+        return asdict(self)  # the cursors as dicts: a checkpoint holds plain containers
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
+        vars(self).update(vars(StreamState(**state)))
 
     def update(self, piece: dict) -> None:
-        worker, *cursor = piece["cursor"]
-        self.cursors[worker] = tuple(cursor)
+        cursor = piece["cursor"]
+        self.cursors[cursor.worker] = cursor
         self.pieces += 1
         for epoch, drawn in piece["drawn"].items():
             self.drawn[epoch] = self.drawn.get(epoch, 0) + drawn
@@ -83,8 +107,8 @@ class StreamState:
         """The work list left by the ranks that saved `saved` (one state each): their consumers'
         cursors folded in."""
         workers = saved[0]["workers"]
-        cursors = {rank * workers + worker: (item, *position) for rank, state in enumerate(saved)
-                   for worker, (item, _, *position) in state["cursors"].items()}
+        cursors = {rank * workers + cursor.worker: (cursor.item, *cursor.position) for rank, state in enumerate(saved)
+                   for cursor in StreamState(**state).cursors.values()}
         return WorkList(**saved[0]["work"]).after(len(saved) * workers, cursors)
 
     @classmethod
@@ -202,8 +226,7 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     A piece is a dict: "images" (uint8 [n, 3, H, W] with `split`, else the transform's float
     tensor; absent without `decode`), "texts" (token ids), "encoded" (offload, or without
-    `decode`: an `EncodedImages` of the same samples), "cursor" (worker, work-list item, its epoch,
-    *position in its slot), with `keep_keys` "sample_keys" ((epoch, key) of each sample: a Python object
+    `decode`: an `EncodedImages` of the same samples), "cursor" (its worker's `Cursor` after it), with `keep_keys` "sample_keys" ((epoch, key) of each sample: a Python object
     a sample, for tests and tools, never on the trainer's path), "drawn" ({epoch: raw
     samples drawn for the piece, skipped ones included}), "skipped_samples", "skips" ((where, why) of
     the first `SKIPS_NAMED` skipped samples: a shard and key, or a CSV table's image file),
@@ -267,7 +290,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             return path, str(error)
         return f"{raw.get('__url__') or shard}: sample {raw.get('__key__')}", str(error)
 
-    def _piece(self, samples: list[tuple], cursor: tuple, drawn: Counter, skipped: int, skips: list, errors: ShardErrors,
+    def _piece(self, samples: list[tuple], cursor: Cursor, drawn: Counter, skipped: int, skips: list, errors: ShardErrors,
                problem_shards: list) -> dict:
         pixels, encoded, captions, keys = zip(*samples)
         texts = self.tokenizer(list(captions))
@@ -296,7 +319,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         consumer = self.rank * self.num_workers + worker
         consumers = self.world_size * self.num_workers
         work = WorkList(**self.state.work)
-        item, _, *position = self.state.cursors.get(worker, (consumer, None))
+        cursor = self.state.cursors.get(worker, Cursor(worker, consumer))
+        item, position = cursor.item, cursor.position
         samples, drawn, skipped, skips, errors, problem_shards = [], Counter(), 0, [], ShardErrors(), []
         barren, drew = 0, False  # items in a row without a usable sample; whether they held any sample
         while True:
@@ -325,7 +349,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                 usable += 1
                 samples.append((*sample, (epoch, raw["__key__"])))
                 if len(samples) == self.piece_size:
-                    yield self._piece(samples, (worker, item, epoch, *shuffled.position()), drawn, skipped, skips, errors,
+                    yield self._piece(samples, Cursor(worker, item, shuffled.position()), drawn, skipped, skips, errors,
                                       problem_shards)
                     samples, drawn, skipped, skips, errors.count, errors.shards, problem_shards = [], Counter(), 0, [], 0, [], []
             # Slots move between consumers every epoch, so a barren stretch can be bad luck; an epoch's

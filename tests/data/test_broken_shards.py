@@ -82,7 +82,8 @@ def _consume(batches, state: StreamState) -> StreamState:
 def test_broken_samples_and_shards_are_skipped_and_counted(broken_shards, offload):
     stream = _stream(broken_shards, offload=offload)
     state = _consume(islice(stream, 30), StreamState())  # ~4 epochs of ~130 usable samples
-    (item, epoch, draws, *_), = state.cursors.values()
+    (cursor,) = state.cursors.values()
+    item, draws, epoch = cursor.item, cursor.position[0], stream.order.slot(cursor.item).epoch
     # Every sample the stream consumed, in its order (one consumer: its item k is slot k), judged by
     # what the fixture broke.
     consumed = [raw for number in range(item) for raw in stream.shuffled_slot(number, ShardErrors()).samples()]

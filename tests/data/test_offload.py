@@ -26,7 +26,7 @@ from clipscale.data.chunks import Arrivals
 from clipscale.data.device_decode import DeviceDecodedRows, DeviceDecoder
 from clipscale.data.encoded import EncodedImages
 from clipscale.data.offload import DecodePool, OffloadedRows
-from clipscale.data.shards import ShardErrors, ShardStream, StreamState
+from clipscale.data.shards import Cursor, ShardErrors, ShardStream, StreamState
 from clipscale.data.sources import IMAGE
 from clipscale.data.transforms import SplitTransform
 from clipscale.step import TrainStep
@@ -99,7 +99,7 @@ def test_a_streamed_batch_is_todays_whole_batch_bit_for_bit(digits_root, workers
     streamed = _streamed(loader(piece_size=16), 64, 16, split.to_float, 8)
     for (images, texts, cursor), (s_images, s_texts, state) in zip(whole, streamed):
         assert torch.equal(s_images, images) and torch.equal(s_texts, texts)
-        assert tuple(state.cursors[cursor[0]]) == tuple(cursor[1:])
+        assert state.cursors[cursor.worker] == cursor
 
 
 class _CountedPieces:
@@ -112,7 +112,7 @@ class _CountedPieces:
         while True:
             self.taken += 1
             yield {"images": torch.zeros(2, 3, 4, 4, dtype=torch.uint8), "texts": torch.full((2, 1), self.taken),
-                   "cursor": (0, 0, self.taken), "drawn": {0: 3}, "sample_keys": [(0, "a"), (0, "b")],
+                   "cursor": Cursor(0, 0, (self.taken,)), "drawn": {0: 3}, "sample_keys": [(0, "a"), (0, "b")],
                    "skipped_samples": 1, "shard_errors": 0, "captions_cut": 1, "problem_shards": []}
 
 
@@ -125,7 +125,7 @@ def test_a_batch_moves_the_stream_on_when_its_step_is_done_and_not_when_the_step
     assert state == StreamState(), "a batch whose step failed was not used"
     with stream.next() as batch:
         assert torch.cat(list(batch.texts.chunks([(0, 4)], torch.device("cpu")))).flatten().tolist() == [3, 3, 4, 4]
-    assert state == StreamState(cursors={0: (0, 4)}, drawn={0: 6}, pieces=2, batches=1, skipped_samples=2, captions_cut=2)
+    assert state == StreamState(cursors={0: Cursor(0, 0, (4,))}, drawn={0: 6}, pieces=2, batches=1, skipped_samples=2, captions_cut=2)
     stream.close()
 
 

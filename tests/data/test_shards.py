@@ -13,7 +13,7 @@ import pytest
 import torch
 import torchvision.transforms as T
 
-from clipscale.data.shards import ShardStream, StreamState
+from clipscale.data.shards import Cursor, ShardStream, StreamState
 
 from tests.helpers.trainer_harness import caption, write_shards
 
@@ -62,6 +62,20 @@ def _stream(digits_root, workers, state=None):
         image_transform=T.Compose([T.RandomResizedCrop(32, scale=(0.5, 1.0)), T.ToTensor()]),
         tokenizer=lambda captions: captions, shuffle_buffer=100, state=state,
     )
+
+
+def test_a_checkpointed_stream_state_loads_as_it_was_saved_and_from_older_checkpoints(tmp_path):
+    """Cursors go into a checkpoint as plain dicts (read with weights_only=True) and come back as
+    the same `Cursor`s; a checkpoint written before the class held (item, epoch, *position)."""
+    position = (17, (40, 38), (3, 9, 12))  # ShuffledEpoch.position(): draws, shard sizes, buffered indices
+    state = StreamState(cursors={1: Cursor(1, 5, position)}, workers=2, pieces=9, batches=3)
+    torch.save(state.state_dict(), tmp_path / "state.pt")
+    loaded = StreamState()
+    loaded.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert loaded == state and isinstance(loaded.cursors[1], Cursor)
+    older = {**state.state_dict(), "cursors": {1: (5, 0, *position)}}
+    assert StreamState(**older) == state
+    assert StreamState.work_left([older, older]) == StreamState.work_left([state.state_dict()] * 2)
 
 
 @pytest.mark.slow
