@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-BAD_MODEL = TINY_MODEL.replace("mlp_ratio: 2.0}, text_cfg", "mlp_ratio: 2.0, not_a_vision_key: 1}, text_cfg")
+BAD_MODEL = TINY_MODEL.replace("patch_dropout: 0.0}", "patch_dropout: 0.0, not_a_vision_key: 1}")
 assert BAD_MODEL != TINY_MODEL
 
 
