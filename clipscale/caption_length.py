@@ -58,6 +58,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from open_clip.transformer import ResidualAttentionBlock, TextTransformer, text_global_pool
 
+from clipscale.data.chunks import Bounds, chunk_bounds
+
 # Positions a text chunk is computed at: the chunk's longest caption rounded up to the first bucket
 # that holds it, or to the context length past the last. The text tower's cost is nearly
 # proportional to its positions (attention's L x L part is about L / (6 x width) of a block's
@@ -275,14 +277,13 @@ class TextChunks:
     def positions(self, start: int, stop: int) -> int:
         return positions_for(int(self.lengths[start:stop].max()), self.context, self.buckets)
 
-    def chunks(self, bounds: Sequence[tuple[int, int]], device: torch.device, pass_number: int,
-               keep: Sequence[tuple[int, int]] = ()) -> Iterator[torch.Tensor]:
+    def chunks(self, bounds: Bounds, device: torch.device, pass_number: int, keep: Bounds = ()) -> Iterator[torch.Tensor]:
         for start, stop in bounds:
             yield self.tokens[start:stop, : self.positions(start, stop)].contiguous().to(device, non_blocking=True)
 
     def mean_positions(self, chunk_size: int) -> float:
         """Text positions computed per sample, in chunks of `chunk_size` (the run's metric)."""
-        bounds = [(start, min(start + chunk_size, len(self))) for start in range(0, len(self), chunk_size)]
+        bounds = chunk_bounds(len(self), chunk_size)
         return sum((stop - start) * self.positions(start, stop) for start, stop in bounds) / len(self)
 
 

@@ -18,20 +18,19 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from itertools import repeat
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.nn as nn
 
 from clipscale.compile import begin_graph_step
+from clipscale.data.chunks import Bounds, chunk_bounds  # the plan of a batch's chunks, not their source
 from clipscale.parallel import ParallelModel
 from clipscale.precision import autocast_factory
 
 if TYPE_CHECKING:  # only named: Gradient Cache does not know where its chunks come from
     from clipscale.caption_length import TextChunks
     from clipscale.data.chunks import ChunkSource
-
-Bounds = Sequence[tuple[int, int]]
 
 
 class RandomState:
@@ -207,7 +206,7 @@ class GradCache:
             raise ValueError(f"{len(images)} images but {len(texts)} texts")
         if len(images) == 0:
             raise ValueError("empty batch")
-        bounds = [(s, min(s + self.chunk_size, len(images))) for s in range(0, len(images), self.chunk_size)]
+        bounds = chunk_bounds(len(images), self.chunk_size)
         if len(bounds) == 1:  # the batch is one chunk: a plain step, no second forward needed
             text = next(self.chunks(texts, bounds, 1))
             self.text_chunks = [(len(text), text.shape[1])]

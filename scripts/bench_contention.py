@@ -48,6 +48,7 @@ from clipscale.caption_length import text_lengths_for_run  # noqa: E402
 from clipscale.checks import plan_run  # noqa: E402
 from clipscale.compile import CompilePolicy, compile_enabled  # noqa: E402
 from clipscale.config import load_config  # noqa: E402
+from clipscale.data.chunks import chunk_bounds  # noqa: E402
 from clipscale.data.pipeline import TrainingBatches  # noqa: E402
 from clipscale.distributed import World  # noqa: E402
 from clipscale.losses import build_loss  # noqa: E402
@@ -86,7 +87,7 @@ def prepare_batches(batches: TrainingBatches, chunk: int, device: torch.device):
 
     def work(stopping: threading.Event) -> None:
         with batches.next() as batch:
-            bounds = [(s, min(s + chunk, len(batch))) for s in range(0, len(batch), chunk)]
+            bounds = chunk_bounds(len(batch), chunk)
             for _ in batch.images.chunks(bounds, device, 1):
                 if stopping.is_set():
                     break

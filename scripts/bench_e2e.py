@@ -68,6 +68,7 @@ import webdataset as wds
 from clipscale.caption_length import TextChunks, caption_lengths, cut_padding, length_order, use_causal_kernel
 from clipscale.compile import CompilePolicy, compile_enabled
 from clipscale.config import load_config
+from clipscale.data.chunks import chunk_bounds
 from clipscale.gradcache import trainable_towers
 from clipscale.losses import build_loss
 from clipscale.models import build_model, open_clip_model_config
@@ -362,7 +363,7 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
     else:
         print(f"text: {context} positions for every caption: {refusal}", flush=True)
         text_column = tokens.to(device)
-    bounds = [(start, min(start + chunk, batch)) for start in range(0, batch, chunk)]
+    bounds = chunk_bounds(batch, chunk)
     positions = [text_column.positions(*b) if refusal is None else context for b in bounds]
     size = open_clip.get_model_preprocess_cfg(model)["size"]
     size = (size, size) if isinstance(size, int) else tuple(size)

@@ -38,6 +38,7 @@ from clipscale.checks import plan_run  # noqa: E402
 from clipscale.config import load_config  # noqa: E402
 from clipscale.distributed import World  # noqa: E402
 from clipscale.models import build_model  # noqa: E402
+from clipscale.data.chunks import chunk_bounds  # noqa: E402
 from clipscale.data.pipeline import TrainingBatches  # noqa: E402
 from clipscale.provenance import provenance  # noqa: E402
 
@@ -78,7 +79,7 @@ def run_case(case: dict, shards: str, workers: int) -> dict:
         for _ in range(batches):
             with stream.next() as got:  # used at once: the next batch is gathered flat out
                 if on_gpu:
-                    bounds = [(start, min(start + chunk, len(got))) for start in range(0, len(got), chunk)]
+                    bounds = chunk_bounds(len(got), chunk)
                     for _ in got.images.chunks(bounds, world.device, 1):
                         pass
                     got.texts.whole()

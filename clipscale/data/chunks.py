@@ -17,7 +17,15 @@ from typing import Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
-Bounds = Sequence[tuple[int, int]]
+Bounds = Sequence[tuple[int, int]]  # [start, stop) rows of each chunk of a batch, in order
+
+
+def chunk_bounds(rows: int, chunk_size: int) -> list[tuple[int, int]]:
+    """How a batch of `rows` is cut: chunks of `chunk_size` rows, the last one shorter. The one place
+    it is computed; Gradient Cache, the chunk sources and the text-length metric take their bounds from here."""
+    return [(start, min(start + chunk_size, rows)) for start in range(0, rows, chunk_size)]
+
+
 DeviceTransform = Callable[[torch.Tensor], torch.Tensor]
 LOOKAHEAD = 3  # chunks being prepared while one is used: one a decoding thread (device_decode.DECODE_THREADS), and one queued
 GIB = 2**30
