@@ -11,20 +11,14 @@ where stderr is a file or a pipe a plain line says the same every half minute (`
 
 Libraries' expected noise stays off the console: `library_noise_kept_off()` drops open_clip's "No
 pretrained weights loaded ... initialized randomly" (a run says what it loads, once, in its own
-words: `weights_line`), and `native_noise_filtered()` holds back what a native library prints on
-file descriptor 2 while it starts (nvImageCodec's "Failed to load nvtiff library!" and its
-`[ERROR]` line about that optional extension), letting through every other line, and all of them
-when the start fails.
+words: `weights_line`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import re
 import sys
-import tempfile
 import time
 from typing import Iterator, Optional
 
@@ -33,9 +27,6 @@ from tqdm import tqdm
 # open_clip warns on the root logger for any model it builds without its own weights, also when a
 # checkpoint loads next; the run says what it loads instead (weights_line).
 OPEN_CLIP_RANDOM_INIT = "No pretrained weights loaded for model"
-# What nvImageCodec prints at every start where its optional TIFF and JPEG 2000 extensions have
-# no libnvtiff or libnvjpeg2k (with their install advice): codecs no run of ours uses.
-NVIMGCODEC_NOISE = re.compile(r"nvtiff|nvjpeg2k|nvjpeg2000", re.IGNORECASE)
 
 PERCENT_METRICS = ("acc", "recall")  # fractions shown as percentages
 
@@ -141,31 +132,6 @@ def weights_line(pretrained: Optional[str], resumed_from: Optional[str], seed: i
     if pretrained is not None:
         return f"weights: model.pretrained {pretrained}"
     return f"weights: initialised at random (run.seed {seed})"
-
-
-@contextlib.contextmanager
-def native_noise_filtered(noise: re.Pattern = NVIMGCODEC_NOISE) -> Iterator[None]:
-    """Inside the block, what native code writes to file descriptor 2 is held back; after it,
-    every line that does not match `noise` is written to stderr. When the block raises, every
-    line is written, noise included: it may say why."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        failed = True
-        try:
-            yield
-            failed = False
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            held.seek(0)
-            lines = held.read().decode(errors="replace").splitlines(keepends=True)
-            kept = [line for line in lines if failed or not noise.search(line)]
-            if kept:
-                sys.stderr.write("".join(kept))
-                sys.stderr.flush()
 
 
 def figures(results: dict) -> str:

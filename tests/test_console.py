@@ -4,7 +4,6 @@ lines StepReport and DataProblems make of the steps, and the library noise kept 
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ import torch.nn as nn
 
 from clipscale import console, metrics
 from clipscale.config import load_config
-from clipscale.console import PlainProgress, library_noise_kept_off, native_noise_filtered, weights_line
+from clipscale.console import PlainProgress, library_noise_kept_off, weights_line
 from clipscale.losses import build_loss
 from clipscale.metrics import DataProblems, RecordWindow, StepReport, read_metrics
 from clipscale.trainer import train
@@ -267,23 +266,3 @@ def test_open_clips_random_init_warning_is_kept_off_and_our_line_says_what_loads
         "weights: from runs/x/checkpoints/step_00000100.pt"
 
 
-NVIMGCODEC_START = (
-    "Failed to load nvtiff library! Please install nvTIFF (see https://docs.nvidia.com/cuda/nvtiff/userguide.html).\n"
-    "Note: If using nvImageCodec's Python distribution, it is enough to install the nvTIFF wheel\n"
-    "\x1b[31m[ERROR] [nvtiff_ext] Failed to load nvTIFF library or retrieve version.\x1b[0m\n"
-    # as an H100 printed them (results/bench_contention_h100_b32_data_path_rate.json's run)
-    "Failed to load nvjpeg2k library! Please install nvJPEG2000 (see https://docs.nvidia.com/cuda/nvjpeg2000/userguide.html#installing-nvjpeg2000).\n"
-    "Note: If using nvImageCodec's Python distribution, it is enough to install the nvJPEG2000 wheel: e.g. `python3 -m pip install nvidia-nvjpeg2k-cu13`\n"
-    "\x1b[0;31m[ERROR] \x1b[0m[nvjpeg2k_ext] Failed to load nvJPEG2000 library or retrieve version. Decoders and encoders will not be registered.\n"
-    "a line that matters\n"
-)
-
-
-def test_native_start_up_noise_is_held_back_and_the_rest_let_through(capfd):
-    with native_noise_filtered():
-        os.write(2, NVIMGCODEC_START.encode())
-    assert capfd.readouterr().err == "a line that matters\n"
-    with pytest.raises(RuntimeError), native_noise_filtered():
-        os.write(2, NVIMGCODEC_START.encode())
-        raise RuntimeError("the decoder did not start")
-    assert capfd.readouterr().err == NVIMGCODEC_START  # a failed start: every line, it may say why

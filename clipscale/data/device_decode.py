@@ -121,7 +121,7 @@ def decode_parts(split: SplitTransform, parts: list[tuple[EncodedImages, int, in
 
 def decoded_column(rows, split: SplitTransform, chunk_size: int | None, arrivals: Arrivals,
                    device_transform: DeviceTransform | None, budget: KeepBudget | None) -> ChunkSource:
-    """A batch's images column over decoded `rows` (in threads or the decode process); its chunks of
+    """A batch's images column over `rows` the decoder's threads decode; its chunks of
     `chunk_size` decoded ahead when the budget and the transform allow (a single random resized
     crop: every image's pixels are the same size)."""
     images = ChunkSource(rows, device_transform, budget)
