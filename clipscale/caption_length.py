@@ -58,7 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from open_clip.transformer import ResidualAttentionBlock, TextTransformer, text_global_pool
 
-from clipscale.data.chunks import Bounds, chunk_bounds
+from clipscale.data.chunks import Bounds
 
 # Positions a text chunk is computed at: the chunk's longest caption rounded up to the first bucket
 # that holds it, or to the context length past the last. The text tower's cost is nearly
@@ -280,11 +280,6 @@ class TextChunks:
     def chunks(self, bounds: Bounds, device: torch.device, pass_number: int, keep: Bounds = ()) -> Iterator[torch.Tensor]:
         for start, stop in bounds:
             yield self.tokens[start:stop, : self.positions(start, stop)].contiguous().to(device, non_blocking=True)
-
-    def mean_positions(self, chunk_size: int) -> float:
-        """Text positions computed per sample, in chunks of `chunk_size` (the run's metric)."""
-        bounds = chunk_bounds(len(self), chunk_size)
-        return sum((stop - start) * self.positions(start, stop) for start, stop in bounds) / len(self)
 
 
 def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

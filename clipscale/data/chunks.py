@@ -22,7 +22,7 @@ Bounds = Sequence[tuple[int, int]]  # [start, stop) rows of each chunk of a batc
 
 def chunk_bounds(rows: int, chunk_size: int) -> list[tuple[int, int]]:
     """How a batch of `rows` is cut: chunks of `chunk_size` rows, the last one shorter. The one place
-    it is computed; Gradient Cache, the chunk sources and the text-length metric take their bounds from here."""
+    it is computed: Gradient Cache, and the benchmarks that cut a batch as it does."""
     return [(start, min(start + chunk_size, rows)) for start in range(0, rows, chunk_size)]
 
 
