@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from clipscale.config import ConfigError, relative_note
-from clipscale.data.sources import CAPTION, IMAGE, ShardSource, holds, shard_weights
+from clipscale.data.sources import CAPTION, IMAGE, ShardSource, everything, holds, shard_weights
 
 ROWS_PER_BLOCK = 1000  # a shard's worth: consumers split the blocks as they split tar shards
 
@@ -37,15 +37,18 @@ class CsvTable(ShardSource):
         super().__init__([block for each in blocks for block in each], weights=shard_weights(blocks, factors),
                          resampled=resampled)
 
-    def read(self, shard, errors) -> Iterator[dict]:
+    def read(self, shard, errors, wanted: Callable[[int], bool] = everything) -> Iterator[dict]:
+        """A block's rows; the image files of the wanted ones read (a block cut into parts is read
+        once a part: each part reads its own rows' files only)."""
         start, stop = shard
         for index in range(start, stop):
             path, caption = self.rows[index]
             sample = {"__key__": str(index), CAPTION: caption.encode("utf-8")}
-            try:
-                sample[IMAGE] = Path(path).read_bytes()
-            except OSError:
-                pass
+            if wanted(index - start):
+                try:
+                    sample[IMAGE] = Path(path).read_bytes()
+                except OSError:
+                    pass
             yield sample
 
 

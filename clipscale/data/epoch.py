@@ -192,7 +192,9 @@ class ShuffledEpoch:
                 earlier[bisect_right(offsets, member) - 1].add(member)
         for shard, wanted in sorted(earlier.items()):
             self.opened += 1
-            for member, sample in enumerate(self.source.read(self.plan.shards[shard], self.errors), offsets[shard]):
+            first = offsets[shard]
+            for member, sample in enumerate(self.source.read(self.plan.shards[shard], self.errors,
+                                                             lambda index: first + index in wanted), first):
                 if member in wanted:
                     found[slot_of[member]] = sample
                     wanted.discard(member)
@@ -216,14 +218,17 @@ class ShuffledEpoch:
         for shard in self.plan.shards[first:]:
             self.opened += 1
             count = 0
-            for sample in self.source.read(shard, self.errors):
+            for sample in self.source.read(shard, self.errors, lambda index, start=member: self.keeps(start + index)):
                 yield member + count, sample
                 count += 1
             self.sizes.append(count)
             member += count
 
+    def keeps(self, member: int) -> bool:
+        """Whether the slot keeps member `member` of its shards: every stride-th from its phase."""
+        return member >= self.plan.phase and (member - self.plan.phase) % self.plan.stride == 0
+
     def _kept(self, members: Iterator[tuple[int, dict]]) -> Iterator[tuple[int, dict]]:
-        stride, phase = self.plan.stride, self.plan.phase
         for member, sample in members:
-            if member >= phase and (member - phase) % stride == 0:
-                yield (member - phase) // stride, sample
+            if self.keeps(member):
+                yield (member - self.plan.phase) // self.plan.stride, sample

@@ -25,7 +25,7 @@ import glob
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import webdataset as wds
 
@@ -33,6 +33,11 @@ from clipscale.config import ConfigError, relative_note
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")  # data.image_key's default
 TEXT_KEYS = ("txt", "text", "caption")  # data.caption_key's default
+
+
+def everything(index: int) -> bool:
+    """Every sample of a shard is wanted (`ShardSource.read`'s default)."""
+    return True
 # Where a sample's image and caption are when it leaves its source: load_sample looks there
 # (PIL reads the image format from the bytes, not from the key).
 IMAGE, CAPTION = IMAGE_KEYS[0], TEXT_KEYS[0]
@@ -63,9 +68,12 @@ class ShardSource:
         if self.weights is not None and not self.resampled:
             raise ValueError("shard weights are draw weights: they need resampled shards")
 
-    def read(self, shard, errors) -> Iterator[dict]:
+    def read(self, shard, errors, wanted: Callable[[int], bool] = everything) -> Iterator[dict]:
         """The samples of one shard, in order, each with only its image and caption; `errors`
-        (a ShardErrors) decides what a damaged shard does."""
+        (a ShardErrors) decides what a damaged shard does. `wanted(i)`: whether the shard's i-th
+        sample will be used; a source that can pass over a sample without reading it (a CSV
+        table's image file) hands the others over without their image. A tar shard is read
+        member after member whatever is wanted."""
         for raw in errors.read(shard):
             yield self.select(raw)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import http.server
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -133,6 +134,26 @@ def test_a_csv_table_trains_like_shards_and_resumes_exactly(tmp_path, monkeypatc
     assert sorted(first_epoch) == sorted(f"a csv caption {i}" for i in range(62) if i not in {3, 10})
     assert sum(piece["skipped_samples"] for piece in uninterrupted[:10]) == 2  # the two missing image files
     _assert_resumes_exactly(lambda state: stream_of(cfg, state, piece_size=6), uninterrupted, stop=13)
+
+
+def test_a_csv_tables_image_files_are_read_once_an_epoch(tmp_path, monkeypatch):
+    """A table of fewer than 1,000 rows is one block, cut into 64 parts (each part every 64th row,
+    read by its own pass over the block): each part opens its own rows' files only, not the whole
+    table's, 64 times an epoch."""
+    table = write_csv(tmp_path, rows=62, missing={3, 10})
+    monkeypatch.chdir(tmp_path / "images")
+    cfg = config("data.kind=csv", f"data.train_shards={table}", "data.shuffle_buffer=12")
+    opened = Counter()
+    read_bytes = pathlib.Path.read_bytes
+
+    def counted(path):
+        opened[str(path)] += 1
+        return read_bytes(path)
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", counted)
+    epoch = list(islice(iter(stream_of(cfg, piece_size=6)), 10))  # 60 usable rows: one epoch
+    assert sum(piece["skipped_samples"] for piece in epoch) == 2
+    assert len(opened) == 62 and max(opened.values()) == 1, opened.most_common(3)
 
 
 def test_csv_sources_are_drawn_by_their_upsampling_factors(tmp_path):
