@@ -40,11 +40,12 @@ from clipscale.data.pipeline import TrainingBatches
 cfg = load_config(sys.argv[1], sys.argv[2:])
 towers = build_model(cfg.model)
 batches = TrainingBatches(cfg, plan_run(cfg, World()), World(), towers.train_transform, towers.tokenizer, cfg.train.chunk_size)
-for _ in range(cfg.train.steps):  # the last is gathered while the one before is held: both slots full
-    with batches.next():  # used at once: leaving it waits for every piece
-        pass
-print("HELD", flush=True)  # both slots' buffers hold a whole batch until close(): measured now
-sys.stdin.readline()
+for step in range(cfg.train.steps):  # each gathered while the one before is held: both slots full
+    with batches.next() as batch:  # used at once: leaving it waits for every piece
+        if step == cfg.train.steps - 1:  # measured while the last batch is in use, as a step holds it
+            batch.arrivals.wait_for(len(batch))
+            print("HELD", flush=True)
+            sys.stdin.readline()
 batches.close()
 """
 
