@@ -5,6 +5,7 @@ its end."""
 from __future__ import annotations
 
 import io
+import tarfile
 from itertools import islice
 from pathlib import Path
 
@@ -31,8 +32,11 @@ CORRUPT = {f"corrupt-{i:03d}" for i in range(0, SAMPLES_PER_SHARD, 5)}  # 8 imag
 
 
 def _png(seed: int) -> bytes:
+    """Seeded noise (PIL's effect_noise draws from the C library's unseeded generator: its PNGs'
+    sizes, and so where the truncated shard was cut, changed from one process to the next)."""
+    pixels = torch.randint(0, 256, (32, 32, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
     buffer = io.BytesIO()
-    Image.effect_noise((32, 32), 40 + seed % 50).convert("RGB").save(buffer, "PNG")
+    Image.fromarray(pixels.numpy()).save(buffer, "PNG")
     return buffer.getvalue()
 
 
@@ -52,8 +56,13 @@ def broken_shards(module_tmp) -> list[str]:
                 if name == "uncaptioned" and i < 8:
                     sample["txt"] = b"  " if i < 2 else None
                 sink.write({k: v for k, v in sample.items() if v is not None})
+    # Cut in the middle of a member's data, three fifths in: a cut inside a header block would end
+    # the archive there without an error (Python's tarfile reads a short header as the end).
+    with tarfile.open(shards["truncated"]) as tar:
+        members = tar.getmembers()
+    cut = members[len(members) * 3 // 5]
     whole = Path(shards["truncated"]).read_bytes()
-    Path(shards["truncated"]).write_bytes(whole[: len(whole) * 3 // 5 + 700])  # mid-member, not on a header
+    Path(shards["truncated"]).write_bytes(whole[: cut.offset_data + cut.size // 2])
     return list(shards.values())
 
 
