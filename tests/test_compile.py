@@ -14,7 +14,6 @@ import copy
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +24,7 @@ from clipscale.config import load_config
 from clipscale.gradcache import GradCache
 
 from tests.helpers.gradients import float64_clip_loss, grads_of, make_batch, plain_grads, relative_error, tiny_clip
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.tiny_runs import REPO
 
 
 @pytest.fixture(autouse=True)

@@ -108,7 +108,7 @@ class StreamState:
         cursors folded in."""
         workers = saved[0]["workers"]
         cursors = {rank * workers + cursor.worker: (cursor.item, *cursor.position) for rank, state in enumerate(saved)
-                   for cursor in StreamState(**state).cursors.values()}
+                   for cursor in (Cursor.loaded(worker, saved) for worker, saved in state["cursors"].items())}
         return WorkList(**saved[0]["work"]).after(len(saved) * workers, cursors)
 
     @classmethod
@@ -226,8 +226,9 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     A piece is a dict: "images" (uint8 [n, 3, H, W] with `split`, else the transform's float
     tensor; absent without `decode`), "texts" (token ids), "encoded" (offload, or without
-    `decode`: an `EncodedImages` of the same samples), "cursor" (its worker's `Cursor` after it), with `keep_keys` "sample_keys" ((epoch, key) of each sample: a Python object
-    a sample, for tests and tools, never on the trainer's path), "drawn" ({epoch: raw
+    `decode`: an `EncodedImages` of the same samples), "cursor" (its worker's `Cursor` after it),
+    with `keep_keys` "sample_keys" ((epoch, key) of each sample: a Python object a sample, for
+    tests and tools, never on the trainer's path), "drawn" ({epoch: raw
     samples drawn for the piece, skipped ones included}), "skipped_samples", "skips" ((where, why) of
     the first `SKIPS_NAMED` skipped samples: a shard and key, or a CSV table's image file),
     "shard_errors", "problem_shards"."""

@@ -34,13 +34,14 @@ from clipscale.config import ConfigError, relative_note
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")  # data.image_key's default
 TEXT_KEYS = ("txt", "text", "caption")  # data.caption_key's default
 
+# Where a sample's image and caption are when it leaves its source: load_sample looks there
+# (PIL reads the image format from the bytes, not from the key).
+IMAGE, CAPTION = IMAGE_KEYS[0], TEXT_KEYS[0]
+
 
 def everything(index: int) -> bool:
     """Every sample of a shard is wanted (`ShardSource.read`'s default)."""
     return True
-# Where a sample's image and caption are when it leaves its source: load_sample looks there
-# (PIL reads the image format from the bytes, not from the key).
-IMAGE, CAPTION = IMAGE_KEYS[0], TEXT_KEYS[0]
 
 
 def keys(alternatives: str | Sequence[str]) -> tuple[str, ...]:
