@@ -6,6 +6,8 @@ read from the shards into memory first. Decoders:
 
   torchvision   torchvision.io.decode_jpeg(list, device="cuda"): one call a chunk (nvJPEG; baseline
                 JPEGs batched on the hardware engines where the GPU has them)
+  torchvision_pinned
+                the same with the JPEG bytes in pinned host memory (as the trainer's batch holds them)
   nvimgcodec    nvImageCodec's HW_GPU_ONLY backend, one `decode` a chunk of CodeStreams
   nvjpeg_direct, nvjpeg_direct_urgent
                 nvJPEG's batched hardware decode called through ctypes (the libnvjpeg that
@@ -276,7 +278,7 @@ def main(argv=None) -> None:
               "python_alone_per_s": python_rate(3.0), "decoders": []}
     for name in args.decoders.split(","):
         try:
-            decode = {"torchvision": torchvision_decoder, "nvimgcodec": nvimgcodec_decoder,
+            decode = {"torchvision": torchvision_decoder, "torchvision_pinned": torchvision_decoder, "nvimgcodec": nvimgcodec_decoder,
                       "nvjpeg_direct": lambda d: nvjpeg_direct_decoder(d, 0),
                       "nvjpeg_direct_urgent": lambda d: nvjpeg_direct_decoder(d, -100),
                       "nvjpeg_direct_urgent_pinned": lambda d: nvjpeg_direct_decoder(d, -100),
