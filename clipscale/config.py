@@ -159,6 +159,12 @@ class DataConfig:
     # JPEGs the workers decode. "auto": device on a GPU, loader on a CPU.
     # The decoders give the same samples and crops, their pixels within rounding.
     decoder: Literal["auto", "loader", "device"] = may_change("auto")
+    # data.decoder=device: the share of the JPEGs the GPU takes that the loader workers decode
+    # instead (PIL, as for the images the GPU does not take). Beside a training step the GPU's
+    # decoder is the slowest part of the data path while the workers wait for room (docs/
+    # benchmarks.md, "What the step waits for"); which samples is fixed by each sample's seed,
+    # so a resumed run, on any shape, decodes each one the same way.
+    worker_decode_share: float = may_change(0.0)
     # GiB of a step's pass-1 chunks (uint8 pixels, tokens) kept on the device for Gradient Cache's
     # pass 2, which then neither decodes nor copies them again; null: a quarter of the GPU's memory.
     keep_on_device_gib: Optional[float] = may_change(None)
@@ -665,6 +671,8 @@ def check_sections(cfg: Config) -> None:
         raise ConfigError(f"optim.lr: must be positive, got {cfg.optim.lr}")
     if cfg.data.workers < 0:
         raise ConfigError(f"data.workers: must be >= 0, got {cfg.data.workers}")
+    if not 0.0 <= cfg.data.worker_decode_share <= 1.0:
+        raise ConfigError(f"data.worker_decode_share: must be between 0 and 1, got {cfg.data.worker_decode_share}")
     if cfg.data.keep_on_device_gib is not None and cfg.data.keep_on_device_gib < 0:
         raise ConfigError(f"data.keep_on_device_gib: must be >= 0 or null, got {cfg.data.keep_on_device_gib}")
     if cfg.data.decode_workers is not None and cfg.data.decode_workers < 1:

@@ -297,6 +297,15 @@ MUTATIONS = [
     Mutation("black_images_not_counted", "the images trained black are not added to the stream's counts",
              "clipscale/data/batches.py", "            self.state.images_trained_black += getattr(", "            0 and getattr(",
              ("tests/data/test_device_decode.py::test_images_no_decoder_takes_are_trained_black_and_counted_once",)),
+    Mutation("worker_share_by_place_in_the_piece",
+             "data.worker_decode_share picks the first rows of each piece instead of by each sample's seed: another shape decodes other samples there",
+             "clipscale/data/shards.py", "decode = self.decode or seed < self.decoded_here_below",
+             "decode = self.decode or len(samples) < self.piece_size * self.decoded_here_below / SAMPLE_SEEDS",
+             ("tests/data/test_device_decode.py::test_the_workers_decode_their_share_of_the_gpus_jpegs_the_same_way_on_every_shape",)),
+    Mutation("worker_share_not_passed_to_the_loader", "the run's data.worker_decode_share never reaches the loader workers",
+             "clipscale/data/pipeline.py", "            worker_decode_share=self.path.worker_decode_share,\n",
+             "            worker_decode_share=0.0,\n",
+             ("tests/data/test_device_decode.py::test_the_trainer_decodes_on_the_device_on_the_loaders_curve",)),
 ]
 
 

@@ -28,6 +28,7 @@ from tests.helpers.tiny_runs import DIGITS_YAML, REPO, TRAIN, run_train
         ("train.precision=fp8", "train.precision: got 'fp8', expected one of 'fp32', 'bf16', 'fp16'"),
         ("loss.name=magic", "loss.name: got 'magic', expected one of"),
         ("train.batch_size=0", "train.batch_size: must be positive"),
+        ("data.worker_decode_share=1.5", "data.worker_decode_share: must be between 0 and 1, got 1.5"),
         ("model.name=ViT-B-16", "set exactly one of model.name"),
         ("model.pretrained=/nonexistent.pt", "model.pretrained: no file at"),
         ("train.steps", "must look like section.key=value"),

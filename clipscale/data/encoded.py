@@ -97,7 +97,8 @@ class EncodedImages:
             blobs = tuple(b"" if pixels is not None else blob for blob, pixels in zip(blobs, decoded))
         offsets = torch.zeros(len(blobs) + 1, dtype=torch.int64)
         torch.cumsum(torch.tensor([len(b) for b in blobs], dtype=torch.int64), 0, out=offsets[1:])
-        data = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
+        joined = b"".join(blobs)  # empty where the worker decoded every image (torch.frombuffer refuses nothing)
+        data = torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
         width = len(params[0]) if params else 0
         pixels = torch.stack([decoded[k] for k in rows]) if rows else None
         return cls(data, offsets, torch.tensor(params, dtype=torch.int64).reshape(len(blobs), width),

@@ -55,6 +55,7 @@ from typing import Iterator, Optional
 # An epoch has at least this many slots, so that as many consumers each read a part of it even
 # from one shard (a small CSV table is one); a shard cut into k parts is read k times an epoch.
 MIN_SLOTS = 64
+SAMPLE_SEEDS = 2**32  # a sample's seed is a CRC-32: one of this many, spread evenly
 
 
 @dataclass(frozen=True)
@@ -163,9 +164,9 @@ class ShuffledEpoch:
             yield self._draw()
 
     def sample_seed(self) -> int:
-        """The seed of the sample drawn last: its augmentation's randomness, a function of its place
-        in the order alone, so a resumed run, on any shape, draws the same crops. (The next draw's
-        buffer slot is chosen by the same number.)"""
+        """The seed of the sample drawn last, one of `SAMPLE_SEEDS`: its augmentation's randomness,
+        a function of its place in the order alone, so a resumed run, on any shape, draws the same
+        crops. (The next draw's buffer slot is chosen by the same number.)"""
         return zlib.crc32(f"{self.seed}/{self.draws}".encode())
 
     def _draw(self) -> Optional[dict]:

@@ -37,9 +37,12 @@ class DataPath:
     decoder: str  # loader | device
     offload: bool
     notes: list[str]
+    worker_decode_share: float = 0.0  # device: the share of the GPU's JPEGs the workers decode instead
 
     def describe(self) -> str:
         who = "the GPU (nvJPEG)" if self.decoder == "device" else "the loader workers (PIL)"
+        if self.worker_decode_share:
+            who += f", {self.worker_decode_share:.0%} of its JPEGs by the loader workers (PIL)"
         return f"training images decoded by {who}" + ("; the batch offloaded to the host as JPEG bytes" if self.offload else "")
 
 
@@ -61,7 +64,7 @@ def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.d
     if split is None or split.only_random_resized_crop() is None:
         raise ConfigError("data.decoder=device needs an image transform that is a single random resized crop "
                           "(open_clip's training transform with its defaults)")
-    return DataPath("device", True, notes)
+    return DataPath("device", True, notes, cfg.data.worker_decode_share)
 
 
 class TrainingBatches:
@@ -103,6 +106,7 @@ class TrainingBatches:
             split=split,
             keep_encoded=self.path.offload,
             decode=self.path.decoder == "loader",
+            worker_decode_share=self.path.worker_decode_share,
             max_image_pixels=cfg.data.max_image_pixels,
         )
         self.order = stream.order

@@ -27,7 +27,7 @@ from PIL import UnidentifiedImageError
 from clipscale.caption_length import captions_cut
 from clipscale.errors import UserError
 from clipscale.data.encoded import EncodedImages, device_decodes, jpeg_frame, size_only
-from clipscale.data.epoch import EpochOrder, EpochPlan, ShuffledEpoch, WorkList
+from clipscale.data.epoch import SAMPLE_SEEDS, EpochOrder, EpochPlan, ShuffledEpoch, WorkList
 from clipscale.data.members import DATA_ERRORS, check_pixel_bound, decode_text, first_member, open_image
 from clipscale.data.sources import IMAGE_KEYS, TEXT_KEYS, ShardSource
 from clipscale.data.transforms import SplitTransform
@@ -249,6 +249,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         split: Optional[SplitTransform] = None,
         keep_encoded: bool = False,
         decode: bool = True,
+        worker_decode_share: float = 0.0,
         max_image_pixels: Optional[int] = None,
         keep_keys: bool = False,
     ):
@@ -266,6 +267,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.split = split
         self.keep_encoded = keep_encoded or not decode
         self.decode = decode
+        # Without `decode`: the samples whose seed falls in this share are decoded here all the same.
+        self.decoded_here_below = round(worker_decode_share * SAMPLE_SEEDS)
         self.max_image_pixels = max_image_pixels  # None: PIL's Image.MAX_IMAGE_PIXELS
         self.keep_keys = keep_keys
         self.state = state or StreamState(workers=self.num_workers)  # read when iterated: it may be restored after this is built
@@ -334,11 +337,13 @@ class ShardStream(torch.utils.data.IterableDataset):
                 # Only the CPU generator: torch.manual_seed also queues a CUDA reseed, whose stack capture
                 # cost a third of a sample's loading time, and reseeded a GPU's RNG under an in-process loader.
                 sample, unusable = None, None
+                seed = shuffled.sample_seed()
+                decode = self.decode or seed < self.decoded_here_below
                 with torch.random.fork_rng(devices=[]):
-                    torch.random.default_generator.manual_seed(shuffled.sample_seed())
+                    torch.random.default_generator.manual_seed(seed)
                     try:
                         sample = None if raw is None else read_sample(raw, self.image_transform, self.split,
-                                                                       self.keep_encoded, self.decode, self.max_image_pixels)
+                                                                       self.keep_encoded, decode, self.max_image_pixels)
                     except UnusableSample as err:
                         unusable = err
                 if sample is None:

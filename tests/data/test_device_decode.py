@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import threading
 import time
+from itertools import islice
 
 import pytest
 import torch
@@ -43,10 +44,11 @@ def rows_of(encoded: EncodedImages, start: int, stop: int) -> EncodedImages:
     return EncodedImages.from_samples(tuple(encoded[i][0] for i in rows), tuple(encoded[i][1] for i in rows), tuple(decoded))
 
 
-def _stream(urls, decode: bool, piece_size=50):
+def _stream(urls, decode: bool, piece_size=50, worker_decode_share=0.0, keep_keys=False):
     return ShardStream(urls, piece_size=piece_size, rank=0, world_size=1, num_workers=1, seed=5, image_transform=TRAIN,
                        tokenizer=lambda captions: torch.tensor([len(c) for c in captions]), shuffle_buffer=64,
-                       split=SPLIT, keep_encoded=True, decode=decode)
+                       split=SPLIT, keep_encoded=True, decode=decode, worker_decode_share=worker_decode_share,
+                       keep_keys=keep_keys)
 
 
 def _encoded(img: Image.Image, **options) -> bytes:
@@ -155,6 +157,36 @@ def test_the_device_path_skips_the_same_samples_and_draws_the_same_crops(jpeg_sh
     assert by_worker_pixels >= 4  # the PNG and the one with trailing bytes, in each of two epochs
 
 
+def test_the_workers_decode_their_share_of_the_gpus_jpegs_the_same_way_on_every_shape(jpeg_shards):
+    """data.worker_decode_share: the workers decode that share of the JPEGs the device takes
+    (as pixels, their bytes dropped), each sample's lot fixed by its seed: the same samples
+    however the stream is cut into pieces; the same samples, crops and tokens as without it,
+    and the chunk's pixels within the resampling kernels' rounding of the device's."""
+    def lots(share: float, piece_size: int, pieces: int) -> dict:
+        decided = {}
+        for piece in islice(iter(_stream(jpeg_shards, decode=False, piece_size=piece_size, worker_decode_share=share,
+                                         keep_keys=True)), pieces):
+            by_worker = set(piece["encoded"].pixel_rows.tolist())
+            decided.update({key: row in by_worker for row, key in enumerate(piece["sample_keys"])})
+        return decided
+
+    none, half, every = lots(0.0, 50, 12), lots(0.5, 50, 12), lots(1.0, 50, 12)
+    assert all(every.values()) and sum(none.values()) <= 4  # without a share: only what the device cannot take
+    assert 0.35 < sum(half.values()) / len(half) < 0.65
+    assert lots(0.5, 30, 20) == half, "a sample's lot depends on how the stream is cut"
+    plain, shared = iter(_stream(jpeg_shards, decode=False)), iter(_stream(jpeg_shards, decode=False, worker_decode_share=0.5))
+    for _ in range(4):
+        a, b = next(plain), next(shared)
+        assert a["cursor"] == b["cursor"] and torch.equal(a["texts"], b["texts"])
+        assert torch.equal(a["encoded"].params, b["encoded"].params)
+        ours, theirs = decode_rows(SPLIT, b["encoded"], 0, 50, torch.device("cpu"))[0], decode_rows(SPLIT, a["encoded"], 0, 50, torch.device("cpu"))[0]
+        difference = (ours.int() - theirs.int()).abs()
+        assert difference.max() <= 8 and difference.float().mean() < 0.5
+        by_worker = set(b["encoded"].pixel_rows.tolist())
+        for row in range(50):  # the workers' share travels as pixels only; the rest as the same bytes
+            assert len(b["encoded"].blob(row)) == 0 if row in by_worker else torch.equal(a["encoded"].blob(row), b["encoded"].blob(row))
+
+
 @pytest.mark.parametrize("kept,ahead", [(True, True), (True, False), (False, False)],
                          ids=["decoded-ahead", "kept-on-device", "decoded-again"])
 def test_device_decoded_chunks_give_gradient_cache_identical_pixels_in_both_passes(jpeg_shards, kept, ahead):
@@ -231,16 +263,20 @@ def test_a_batch_released_before_its_step_frees_what_was_decoded_ahead(jpeg_shar
 
 def test_the_trainer_decodes_on_the_device_on_the_loaders_curve(digits_root, tmp_path, jpeg_shards, monkeypatch):
     """With the default loader workers: the step gets the device column, and the run follows the
-    loader-decoded run's curve (the same samples and crops; the pixels differ by the resize
+    loader-decoded run's curve, also with half of the JPEGs decoded by the workers (the same samples and crops; the pixels differ by the resize
     kernels' rounding) and counts the same skipped samples."""
     record: list = []
     device = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "device", "data.decoder=device",
                                   monkeypatch=monkeypatch, record=record)
     monkeypatch.undo()
     loader = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "loader")
+    shared = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "shared", "data.decoder=device",
+                                  "data.worker_decode_share=0.5")
     assert len(record) == 6 and all(isinstance(images.rows, DeviceDecodedRows) for images in record)
-    assert [m["loss"] for m in device] == pytest.approx([m["loss"] for m in loader], rel=1e-3)
-    assert [m["skipped_samples_total"] for m in device] == [m["skipped_samples_total"] for m in loader]
+    for run in (device, shared):  # the second with half of the device's JPEGs decoded by the workers
+        assert [m["loss"] for m in run] == pytest.approx([m["loss"] for m in loader], rel=1e-3)
+        assert [m["skipped_samples_total"] for m in run] == [m["skipped_samples_total"] for m in loader]
+    assert [m["loss"] for m in shared] != [m["loss"] for m in device]  # other pixels, within rounding
     assert device[-1]["skipped_samples_total"] >= 1  # the stretch of six steps holds one damaged sample
 
 
