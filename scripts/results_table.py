@@ -64,6 +64,8 @@ def row(result: dict, record: dict, path: Path) -> tuple[tuple, str]:
     decoder = decoder_of(result) if clipscale else "loader (open_clip_train's)"
     if not clipscale and case.get("compile") == "1":
         decoder += ", --torchcompile"
+    if float(case.get("worker_share", 0)):
+        decoder += f", {float(case['worker_share']):.0%} of its JPEGs by the workers"
     if int(case.get("offload", 0)):
         decoder += ", train.offload"
     if clipscale and compiled(result):
