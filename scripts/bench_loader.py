@@ -67,6 +67,7 @@ def run_case(case: dict, shards: str, workers: int) -> dict:
     cfg = load_config(REPO / "configs" / "vit_b16_infcl.yaml", [
         f"model.name={case.get('model', 'ViT-B-32')}", "data.kind=webdataset", f"data.train_shards={shards}",
         f"data.workers={workers}", f"data.decoder={case['decoder']}", f"train.batch_size={batch}",
+        f"data.worker_decode_share={case.get('worker_share', 0)}",
         f"train.chunk_size={chunk}", f"train.steps={batches}", "eval.zeroshot=false", "run.output_dir=/tmp/bench_loader"])
     world = World(device=torch.device("cuda", 0)) if on_gpu else World()
     if on_gpu:
@@ -102,7 +103,7 @@ WORKER_PARTS = {
     "image header (PIL open)": ("members.py", "open_image"),
     "crop draw (RandomResizedCrop.get_params)": ("transforms.py", "draw"),
     "JPEG header (the device check)": ("encoded.py", "jpeg_frame"),
-    "worker's own decode (images the device does not take)": ("transforms.py", "apply"),
+    "worker's own decode (images the device does not take, and its worker_decode_share)": ("transforms.py", "apply"),
     "per-sample RNG seeding (fork_rng)": ("random.py", "fork_rng"),
     "tokenizer (the piece's captions)": ("captions.py", "__call__"),
     "captions cut (tokenized again)": ("caption_length.py", "captions_cut"),
@@ -110,8 +111,9 @@ WORKER_PARTS = {
 }
 
 
-def profile_worker(shards: str, pieces: int, model: str = "ViT-B-32", piece_size: int = 512) -> dict:
-    """What one loader worker does for the device decoder, in this process, alone (see the module doc)."""
+def profile_worker(shards: str, pieces: int, model: str = "ViT-B-32", piece_size: int = 512, worker_share: float = 0.0) -> dict:
+    """What one loader worker does for the device decoder, in this process, alone (see the module
+    doc); `worker_share`: data.worker_decode_share, the share of the device's JPEGs it decodes too."""
     import open_clip
     import torch
     import webdataset as wds
@@ -125,7 +127,7 @@ def profile_worker(shards: str, pieces: int, model: str = "ViT-B-32", piece_size
     tokenizer = CaptionTokenizer.of(open_clip.get_tokenizer(model))  # as train.py's workers tokenize
     stream = ShardStream(wds.shardlists.expand_urls(shards), piece_size=piece_size, rank=0, world_size=1, num_workers=1,
                          seed=0, image_transform=transform, tokenizer=tokenizer, split=SplitTransform.split(transform),
-                         keep_encoded=True, decode=False)
+                         keep_encoded=True, decode=False, worker_decode_share=worker_share)
     pieces_of = iter(stream)
     next(pieces_of)  # the shuffle buffer fills first
 
@@ -148,7 +150,7 @@ def profile_worker(shards: str, pieces: int, model: str = "ViT-B-32", piece_size
     for name, (filename, function) in WORKER_PARTS.items():
         cumulative = [cum for (file, _, func), (_, _, _, cum, _) in stats.items() if file.endswith(filename) and func == function]
         parts[name] = round(max(cumulative, default=0.0) / total, 3)
-    return {"model": model, "piece_size": piece_size, "pieces": pieces, "ms_per_sample": plain,
+    return {"model": model, "piece_size": piece_size, "pieces": pieces, "worker_share": worker_share, "ms_per_sample": plain,
             "ms_per_sample_profiled": profiled, "share_of_profiled_time": parts,
             "one_worker_samples_per_s": 1e3 / plain}
 
@@ -158,15 +160,19 @@ def main(argv=None) -> None:
     parser.add_argument("--shards", required=True, help="brace pattern of webdataset shards")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     parser.add_argument("--case", action="append", default=[],
-                        help="decoder=loader|device,batch=N[,chunk=512][,batches=3][,model=ViT-B-32][,decode=0|1]")
+                        help="decoder=loader|device,batch=N[,chunk=512][,batches=3][,model=ViT-B-32][,decode=0|1]"
+                             "[,worker_share=S: data.worker_decode_share]")
     parser.add_argument("--profile-worker", type=int, default=0, metavar="PIECES",
                         help="first profile one worker's work in this process for PIECES pieces (see above)")
+    parser.add_argument("--worker-share", type=float, action="append", default=[],
+                        help="profile the worker at this data.worker_decode_share (repeatable; default 0)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
     record = {**provenance(argv), "shards": args.shards, "workers": args.workers, "cases": []}
     if args.profile_worker:
-        record["worker_profile"] = profile_worker(args.shards, args.profile_worker)
+        profiles = [profile_worker(args.shards, args.profile_worker, worker_share=share) for share in args.worker_share or [0.0]]
+        record["worker_profile"] = profiles[0] if len(profiles) == 1 else profiles
         print("worker profile", record["worker_profile"], flush=True)
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     for spec in args.case:
