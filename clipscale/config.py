@@ -163,7 +163,9 @@ class DataConfig:
     # instead (PIL, as for the images the GPU does not take). Beside a training step the GPU's
     # decoder is the slowest part of the data path while the workers wait for room (docs/
     # benchmarks.md, "What the step waits for"); which samples is fixed by each sample's seed,
-    # so a resumed run, on any shape, decodes each one the same way.
+    # so a resumed run, on any shape, decodes each one the same way. The host holds those images as
+    # pixels for the whole step (3 x 224 x 224 bytes, against ~25 KiB of JPEG): keep it 0 for
+    # batches the host holds only as bytes (a million samples).
     worker_decode_share: float = may_change(0.0)
     # GiB of a step's pass-1 chunks (uint8 pixels, tokens) kept on the device for Gradient Cache's
     # pass 2, which then neither decodes nor copies them again; null: a quarter of the GPU's memory.
