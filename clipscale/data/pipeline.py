@@ -60,6 +60,9 @@ def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.d
         else:
             decoder = "device"
     if decoder == "loader":
+        if cfg.data.worker_decode_share:
+            notes.append(f"data.worker_decode_share={cfg.data.worker_decode_share} does nothing here: the loader workers "
+                         "decode every image (it shares the GPU decoder's images, data.decoder=device)")
         return DataPath("loader", cfg.train.offload, notes)
     if split is None or split.only_random_resized_crop() is None:
         raise ConfigError("data.decoder=device needs an image transform that is a single random resized crop "

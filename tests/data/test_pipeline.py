@@ -25,6 +25,13 @@ def test_auto_decodes_in_the_loader_on_a_cpu_and_on_the_device_on_a_gpu():
     assert "nvJPEG" in path.describe()
 
 
+def test_a_worker_share_says_what_it_does_where_it_does_something():
+    path = resolve("data.worker_decode_share=0.3")
+    assert path.notes == [] and "30% of its JPEGs by the loader workers" in path.describe()
+    path = resolve("data.worker_decode_share=0.3", device="cpu")
+    assert path.worker_decode_share == 0.0 and "data.worker_decode_share=0.3 does nothing here" in path.notes[0]
+
+
 def test_a_transform_the_device_cannot_run_stays_in_the_loader_saying_so():
     path = resolve(split=None)
     assert path.decoder == "loader" and "data.decoder=auto" in path.notes[0]
