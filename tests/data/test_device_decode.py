@@ -39,7 +39,7 @@ def rows_of(encoded: EncodedImages, start: int, stop: int) -> EncodedImages:
     rows = range(start, stop)
     pixel_rows, where = encoded.decoded_rows(start, stop)
     decoded = [None] * (stop - start)
-    for row, k in zip(pixel_rows, where):
+    for row, k in zip(pixel_rows, range(where.start, where.stop)):
         decoded[row] = encoded.pixels[k]
     return EncodedImages.from_samples(tuple(encoded[i][0] for i in rows), tuple(encoded[i][1] for i in rows), tuple(decoded))
 

@@ -146,11 +146,15 @@ def test_device_decoding_gives_the_loaders_pixels_and_skips(shards, device):
 @pytest.mark.gpu
 def test_the_trainer_decodes_on_the_gpu_on_the_loaders_curve(digits_root, tmp_path, jpeg_shards):
     """The whole path on the GPU: DeviceDecoder's thread and CUDA stream feeding both Gradient
-    Cache passes; the run follows the loader-decoded run's curve and counts the same skips."""
+    Cache passes; the run follows the loader-decoded run's curve and counts the same skips, also with
+    half of the JPEGs decoded by the workers (data.worker_decode_share)."""
     # Uncompiled: this is about the data path, and compiling would cost each run a minute.
     device = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "device", "run.device=cuda", "data.decoder=device",
                                   "model.compile=false")
     loader = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "loader", "run.device=cuda", "data.decoder=loader",
                                   "model.compile=false")
-    assert [m["loss"] for m in device] == pytest.approx([m["loss"] for m in loader], rel=2e-3)
-    assert [m["skipped_samples_total"] for m in device] == [m["skipped_samples_total"] for m in loader]
+    shared = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "shared", "run.device=cuda", "data.decoder=device",
+                                  "model.compile=false", "data.worker_decode_share=0.5")  # the workers' pixels pinned, sent per chunk
+    for run in (device, shared):
+        assert [m["loss"] for m in run] == pytest.approx([m["loss"] for m in loader], rel=2e-3)
+        assert [m["skipped_samples_total"] for m in run] == [m["skipped_samples_total"] for m in loader]
