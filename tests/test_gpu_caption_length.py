@@ -1,5 +1,5 @@
-"""On the GPU: the text tower's causal hint selects SDPA's flash kernel (a materialised mask does
-not) with the masked tower's features to bf16 tolerance, and the compiled tower with its padding
+"""On the GPU: the text tower's causal hint runs a fused causal attention kernel (flash, or cuDNN's
+flash-style one) with the masked tower's features to bf16 tolerance, and the compiled tower with its padding
 cut gives the full-length features at every bucket."""
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ def test_the_causal_hint_runs_flash_attention_with_the_masked_features():
     causal = copy.deepcopy(masked)
     assert use_causal_kernel(causal) is None
     tokens = make_tokens(LENGTHS, seed=0).cuda()
+    # Only the causal tower is asserted: the masked one's kernel depends on the torch build (torch
+    # 2.11 on an H200 runs it through cuDNN's fused attention too, with the mask read as a tensor).
     assert any("flash" in name for name in kernels(causal, tokens))
-    assert not any("flash" in name for name in kernels(masked, tokens))
     assert torch.allclose(text_features(causal, tokens), text_features(masked, tokens), atol=2e-2, rtol=0)
 
 
