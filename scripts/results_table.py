@@ -64,6 +64,10 @@ def row(result: dict, record: dict, path: Path) -> tuple[tuple, str]:
     decoder = decoder_of(result) if clipscale else "loader (open_clip_train's)"
     if not clipscale and case.get("compile") == "1":
         decoder += ", --torchcompile"
+    if not clipscale and int(case.get("accum", 1)) > 1:  # its batch in micro-batches, features cached between them
+        decoder += f", --accum-freq {case['accum']}"
+    if not clipscale and case.get("local_loss") == "1":
+        decoder += ", --local-loss --gather-with-grad"
     if float(case.get("worker_share", 0)):
         decoder += f", {float(case['worker_share']):.0%} of its JPEGs by the workers"
     if int(case.get("offload", 0)):
