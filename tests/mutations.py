@@ -306,6 +306,9 @@ MUTATIONS = [
              "clipscale/data/pipeline.py", "            worker_decode_share=self.path.worker_decode_share,\n",
              "            worker_decode_share=0.0,\n",
              ("tests/data/test_device_decode.py::test_the_trainer_decodes_on_the_device_on_the_loaders_curve",)),
+    Mutation("auto_worker_share_ignores_the_host", "data.worker_decode_share=auto takes 0.4 at any batch: a million samples' pixels fill the host",
+             "clipscale/data/pipeline.py", "    if held > AUTO_SHARE_HOST_FRACTION * host_bytes:", "    if False:",
+             ("tests/data/test_pipeline.py::test_the_auto_share_follows_the_workers_and_stays_off_where_the_pixels_would_fill_the_host",)),
 ]
 
 

@@ -8,6 +8,7 @@ down. docs/architecture.md tells how a batch flows.
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
@@ -46,10 +47,36 @@ class DataPath:
         return f"training images decoded by {who}" + ("; the batch offloaded to the host as JPEG bytes" if self.offload else "")
 
 
-def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.device) -> DataPath:
+# data.worker_decode_share=auto: the share measured best with 14 loader workers a GPU (ViT-B/32 at
+# 32,768 on an H200: 0.25, 0.4 and 0.6 gave 0.78, 0.80-0.82 and 0.81 of the towers' ceiling, 0.4 the
+# least data wait; results/bench_e2e_h200_b32_32k_worker_share.json, ..._share_peer*.json), scaled
+# down with fewer workers: what the workers take is what they decode a second.
+AUTO_SHARE, AUTO_SHARE_WORKERS = 0.4, 14
+# A rank's host holds about three batches' worth of the workers' pixels at once (the one training,
+# the one being gathered, the loader's pieces: measured 5.8 GiB more at 32,768 and 0.4); auto keeps
+# them under this fraction of the host's memory a rank.
+AUTO_SHARE_HOST_FRACTION, BATCHES_HELD = 0.25, 3
+
+
+def auto_worker_share(workers: int, per_rank_batch: int, image_bytes: int, host_bytes: int) -> tuple[float, str | None]:
+    """data.worker_decode_share=auto for a rank: (the share, a note where the host's memory set it to 0)."""
+    share = AUTO_SHARE * min(1.0, workers / AUTO_SHARE_WORKERS)
+    held = BATCHES_HELD * per_rank_batch * share * image_bytes
+    if held > AUTO_SHARE_HOST_FRACTION * host_bytes:
+        return 0.0, (f"data.worker_decode_share=auto: 0, the GPU decodes every JPEG it can (at {share:.2f} the workers' "
+                     f"pixels would hold {held / 2**30:.0f} GiB of the host's {host_bytes / 2**30:.0f} GiB a rank)")
+    return share, None
+
+
+def host_bytes_per_rank() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.device, per_rank_batch: int) -> DataPath:
     """data.decoder as this machine can run it."""
     notes = []
     decoder = cfg.data.decoder
+    share = cfg.data.worker_decode_share
     if decoder == "auto":
         if device.type != "cuda":
             decoder = "loader"
@@ -60,14 +87,19 @@ def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.d
         else:
             decoder = "device"
     if decoder == "loader":
-        if cfg.data.worker_decode_share:
-            notes.append(f"data.worker_decode_share={cfg.data.worker_decode_share} does nothing here: the loader workers "
+        if share not in ("auto", 0):
+            notes.append(f"data.worker_decode_share={share} does nothing here: the loader workers "
                          "decode every image (it shares the GPU decoder's images, data.decoder=device)")
         return DataPath("loader", cfg.train.offload, notes)
-    if split is None or split.only_random_resized_crop() is None:
+    crop = None if split is None else split.only_random_resized_crop()
+    if crop is None:
         raise ConfigError("data.decoder=device needs an image transform that is a single random resized crop "
                           "(open_clip's training transform with its defaults)")
-    return DataPath("device", True, notes, cfg.data.worker_decode_share)
+    if share == "auto":
+        height, width = crop.size
+        share, note = auto_worker_share(cfg.data.workers, per_rank_batch, 3 * height * width, host_bytes_per_rank())
+        notes += [note] if note else []
+    return DataPath("device", True, notes, share)
 
 
 class TrainingBatches:
@@ -89,7 +121,7 @@ class TrainingBatches:
         if split is None and world.is_main:
             warnings.warn(f"the image transform {image_transform} does not split into uint8 host steps and float "
                           "device steps: loader pieces and the host batch hold float32 images (4x the memory)")
-        self.path = resolve_data_path(cfg, split, world.device)
+        self.path = resolve_data_path(cfg, split, world.device, per_rank)
         if self.path.offload and split is None:
             raise ConfigError("train.offload needs an image transform whose random crop can be kept with the image bytes "
                               f"(open_clip's RandomResizedCrop pipelines); got {image_transform}")

@@ -150,7 +150,7 @@ def test_the_trainer_decodes_on_the_gpu_on_the_loaders_curve(digits_root, tmp_pa
     half of the JPEGs decoded by the workers (data.worker_decode_share)."""
     # Uncompiled: this is about the data path, and compiling would cost each run a minute.
     device = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "device", "run.device=cuda", "data.decoder=device",
-                                  "model.compile=false")
+                                  "model.compile=false", "data.worker_decode_share=0")
     loader = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "loader", "run.device=cuda", "data.decoder=loader",
                                   "model.compile=false")
     shared = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "shared", "run.device=cuda", "data.decoder=device",

@@ -7,14 +7,15 @@ import torch
 from open_clip.transform import image_transform
 
 from clipscale.config import ConfigError, load_config
-from clipscale.data.pipeline import resolve_data_path
+from clipscale.data.pipeline import auto_worker_share, resolve_data_path
 from clipscale.data.transforms import SplitTransform
 
 SPLIT = SplitTransform.split(image_transform(224, is_train=True))
 
 
-def resolve(*overrides, device="cuda", split=SPLIT):
-    return resolve_data_path(load_config("configs/vit_b16_infcl.yaml", list(overrides)), split, torch.device(device))
+def resolve(*overrides, device="cuda", split=SPLIT, per_rank_batch=512):
+    return resolve_data_path(load_config("configs/vit_b16_infcl.yaml", list(overrides)), split, torch.device(device),
+                             per_rank_batch)
 
 
 def test_auto_decodes_in_the_loader_on_a_cpu_and_on_the_device_on_a_gpu():
@@ -30,6 +31,21 @@ def test_a_worker_share_says_what_it_does_where_it_does_something():
     assert path.notes == [] and "30% of its JPEGs by the loader workers" in path.describe()
     path = resolve("data.worker_decode_share=0.3", device="cpu")
     assert path.worker_decode_share == 0.0 and "data.worker_decode_share=0.3 does nothing here" in path.notes[0]
+
+
+def test_the_auto_share_follows_the_workers_and_stays_off_where_the_pixels_would_fill_the_host():
+    pixels, host = 3 * 224 * 224, 128 * 2**30
+    assert auto_worker_share(14, 32768, pixels, host) == (0.4, None)
+    assert auto_worker_share(28, 32768, pixels, host) == (0.4, None)  # more workers than measured: no more
+    assert auto_worker_share(7, 32768, pixels, host) == (0.2, None)
+    share, note = auto_worker_share(14, 1048576, pixels, host)  # a million samples: 176 GiB of pixels at 0.4
+    assert share == 0.0 and "176 GiB of the host's 128 GiB" in note
+    assert auto_worker_share(0, 32768, pixels, host) == (0.0, None)  # no workers: the GPU decodes it all
+    path = resolve("data.workers=14", per_rank_batch=64)
+    assert path.worker_decode_share == 0.4 and path.notes == [] and "40% of its JPEGs" in path.describe()
+    path = resolve("data.workers=14", per_rank_batch=2**40)
+    assert path.worker_decode_share == 0.0 and "data.worker_decode_share=auto: 0" in path.notes[0]
+    assert resolve("data.workers=14", device="cpu").notes == []  # auto says nothing where the loader decodes
 
 
 def test_a_transform_the_device_cannot_run_stays_in_the_loader_saying_so():
