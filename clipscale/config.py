@@ -164,7 +164,8 @@ class DataConfig:
     # decoder is the slowest part of the data path while the workers wait for room (docs/
     # benchmarks.md, "What the step waits for"); which samples is fixed by each sample's seed,
     # so a resumed run, on any shape, decodes each one the same way. The host holds those images as
-    # pixels for the whole step (3 x 224 x 224 bytes, against ~25 KiB of JPEG). "auto": 0.4 with
+    # pixels for the whole step (each its crop's region, resized by the GPU: about 250 KB for an
+    # img2dataset image of short side 256, against ~25 KiB of JPEG). "auto": 0.4 with
     # 14 workers a GPU (measured best, B/32 at 32,768 on an H200), less with fewer workers, 0
     # where the pixels would take more than a quarter of the host's memory (a million samples).
     worker_decode_share: float | Literal["auto"] = may_change("auto")

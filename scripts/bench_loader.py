@@ -103,7 +103,11 @@ WORKER_PARTS = {
     "image header (PIL open)": ("members.py", "open_image"),
     "crop draw (RandomResizedCrop.get_params)": ("transforms.py", "draw"),
     "JPEG header (the device check)": ("encoded.py", "jpeg_frame"),
-    "worker's own decode (images the device does not take, and its worker_decode_share)": ("transforms.py", "apply"),
+    # The images the device does not take, and the worker_decode_share: PIL decodes them (its convert
+    # to RGB forces the decode), then the worker cuts the crop's region, which the device resizes.
+    "worker's own decode (PIL's Image.convert)": ("Image.py", "convert"),
+    "worker's crop region (SplitTransform.crop_region)": ("transforms.py", "crop_region"),
+    "worker's crop and resize (SplitTransform.apply: the loader decoder's)": ("transforms.py", "apply"),
     "per-sample RNG seeding (fork_rng)": ("random.py", "fork_rng"),
     "tokenizer (the piece's captions)": ("captions.py", "__call__"),
     "captions cut (tokenized again)": ("caption_length.py", "captions_cut"),

@@ -4,8 +4,9 @@
 training process's own CUDA context: a whole chunk's JPEGs in one call of nvJPEG (torchvision's
 batched decoder: the GPU's hardware JPEG engines for baseline JPEGs, nvJPEG's hybrid decoder
 for progressive ones), then all of its crops resized in one pass (`crop_resize`). The images the
-device does not take came decoded by the loader's workers (`EncodedImages.pixels`); what nvJPEG
-still refuses, PIL decodes here, and what nothing decodes trains as a black image, counted.
+device does not take came decoded by the loader's workers (`EncodedImages.pixels`: their crop
+regions, resized here with the JPEGs' crops); what nvJPEG still refuses, PIL decodes here, and
+what nothing decodes trains as a black image, counted.
 
 The thread shares the training process's interpreter with the threads that launch the model's
 kernels, and every tensor call hands the GIL over and waits to get it back: a chunk costs a few
@@ -61,27 +62,35 @@ def _nvjpeg_or_cpu(blobs: list[torch.Tensor], device: torch.device) -> list[torc
 def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop: int,
                 device: torch.device) -> tuple[torch.Tensor, int]:
     """encoded[start:stop] decoded, cropped and resized on `device`: (uint8 [n, 3, H, W], how many
-    images nothing could decode, trained black). The worker's pixels are put in their rows; the
-    JPEGs are decoded in one call and cropped in one pass, what nvJPEG refuses by PIL."""
+    images nothing could decode, trained black). The JPEGs are decoded in one call, the worker's
+    crop regions sent in one copy, and all of them resized in one pass; what nvJPEG refuses, PIL
+    decodes here."""
     n = stop - start
     blobs = encoded.blobs(start, stop)
     pixel_rows, pixel_index = encoded.decoded_rows(start, stop)
     by_worker = set(pixel_rows)
     jpeg_rows = [k for k in range(n) if k not in by_worker]
     decoded = decode_jpegs([blobs[k] for k in jpeg_rows] if pixel_rows else list(blobs), device)
-    boxes = encoded.params[start:stop]
+    boxes = encoded.params[start:stop, :4]
     refused = [k for k, image in zip(jpeg_rows, decoded) if image is None]
     if refused:
         kept = [(k, image) for k, image in zip(jpeg_rows, decoded) if image is not None]
         jpeg_rows, decoded = [k for k, _ in kept], [image for _, image in kept]
-    out = resized_crops(split, decoded, boxes[jpeg_rows] if len(jpeg_rows) < n else boxes, device)
+    if pixel_rows:  # each worker image is its crop region: its box is the whole of it
+        span, sizes = encoded.worker_span(pixel_index)
+        span = to_device_async(span, device)
+        lengths = [3 * height * width for height, width in sizes]
+        decoded += [image.view(3, height, width) for image, (height, width) in zip(span.split(lengths), sizes)]
+        worker_boxes = torch.tensor(sizes, dtype=torch.int64)
+        boxes = torch.cat([boxes[jpeg_rows], torch.cat([torch.zeros_like(worker_boxes), worker_boxes], 1)])
+    elif len(jpeg_rows) < n:
+        boxes = boxes[jpeg_rows]
+    out = resized_crops(split, decoded, boxes, device)
     if len(jpeg_rows) == n:
         return out, 0
     rows = torch.empty(n, *out.shape[1:], dtype=torch.uint8, device=device)
-    if jpeg_rows:
-        rows[to_device_async(torch.tensor(jpeg_rows), device)] = out
-    if pixel_rows:
-        rows[to_device_async(torch.tensor(pixel_rows), device)] = to_device_async(encoded.pixels[pixel_index], device)
+    if len(out):
+        rows[to_device_async(torch.tensor(jpeg_rows + pixel_rows), device)] = out
     undecodable = 0
     for k in refused:  # rare: a JPEG whose header looked whole, nvJPEG refused it
         try:

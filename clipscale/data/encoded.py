@@ -76,22 +76,29 @@ def size_only(height: int, width: int) -> torch.Tensor:
 class EncodedImages:
     """Images as the shards hold them: all encoded bytes in one uint8 tensor, `offsets` [n + 1]
     delimiting the samples, and each sample's drawn crop in `params` [n, k]. The images the
-    device will not decode (`device_decodes`) come decoded by the worker instead: their final
-    uint8 pixels in `pixels` [m, 3, H, W], their rows in `pixel_rows` [m] (ascending), and no
-    bytes. Tensors, so loader workers pass it through shared memory.
+    device will not decode (`device_decodes`) come decoded by the worker instead, with no bytes:
+    each one's crop region, uncropped pixels the device resizes with the JPEGs' crops (resizing
+    costs a worker about three times the decode), laid end to end in `pixels` (uint8, flat),
+    each of `pixel_sizes` [m, 2] (height, width) and starting at `pixel_offsets` [m + 1]; their
+    rows in `pixel_rows` [m] (ascending). Tensors, so loader workers pass it through shared memory.
 
     `self[i]` is (bytes, params tuple), what `SplitTransform.decode` takes."""
 
     def __init__(self, data: torch.Tensor, offsets: torch.Tensor, params: torch.Tensor,
-                 pixels: torch.Tensor | None = None, pixel_rows: torch.Tensor | None = None):
+                 pixels: torch.Tensor | None = None, pixel_sizes: torch.Tensor | None = None,
+                 pixel_rows: torch.Tensor | None = None):
         self.data, self.offsets, self.params = data, offsets, params
-        self.pixels = pixels if pixels is not None else torch.empty(0, 3, 0, 0, dtype=torch.uint8)
+        self.pixels = pixels if pixels is not None else torch.empty(0, dtype=torch.uint8)
+        self.pixel_sizes = pixel_sizes if pixel_sizes is not None else torch.empty(0, 2, dtype=torch.int64)
         self.pixel_rows = pixel_rows if pixel_rows is not None else torch.empty(0, dtype=torch.int64)
+        self.pixel_offsets = torch.zeros(len(self.pixel_sizes) + 1, dtype=torch.int64)
+        torch.cumsum(3 * self.pixel_sizes.prod(1), 0, out=self.pixel_offsets[1:])
 
     @classmethod
     def from_samples(cls, blobs: tuple[bytes, ...], params: tuple[tuple, ...],
                      decoded: tuple[torch.Tensor | None, ...] | None = None) -> "EncodedImages":
-        """`decoded`: per sample, its pixels where the worker decoded it (its bytes are then not kept)."""
+        """`decoded`: per sample, its uint8 [3, h, w] pixels where the worker decoded it (its
+        bytes are then not kept)."""
         rows = [k for k, pixels in enumerate(decoded or ()) if pixels is not None]
         if rows:
             blobs = tuple(b"" if pixels is not None else blob for blob, pixels in zip(blobs, decoded))
@@ -100,9 +107,10 @@ class EncodedImages:
         joined = b"".join(blobs)  # empty where the worker decoded every image (torch.frombuffer refuses nothing)
         data = torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
         width = len(params[0]) if params else 0
-        pixels = torch.stack([decoded[k] for k in rows]) if rows else None
+        pixels = torch.cat([decoded[k].flatten() for k in rows]) if rows else None
+        sizes = torch.tensor([decoded[k].shape[1:] for k in rows], dtype=torch.int64) if rows else None
         return cls(data, offsets, torch.tensor(params, dtype=torch.int64).reshape(len(blobs), width),
-                   pixels, torch.tensor(rows, dtype=torch.int64) if rows else None)
+                   pixels, sizes, torch.tensor(rows, dtype=torch.int64) if rows else None)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -122,22 +130,34 @@ class EncodedImages:
 
     def decoded_rows(self, start: int, stop: int) -> tuple[list[int], slice]:
         """The rows of [start, stop) whose pixels the worker decoded, counted from `start`, and
-        where their pixels are in `pixels`: consecutive places, as the rows ascend."""
+        which of the worker's images they are: consecutive ones, as the rows ascend."""
         first, last = torch.searchsorted(self.pixel_rows, torch.tensor([start, stop])).tolist()
         return (self.pixel_rows[first:last] - start).tolist(), slice(first, last)
+
+    def worker_span(self, which: slice) -> tuple[torch.Tensor, list[list[int]]]:
+        """The worker's images `which` (consecutive): their pixels, one flat view to send in one
+        copy, and each one's [height, width]."""
+        return self.pixels[int(self.pixel_offsets[which.start]) : int(self.pixel_offsets[which.stop])], self.pixel_sizes[which].tolist()
+
+    def worker_image(self, k: int) -> torch.Tensor:
+        """The worker's image k, uint8 [3, h, w] (a view)."""
+        height, width = self.pixel_sizes[k].tolist()
+        return self.pixels[int(self.pixel_offsets[k]) : int(self.pixel_offsets[k + 1])].view(3, height, width)
 
     def params_of(self, i: int) -> tuple:
         return tuple(self.params[i].tolist())
 
     def clone(self, pinned: bool = False) -> "EncodedImages":
         """A private copy; `pinned`: the worker's pixels page-locked, so that a chunk's rows of them
-        go to the device in one asynchronous copy, from a view (`decoded_rows`)."""
+        go to the device in one asynchronous copy, from a view (`worker_span`)."""
         pixels = self.pixels.pin_memory() if pinned and self.pixels.numel() else self.pixels.clone()
-        return EncodedImages(self.data.clone(), self.offsets.clone(), self.params.clone(), pixels, self.pixel_rows.clone())
+        return EncodedImages(self.data.clone(), self.offsets.clone(), self.params.clone(), pixels, self.pixel_sizes.clone(),
+                             self.pixel_rows.clone())
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.offsets, self.params, self.pixels, self.pixel_rows))
+        return sum(t.numel() * t.element_size() for t in (self.data, self.offsets, self.params, self.pixels, self.pixel_sizes,
+                                                              self.pixel_offsets, self.pixel_rows))
 
 
 class EncodedBatch:

@@ -53,7 +53,8 @@ class DataPath:
 # down with fewer workers: what the workers take is what they decode a second.
 AUTO_SHARE, AUTO_SHARE_WORKERS = 0.4, 14
 # A rank's host holds about three batches' worth of the workers' pixels at once (the one training,
-# the one being gathered, the loader's pieces: measured 5.8 GiB more at 32,768 and 0.4); auto keeps
+# the one being gathered, the loader's pieces: measured 5.8 GiB more at 32,768 and 0.4, when the
+# workers handed over final 224-px pixels); auto keeps
 # them under this fraction of the host's memory a rank.
 AUTO_SHARE_HOST_FRACTION, BATCHES_HELD = 0.25, 3
 
@@ -96,8 +97,10 @@ def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.d
         raise ConfigError("data.decoder=device needs an image transform that is a single random resized crop "
                           "(open_clip's training transform with its defaults)")
     if share == "auto":
+        # A worker's image is its crop's region (SplitTransform.crop_region): about 1.7 outputs' worth
+        # on img2dataset's 256-px images, at most REGION_LIMIT; counted as two.
         height, width = crop.size
-        share, note = auto_worker_share(cfg.data.workers, per_rank_batch, 3 * height * width, host_bytes_per_rank())
+        share, note = auto_worker_share(cfg.data.workers, per_rank_batch, 2 * 3 * height * width, host_bytes_per_rank())
         notes += [note] if note else []
     return DataPath("device", True, notes, share)
 

@@ -175,7 +175,7 @@ def load_sample(raw: dict, transform: Callable, split: Optional[SplitTransform],
 
 
 def read_sample(raw: dict, transform: Callable, split: Optional[SplitTransform], keep_encoded: bool,
-                decode: bool = True, max_pixels: Optional[int] = None) -> tuple:
+                decode: bool = True, max_pixels: Optional[int] = None, device_resizes: bool = False) -> tuple:
     """(pixels, (bytes, crop) or None, caption); `UnusableSample` saying why when the sample is unusable.
 
     Only the image and caption members are decoded (`clipscale.data.members`). Pixels are uint8
@@ -184,8 +184,10 @@ def read_sample(raw: dict, transform: Callable, split: Optional[SplitTransform],
     be decoded again later without the loader. Without `decode` (the device decodes) a JPEG that
     the device takes (`device_decodes`, judged from its header) is not decoded here: its crop is
     drawn from the header's size and pixels is None; anything else is decoded here, to be judged
-    and handed over as pixels. An image whose header claims more than `max_pixels` pixels (None:
-    PIL's bound) is unusable, judged from the header alone on both paths, before any decoding."""
+    and handed over as pixels: with `device_resizes` (the device decoder's path), its crop region
+    unresized (`SplitTransform.crop_region`). An image whose header claims more than `max_pixels`
+    pixels (None: PIL's bound) is unusable, judged from the header alone on both paths, before any
+    decoding."""
     image_key = first_member(raw, IMAGE_KEYS)
     text_key = first_member(raw, TEXT_KEYS)
     if image_key is None or text_key is None:
@@ -203,7 +205,7 @@ def read_sample(raw: dict, transform: Callable, split: Optional[SplitTransform],
                     params, pixels = (), transform(img)
                 else:
                     params = split.draw(img)
-                    pixels = split.apply(img, params)
+                    pixels = split.crop_region(img, params) if device_resizes else split.apply(img, params)
         caption = decode_text(raw[text_key])
     except DATA_ERRORS as err:  # undecodable or oversized: skipped and counted; any other error is a bug and stops the run
         raise UnusableSample(reason_of(err)) from None
@@ -343,7 +345,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                     torch.random.default_generator.manual_seed(seed)
                     try:
                         sample = None if raw is None else read_sample(raw, self.image_transform, self.split,
-                                                                       self.keep_encoded, decode, self.max_image_pixels)
+                                                                       self.keep_encoded, decode, self.max_image_pixels,
+                                                                       device_resizes=not self.decode)
                     except UnusableSample as err:
                         unusable = err
                 if sample is None:

@@ -22,6 +22,9 @@ import torchvision.transforms.functional as TF
 from PIL import Image
 
 
+REGION_LIMIT = 4  # crop_region: the most pixels a worker hands over unresized, in outputs' worth
+
+
 class SplitTransform:
     """The PIL steps of an open_clip training or eval transform, and its float steps.
 
@@ -31,6 +34,7 @@ class SplitTransform:
       draw(img)          the random parameters (the crop box) for one decoded image, from the
                          global RNG, consumed exactly as the whole transform consumes it.
       apply(img, params) the PIL steps with those parameters -> uint8 [3, H, W].
+      crop_region        the crop's region of a decoded image, unresized (the device resizes it).
       apply_to_tensor    `apply` on a decoded uint8 tensor (on the GPU).
       decode(sample)     (bytes, params) -> uint8 [3, H, W]: decode and apply; pure, no RNG.
       to_float(uint8 [n, 3, H, W]) -> what ToTensor and Normalize give, on the tensor's device.
@@ -75,6 +79,18 @@ class SplitTransform:
             else:
                 img = step(img)
         return TF.pil_to_tensor(img)
+
+    def crop_region(self, img: Image.Image, params: tuple) -> torch.Tensor:
+        """For the device decoder (`only_random_resized_crop`): the drawn crop's region of `img`,
+        uint8 [3, h, w], not resized: the device resizes it with the JPEGs' crops, as `apply` would
+        within rounding (resizing costs a worker about three times the decode). A region of more
+        than `REGION_LIMIT` times the output's pixels (a large photo) is resized here, so that a
+        worker never hands over more than that."""
+        top, left, height, width = params
+        out_h, out_w = self.only_random_resized_crop().size
+        if height * width > REGION_LIMIT * out_h * out_w:
+            return self.apply(img, params)
+        return TF.pil_to_tensor(img.crop((left, top, left + width, top + height)))
 
     def apply_to_tensor(self, img: torch.Tensor, params: tuple) -> torch.Tensor:
         """`apply` on a decoded uint8 [3, H, W] tensor, on its device (the GPU decoder's path):

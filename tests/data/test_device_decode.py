@@ -17,6 +17,7 @@ from itertools import islice
 
 import pytest
 import torch
+import torchvision.transforms.functional as TF
 from open_clip.transform import image_transform
 from PIL import Image
 
@@ -40,7 +41,7 @@ def rows_of(encoded: EncodedImages, start: int, stop: int) -> EncodedImages:
     pixel_rows, where = encoded.decoded_rows(start, stop)
     decoded = [None] * (stop - start)
     for row, k in zip(pixel_rows, range(where.start, where.stop)):
-        decoded[row] = encoded.pixels[k]
+        decoded[row] = encoded.worker_image(k)
     return EncodedImages.from_samples(tuple(encoded[i][0] for i in rows), tuple(encoded[i][1] for i in rows), tuple(decoded))
 
 
@@ -78,8 +79,9 @@ def test_the_worker_tells_what_the_device_decodes_from_the_header_alone():
 
 def test_every_kind_of_image_arrives_as_promised_through_the_device_path(tmp_path):
     """A progressive, a grayscale, a CMYK JPEG, a PNG and a truncated JPEG in a shard: the JPEGs
-    the device takes come as bytes, the CMYK one and the PNG as the worker's pixels (equal to the
-    loader path's), the truncated one is skipped and counted."""
+    the device takes come as bytes, the CMYK one and the PNG as the worker's pixels (the region of
+    the crop the loader path draws, which the device resizes to the loader's pixels), the truncated
+    one is skipped and counted."""
     import webdataset as wds
 
     picture = Image.merge("RGB", [Image.linear_gradient("L").rotate(angle).resize((48, 40)) for angle in (0, 90, 45)])
@@ -101,9 +103,16 @@ def test_every_kind_of_image_arrives_as_promised_through_the_device_path(tmp_pat
     by_worker = [names[row] for row in encoded.pixel_rows.tolist()]
     assert sorted(by_worker) == ["cmyk", "png"]
     for k, row in enumerate(encoded.pixel_rows.tolist()):
-        assert torch.equal(encoded.pixels[k], loader["images"][row]) and len(encoded.blob(row)) == 0
+        top, left, height, width = encoded.params_of(row)
+        with Image.open(io.BytesIO(images[names[row]])) as img:
+            region = TF.pil_to_tensor(img.convert("RGB")).narrow(1, top, height).narrow(2, left, width)
+        assert torch.equal(encoded.worker_image(k), region) and len(encoded.blob(row)) == 0
     pixels, black = decode_rows(SPLIT, encoded, 0, 5, torch.device("cpu"))
     assert black == 0 and (pixels.int() - loader["images"].int()).abs().max() <= 8
+    # The worker's regions resized by the device: the loader's pixels but for rounding (PIL rounds
+    # its horizontal pass to uint8 before the vertical one; at this image's sharp edges, 3 levels).
+    for row in encoded.pixel_rows.tolist():
+        assert (pixels[row].int() - loader["images"][row].int()).abs().max() <= 4
 
 
 def test_a_runs_pieces_carry_nothing_per_sample_but_tensors(jpeg_shards):
@@ -115,7 +124,7 @@ def test_a_runs_pieces_carry_nothing_per_sample_but_tensors(jpeg_shards):
         if isinstance(value, (list, tuple, dict)):
             assert len(value) < 50, f"{key} holds {len(value)} Python objects"
     encoded = piece["encoded"]
-    assert all(isinstance(getattr(encoded, name), torch.Tensor) for name in ("data", "offsets", "params", "pixels", "pixel_rows"))
+    assert all(isinstance(getattr(encoded, name), torch.Tensor) for name in ("data", "offsets", "params", "pixels", "pixel_sizes", "pixel_rows"))
     assert isinstance(piece["texts"], torch.Tensor) and len(piece["texts"]) == 50
 
 
@@ -131,8 +140,8 @@ def test_a_chunks_bytes_taken_at_once_equal_those_taken_sample_by_sample():
 def test_the_device_path_skips_the_same_samples_and_draws_the_same_crops(jpeg_shards):
     """Over two epochs: the same cursors, skip counts, tokens and crop boxes as the loader path, the
     bytes of the JPEGs the device takes, the worker's pixels of the others (a PNG, one with bytes
-    after its end: equal to the loader path's), and the device's pixels within the resampling
-    kernels' rounding of PIL's."""
+    after its end: the regions of the loader path's crops, which the device resizes), and the
+    device's pixels within the resampling kernels' rounding of PIL's."""
     loader_path, device_path = iter(_stream(jpeg_shards, decode=True)), iter(_stream(jpeg_shards, decode=False))
     skipped = by_worker_pixels = 0
     for _ in range(24):  # 1,200 samples of 597 usable a pass
@@ -151,8 +160,8 @@ def test_the_device_path_skips_the_same_samples_and_draws_the_same_crops(jpeg_sh
         assert pixels.dtype == torch.uint8 and pixels.shape == a["images"].shape and black == 0
         difference = (pixels.int() - a["images"].int()).abs()
         assert difference.max() <= 8 and difference.float().mean() < 0.5
-        for i in by_worker:
-            assert torch.equal(pixels[i], a["images"][i])
+        for i in by_worker:  # decoded by PIL as the loader's were: only the resize differs
+            assert (pixels[i].int() - a["images"][i].int()).abs().max() <= 4
     assert skipped >= 4  # the truncated and the garbage sample, in each of two epochs
     assert by_worker_pixels >= 4  # the PNG and the one with trailing bytes, in each of two epochs
 
@@ -263,20 +272,25 @@ def test_a_batch_released_before_its_step_frees_what_was_decoded_ahead(jpeg_shar
 
 def test_the_trainer_decodes_on_the_device_on_the_loaders_curve(digits_root, tmp_path, jpeg_shards, monkeypatch):
     """With the default loader workers: the step gets the device column, and the run follows the
-    loader-decoded run's curve, also with half of the JPEGs decoded by the workers (the same samples and crops; the pixels differ by the resize
-    kernels' rounding) and counts the same skipped samples."""
+    loader-decoded run's curve, also with half of the JPEGs decoded by the workers (the same samples
+    and crops; the pixels differ by the resize kernels' rounding) and counts the same skipped samples."""
     record: list = []
     device = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "device", "data.decoder=device",
-                                  monkeypatch=monkeypatch, record=record)
-    monkeypatch.undo()
-    loader = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "loader")
+                                  "data.worker_decode_share=0", monkeypatch=monkeypatch, record=record)
+    loader = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "loader", "data.decoder=loader")
     shared = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "shared", "data.decoder=device",
                                   "data.worker_decode_share=0.5")
-    assert len(record) == 6 and all(isinstance(images.rows, DeviceDecodedRows) for images in record)
+    monkeypatch.undo()
+    assert len(record) == 18 and all(isinstance(images.rows, DeviceDecodedRows) for images in record[:6] + record[12:])
+
+    def by_workers(steps: list) -> float:  # the share of a run's images the workers decoded
+        pieces = [encoded for images in steps for _, encoded in images.rows.encoded.pieces]
+        return sum(len(encoded.pixel_rows) for encoded in pieces) / sum(len(encoded) for encoded in pieces)
+
+    assert by_workers(record[:6]) < 0.05 and 0.35 < by_workers(record[12:]) < 0.65
     for run in (device, shared):  # the second with half of the device's JPEGs decoded by the workers
         assert [m["loss"] for m in run] == pytest.approx([m["loss"] for m in loader], rel=1e-3)
         assert [m["skipped_samples_total"] for m in run] == [m["skipped_samples_total"] for m in loader]
-    assert [m["loss"] for m in shared] != [m["loss"] for m in device]  # other pixels, within rounding
     assert device[-1]["skipped_samples_total"] >= 1  # the stretch of six steps holds one damaged sample
 
 
