@@ -47,35 +47,47 @@ def max_taps(largest: int, out_size: int, interpolation: str) -> int:
     return int(2 * FILTER_RADIUS[interpolation] * max(1.0, largest / out_size) + 2)
 
 
+def image_table(images: list[torch.Tensor]) -> torch.Tensor:
+    """int64 [n, 3] on the host: each image's address, height and width (uint8 [3, H, W], contiguous)."""
+    return torch.tensor([(img.data_ptr(), img.shape[1], img.shape[2]) for img in images], dtype=torch.int64).reshape(-1, 3)
+
+
 def resized_crops(images: list[torch.Tensor], boxes, size: tuple[int, int], interpolation: str) -> torch.Tensor:
     """uint8 [n, 3, size[0], size[1]]: image k (uint8 [3, H, W], all on one device) cropped to
     boxes[k] = (top, left, height, width) and resized with the antialiased `interpolation`
     ("bilinear" or "bicubic"), as torchvision's `resized_crop` on each would give (within one
-    grey level: float rounding). The images stay where they are: the programs read each through
-    its address in the table, so a chunk costs a few host calls whatever its size, and none of
-    them waits for the device."""
+    grey level: float rounding)."""
+    if not images:
+        return resized_crops_at(torch.empty(0, 3, dtype=torch.int64), boxes, size, interpolation, torch.device("cpu"))
+    images = [img if img.is_contiguous() else img.contiguous() for img in images]  # a CPU decoder's are HWC views
+    return resized_crops_at(image_table(images), boxes, size, interpolation, images[0].device)
+
+
+def resized_crops_at(where: torch.Tensor, boxes, size: tuple[int, int], interpolation: str, device: torch.device) -> torch.Tensor:
+    """`resized_crops` of the images that `where` (int64 [n, 3] on the host: address, height,
+    width, as `image_table` gives) places on `device`; the caller keeps them alive. The images
+    stay where they are: the programs read each through its address in the table, so a chunk
+    costs a few host calls whatever its size, and none of them waits for the device."""
     if interpolation not in FILTER_RADIUS:
         raise ValueError(f"interpolation must be one of {sorted(FILTER_RADIUS)}, got {interpolation!r}")
-    if not images:
-        return torch.empty(0, 3, *size, dtype=torch.uint8)
-    device = images[0].device
+    n = len(where)
+    if not n:
+        return torch.empty(0, 3, *size, dtype=torch.uint8, device=device)
     out_h, out_w = size
     # A few tensor calls, not a tensor call per image: this runs in a thread of the training process,
     # where each call hands the GIL to the threads that launch the model's kernels and waits to get it back.
-    boxes = torch.as_tensor(boxes, dtype=torch.int64).reshape(len(images), -1)[:, :4]
-    images = [img if img.is_contiguous() else img.contiguous() for img in images]  # the GPU decoder's are; a CPU one's are HWC views
-    where = torch.tensor([(img.data_ptr(), img.shape[1], img.shape[2]) for img in images], dtype=torch.int64)
+    boxes = torch.as_tensor(boxes, dtype=torch.int64).reshape(n, -1)[:, :4]
     table = torch.cat([where, boxes], 1)  # the columns crop_resize_programs.TABLE names
     table = to_device_async(table, device)
     max_rows, max_columns = boxes[:, 2:4].max(0).values.tolist()
-    rows = torch.empty(len(images), 3, max_rows, out_w, dtype=torch.float32, device=device)
-    out = torch.empty(len(images), 3, out_h, out_w, dtype=torch.uint8, device=device)
+    rows = torch.empty(n, 3, max_rows, out_w, dtype=torch.float32, device=device)
+    out = torch.empty(n, 3, out_h, out_w, dtype=torch.uint8, device=device)
     P = programs("clipscale.data.crop_resize_programs", interpreting())  # compiled, or Triton's interpreter
     block_r, block_x, bicubic = P.BLOCK_R, P.BLOCK_X, interpolation == "bicubic"
-    grid = (len(images) * 3, triton.cdiv(max_rows, block_r), triton.cdiv(out_w, block_x))
+    grid = (n * 3, triton.cdiv(max_rows, block_r), triton.cdiv(out_w, block_x))
     P.rows_kernel[grid](table, rows, max_rows, out_w, max_taps(max_columns, out_w, interpolation),
                         BICUBIC=bicubic, BLOCK_R=block_r, BLOCK_X=block_x)
-    grid = (len(images) * 3, triton.cdiv(out_h, block_r), triton.cdiv(out_w, block_x))
+    grid = (n * 3, triton.cdiv(out_h, block_r), triton.cdiv(out_w, block_x))
     P.columns_kernel[grid](rows, table, out, max_rows, out_h, out_w, max_taps(max_rows, out_h, interpolation),
                            BICUBIC=bicubic, BLOCK_R=block_r, BLOCK_X=block_x)
     return out

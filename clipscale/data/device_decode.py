@@ -76,21 +76,15 @@ def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop:
     if refused:
         kept = [(k, image) for k, image in zip(jpeg_rows, decoded) if image is not None]
         jpeg_rows, decoded = [k for k, _ in kept], [image for _, image in kept]
-    if pixel_rows:  # each worker image is its crop region: its box is the whole of it
-        span, sizes = encoded.worker_span(pixel_index)
-        span = to_device_async(span, device)
-        lengths = [3 * height * width for height, width in sizes]
-        decoded += [image.view(3, height, width) for image, (height, width) in zip(span.split(lengths), sizes)]
-        worker_boxes = torch.tensor(sizes, dtype=torch.int64)
-        boxes = torch.cat([boxes[jpeg_rows], torch.cat([torch.zeros_like(worker_boxes), worker_boxes], 1)])
-    elif len(jpeg_rows) < n:
+    if len(jpeg_rows) < n:
         boxes = boxes[jpeg_rows]
-    out = resized_crops(split, decoded, boxes, device)
+    regions = WorkerRegions(encoded, pixel_index, device) if pixel_rows else None
+    out = resized_crops(split, decoded, boxes, device, regions)
     if len(jpeg_rows) == n:
         return out, 0
     rows = torch.empty(n, *out.shape[1:], dtype=torch.uint8, device=device)
     if len(out):
-        rows[to_device_async(torch.tensor(jpeg_rows + pixel_rows), device)] = out
+        rows[to_device_async(torch.tensor(jpeg_rows + pixel_rows), device)] = out  # the regions come after the JPEGs
     undecodable = 0
     for k in refused:  # rare: a JPEG whose header looked whole, nvJPEG refused it
         try:
@@ -103,18 +97,46 @@ def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop:
     return rows, undecodable
 
 
-def resized_crops(split: SplitTransform, images: list[torch.Tensor], boxes: torch.Tensor, device: torch.device) -> torch.Tensor:
+class WorkerRegions:
+    """The crop regions a worker decoded for rows of a chunk, on the device in one copy: each is
+    uint8 [3, h, w] in `pixels` (flat), cropped to the whole of itself."""
+
+    def __init__(self, encoded: EncodedImages, which: slice, device: torch.device):
+        span, self.starts, self.sizes = encoded.worker_span(which)
+        self.pixels = to_device_async(span, device)
+        self.boxes = torch.cat([torch.zeros_like(self.sizes), self.sizes], 1)
+
+    def table(self) -> torch.Tensor:
+        """int64 [m, 3]: each region's address, height and width (`crop_resize.image_table`'s columns)."""
+        return torch.cat([(self.pixels.data_ptr() + self.starts)[:, None], self.sizes], 1)
+
+    def images(self) -> list[torch.Tensor]:
+        """Each region as a tensor of its own (a view): for the image-by-image resize only."""
+        lengths = (3 * self.sizes.prod(1)).tolist()
+        return [image.view(3, h, w) for image, (h, w) in zip(self.pixels.split(lengths), self.sizes.tolist())]
+
+
+def resized_crops(split: SplitTransform, images: list[torch.Tensor], boxes: torch.Tensor, device: torch.device,
+                  regions: WorkerRegions | None = None) -> torch.Tensor:
     """Decoded images cropped and resized by `split`'s PIL steps (`boxes`: int64 [n, k], each
-    image's drawn crop): uint8 [n, 3, H, W]. On a GPU (or under Triton's interpreter) one batched
-    pass for the whole list (`crop_resize`) when the steps are a single RandomResizedCrop it can
-    run; torchvision's kernels image by image otherwise."""
+    image's drawn crop), then the worker's `regions`: uint8 [n + m, 3, H, W]. On a GPU (or under
+    Triton's interpreter) one batched pass for all of them (`crop_resize`) when the steps are a
+    single RandomResizedCrop it can run, the regions placed by a table (no call per image);
+    torchvision's kernels image by image otherwise."""
     crop = split.only_random_resized_crop()
     from clipscale.triton_modes import interpreting  # Triton: imported where it runs
 
+    if regions is not None:
+        boxes = torch.cat([boxes[:, :4], regions.boxes])
     if crop is not None and (device.type == "cuda" or interpreting()):
         from clipscale.data import crop_resize
 
-        return crop_resize.resized_crops(images, boxes, tuple(crop.size), crop.interpolation.value)
+        images = [img if img.is_contiguous() else img.contiguous() for img in images]  # a CPU decoder's are HWC views
+        where = crop_resize.image_table(images)
+        if regions is not None:
+            where = torch.cat([where, regions.table()])
+        return crop_resize.resized_crops_at(where, boxes, tuple(crop.size), crop.interpolation.value, device)
+    images = images + (regions.images() if regions is not None else [])
     if not images:
         return torch.empty(0, 3, *crop.size, dtype=torch.uint8, device=device)
     return torch.stack([split.apply_to_tensor(img, tuple(box)) for img, box in zip(images, boxes.tolist())])

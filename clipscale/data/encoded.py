@@ -134,10 +134,12 @@ class EncodedImages:
         first, last = torch.searchsorted(self.pixel_rows, torch.tensor([start, stop])).tolist()
         return (self.pixel_rows[first:last] - start).tolist(), slice(first, last)
 
-    def worker_span(self, which: slice) -> tuple[torch.Tensor, list[list[int]]]:
+    def worker_span(self, which: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The worker's images `which` (consecutive): their pixels, one flat view to send in one
-        copy, and each one's [height, width]."""
-        return self.pixels[int(self.pixel_offsets[which.start]) : int(self.pixel_offsets[which.stop])], self.pixel_sizes[which].tolist()
+        copy; where each starts in it (int64 [m]) and its size (int64 [m, 2]: height, width)."""
+        first = self.pixel_offsets[which.start]
+        starts = self.pixel_offsets[which.start : which.stop] - first
+        return self.pixels[int(first) : int(self.pixel_offsets[which.stop])], starts, self.pixel_sizes[which]
 
     def worker_image(self, k: int) -> torch.Tensor:
         """The worker's image k, uint8 [3, h, w] (a view)."""

@@ -54,9 +54,10 @@ def test_an_unknown_interpolation_is_refused():
 
 
 def test_the_device_decoder_resizes_a_chunk_in_one_pass_and_keeps_its_other_images_in_place(monkeypatch):
-    """decode_rows on a chunk mixing JPEGs with a PNG (nvJPEG refuses it: decoded by PIL) and an
-    image that decodes nowhere (black): in the batched pass the JPEGs' crops, in their places, within one grey level
-    of the image-by-image path, and the others equal to it."""
+    """decode_rows on a chunk mixing JPEGs with a PNG (nvJPEG refuses it: decoded by PIL), an
+    image that decodes nowhere (black) and two crop regions a worker decoded: in the batched pass the
+    JPEGs' crops and the regions, in their places, within one grey level of the image-by-image path,
+    and the others equal to it."""
     import io
 
     from open_clip.transform import image_transform
@@ -74,26 +75,28 @@ def test_the_device_decoder_resizes_a_chunk_in_one_pass_and_keeps_its_other_imag
         img.save(out, format=kind, quality=90)
         return out.getvalue()
 
-    pictures = [Image.effect_noise((24 + 3 * k, 20 + 2 * k), 40 + 10 * k).convert("RGB") for k in range(5)]
+    pictures = [Image.effect_noise((24 + 3 * k, 20 + 2 * k), 40 + 10 * k).convert("RGB") for k in range(6)]
     blobs = [encoded(p, "JPEG") for p in pictures]
     blobs[1] = encoded(pictures[1], "PNG")
     blobs[3] = blobs[3][:20] + b"\x00" * 30 + blobs[3][50:]  # its quantisation tables overwritten: decodes nowhere
-    boxes = [(1, 2, 18, 20), (0, 0, 20, 26), (3, 1, 10, 12), (0, 0, 26, 33), (2, 4, 25, 30)]
-    chunk = EncodedImages.from_samples(tuple(blobs), tuple(boxes))
-    calls, real = [], C.resized_crops
+    boxes = [(1, 2, 18, 20), (0, 0, 20, 26), (3, 1, 10, 12), (0, 0, 26, 33), (2, 4, 25, 30), (1, 3, 21, 31)]
+    regions = tuple(split.crop_region(pictures[k], boxes[k]) for k in (4, 5))  # the last two as a worker hands them over
+    assert [region.shape for region in regions] == [(3, 25, 30), (3, 21, 31)]
+    chunk = EncodedImages.from_samples(tuple(blobs), tuple(boxes), (None,) * 4 + regions)
+    calls, real = [], C.resized_crops_at
 
-    def counted(images, *args):
-        calls.append(len(images))
-        return real(images, *args)
+    def counted(where, *args):
+        calls.append(len(where))
+        return real(where, *args)
 
-    monkeypatch.setattr(C, "resized_crops", counted)
+    monkeypatch.setattr(C, "resized_crops_at", counted)
     with pytest.warns(UserWarning, match="does not decode"):
-        batched, black = device_decode.decode_rows(split, chunk, 0, 5, torch.device("cpu"))
+        batched, black = device_decode.decode_rows(split, chunk, 0, 6, torch.device("cpu"))
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.warns(UserWarning, match="does not decode"):
-        one_by_one, _ = device_decode.decode_rows(split, chunk, 0, 5, torch.device("cpu"))
-    assert calls == [3] and black == 1  # the three JPEGs, in one call; the broken one trained black
-    assert batched.shape == one_by_one.shape == (5, 3, 16, 16)
+        one_by_one, _ = device_decode.decode_rows(split, chunk, 0, 6, torch.device("cpu"))
+    assert calls == [4] and black == 1  # the two JPEGs and the two regions, in one call; the broken one trained black
+    assert batched.shape == one_by_one.shape == (6, 3, 16, 16)
     assert (batched.int() - one_by_one.int()).abs().max() <= 1
     for k in (1, 3):
         assert torch.equal(batched[k], one_by_one[k])
