@@ -507,7 +507,7 @@ def csv_rows(train_data: str, image_key: str, caption_key: str, separator: str, 
     """The rows of the CSV table(s) `train_data` names, read as clipscale's data.kind=csv reads them;
     None when they cannot be read here and --train-num-samples says how many there are."""
     from clipscale.config import ConfigError
-    from clipscale.data.csv_table import read_rows
+    from clipscale.data.sources import read_rows
 
     try:
         return sum(len(read_rows(path, image_key, caption_key, separator, "--train-data")) for path in train_data.split("::"))

@@ -8,9 +8,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from clipscale.config import DataConfig
-from clipscale.data.csv_table import CsvTable, check_table, count_rows, read_rows
 from clipscale.data.digits import write_digits_shards
-from clipscale.data.sources import ShardSource, keys, shard_weights, source_shards
+from clipscale.data.sources import CsvTable, ShardSource, check_table, count_rows, keys, read_rows, shard_weights, source_shards
 from clipscale.distributed import World
 
 

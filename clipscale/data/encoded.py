@@ -107,8 +107,12 @@ class EncodedImages:
         joined = b"".join(blobs)  # empty where the worker decoded every image (torch.frombuffer refuses nothing)
         data = torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
         width = len(params[0]) if params else 0
-        pixels = torch.cat([decoded[k].flatten() for k in rows]) if rows else None
-        sizes = torch.tensor([decoded[k].shape[1:] for k in rows], dtype=torch.int64) if rows else None
+        pixels = sizes = None
+        if rows:  # each image copied once, into its place (PIL's come as [3, h, w] views of [h, w, 3] memory)
+            sizes = torch.tensor([decoded[k].shape[1:] for k in rows], dtype=torch.int64)
+            pixels = torch.empty(int(3 * sizes.prod(1).sum()), dtype=torch.uint8)
+            for k, place in zip(rows, pixels.split((3 * sizes.prod(1)).tolist())):
+                place.view(decoded[k].shape).copy_(decoded[k])
         return cls(data, offsets, torch.tensor(params, dtype=torch.int64).reshape(len(blobs), width),
                    pixels, sizes, torch.tensor(rows, dtype=torch.int64) if rows else None)
 

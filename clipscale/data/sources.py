@@ -1,8 +1,8 @@
-"""Where training samples come from: webdataset shards, one or several sources, how they are drawn.
+"""Where training samples come from: webdataset shards or CSV tables, one or several sources, how they are drawn.
 
 A `ShardSource` is what `ShardStream` reads: a list of *shards* (tar URLs: local paths,
 `pipe:` commands, `http(s)://` URLs, opened by webdataset, which `source_shards` lists from a brace
-pattern, a folder or a glob; or a CSV table's row blocks, `clipscale.data.csv_table`), how a shard
+pattern, a folder or a glob; or a CSV table's row blocks, `CsvTable`), how a shard
 is read, and how shards are drawn:
 
 - several sources joined with `::` (open_clip's `--train-data a::b`): their shards form one list;
@@ -21,6 +21,7 @@ keeps only what it has and is skipped and counted by the stream.
 
 from __future__ import annotations
 
+import csv
 import glob
 import shutil
 from dataclasses import dataclass
@@ -154,3 +155,88 @@ def shard_weights(sources: list[list], factors: Optional[Sequence[float]]) -> Op
         return None
     return [float(factor) for shards, factor in zip(sources, factors) for _ in shards]
 
+
+# CSV tables (open_clip's `--dataset-type csv`):
+#
+#     filepath	title
+#     images/0001.jpg	a dog on a beach
+#
+# Columns are named by `data.csv_image_key` / `data.csv_caption_key` (open_clip's `filepath` /
+# `title`), the separator by `data.csv_separator` (a tab); image paths are relative to the CSV
+# file's folder (or absolute). The table is read once, when the run starts, and cut into blocks of
+# `ROWS_PER_BLOCK` rows: a block is a shard for `ShardStream`, which reads, shuffles, resumes and
+# counts them as it does tar shards; a block's samples are the image files' bytes and the
+# captions, in the shape every source yields. An image file that cannot be read is a sample
+# without an image: skipped and counted.
+
+ROWS_PER_BLOCK = 1000  # a shard's worth: consumers split the blocks as they split tar shards
+
+
+class CsvTable(ShardSource):
+    """The rows of one or more CSV files (sources); shards are (first row, end row) blocks of one source."""
+
+    def __init__(self, sources: list[list[tuple[str, str]]], factors: Optional[list[float]] = None, resampled: bool = False):
+        self.rows = [row for rows in sources for row in rows]
+        blocks, first = [], 0
+        for rows in sources:
+            blocks.append([(start, min(start + ROWS_PER_BLOCK, first + len(rows)))
+                           for start in range(first, first + len(rows), ROWS_PER_BLOCK)])
+            first += len(rows)
+        super().__init__([block for each in blocks for block in each], weights=shard_weights(blocks, factors),
+                         resampled=resampled)
+
+    def read(self, shard, errors, wanted: Callable[[int], bool] = everything) -> Iterator[dict]:
+        """A block's rows; the image files of the wanted ones read (a block cut into parts is read
+        once a part: each part reads its own rows' files only)."""
+        start, stop = shard
+        for index in range(start, stop):
+            path, caption = self.rows[index]
+            sample = {"__key__": str(index), CAPTION: caption.encode("utf-8")}
+            if wanted(index - start):
+                try:
+                    sample[IMAGE] = Path(path).read_bytes()
+                except OSError:
+                    pass
+            yield sample
+
+
+def read_rows(path: str, image_column: str, caption_column: str, separator: str, key: str) -> list[tuple[str, str]]:
+    """(image path, caption) of every row of a CSV file, the paths made relative to its folder.
+    A missing file or column, a folder or a table without rows is a ConfigError naming `key`."""
+    rows = list(_rows(path, image_column, caption_column, separator, key))
+    if not rows:
+        raise ConfigError(f"{key}: {path} has no rows")
+    return rows
+
+
+def count_rows(path: str, image_column: str, caption_column: str, separator: str, key: str) -> int:
+    """How many rows read_rows gives, without holding them; the same ConfigErrors."""
+    rows = sum(1 for _ in _rows(path, image_column, caption_column, separator, key))
+    if not rows:
+        raise ConfigError(f"{key}: {path} has no rows")
+    return rows
+
+
+def check_table(path: str, image_column: str, caption_column: str, separator: str, key: str) -> None:
+    """read_rows' checks of the file and its columns, reading only the header."""
+    next(iter(_rows(path, image_column, caption_column, separator, key)), None)
+
+
+def _rows(path: str, image_column: str, caption_column: str, separator: str, key: str) -> Iterator[tuple[str, str]]:
+    table = Path(path)
+    if table.is_dir():
+        entries = sorted(map(str, table.iterdir()))
+        held = f" (it holds {holds(entries)})" if entries else " (an empty one)"
+        raise ConfigError(f"{key}: {path!r} is a folder, not a CSV file{held}")
+    if not table.is_file():
+        raise ConfigError(f"{key}: no CSV file at {path!r}{relative_note(path)}")
+    with table.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f, delimiter=separator)
+        columns = reader.fieldnames or []
+        missing = [c for c in (image_column, caption_column) if c not in columns]
+        if missing:
+            raise ConfigError(f"{key}: {path} has no column {missing[0]!r} (its columns, split at {separator!r}: "
+                              f"{', '.join(map(repr, columns))}); set data.csv_image_key / data.csv_caption_key / "
+                              "data.csv_separator")
+        for row in reader:
+            yield str(table.parent / (row[image_column] or "")), row[caption_column] or ""
