@@ -77,8 +77,8 @@ class EncodedImages:
     """Images as the shards hold them: all encoded bytes in one uint8 tensor, `offsets` [n + 1]
     delimiting the samples, and each sample's drawn crop in `params` [n, k]. The images the
     device will not decode (`device_decodes`) come decoded by the worker instead, with no bytes:
-    each one's crop region, uncropped pixels the device resizes with the JPEGs' crops (resizing
-    costs a worker about three times the decode), laid end to end in `pixels` (uint8, flat),
+    each one's crop region, pixels the device resizes with the JPEGs' crops (the resize cost a
+    worker more than the decode), laid end to end in `pixels` (uint8, flat),
     each of `pixel_sizes` [m, 2] (height, width) and starting at `pixel_offsets` [m + 1]; their
     rows in `pixel_rows` [m] (ascending). Tensors, so loader workers pass it through shared memory.
 

@@ -83,7 +83,7 @@ class SplitTransform:
     def crop_region(self, img: Image.Image, params: tuple) -> torch.Tensor:
         """For the device decoder (`only_random_resized_crop`): the drawn crop's region of `img`,
         uint8 [3, h, w], not resized: the device resizes it with the JPEGs' crops, as `apply` would
-        within rounding (resizing costs a worker about three times the decode). A region of more
+        within rounding (the resize cost a worker more than the decode). A region of more
         than `REGION_LIMIT` times the output's pixels (a large photo) is resized here, so that a
         worker never hands over more than that."""
         top, left, height, width = params

@@ -101,3 +101,32 @@ def test_the_device_decoder_resizes_a_chunk_in_one_pass_and_keeps_its_other_imag
     for k in (1, 3):
         assert torch.equal(batched[k], one_by_one[k])
     assert torch.equal(batched[3], torch.zeros(3, 16, 16, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["one-pass", "image-by-image"])
+def test_a_workers_crop_region_resized_by_the_device_gives_its_crop_and_a_large_one_is_resized_by_the_worker(batched, monkeypatch):
+    """A worker hands the device its crop's region unresized, which the device resizes to PIL's
+    crop within rounding; a region of more than REGION_LIMIT outputs' pixels (a large photo) the
+    worker resizes itself, and the device's resize at scale 1 then keeps those pixels exactly."""
+    import numpy as np
+    from open_clip.transform import image_transform
+    from PIL import Image
+
+    from clipscale.data import device_decode
+    from clipscale.data.encoded import EncodedImages
+    from clipscale.data.transforms import REGION_LIMIT, SplitTransform
+
+    if not batched:
+        monkeypatch.delenv("TRITON_INTERPRET")
+    split = SplitTransform.split(image_transform(16, is_train=True))
+    rng = np.random.default_rng(0)
+    picture = Image.fromarray(rng.integers(0, 256, (90, 120, 3), dtype=np.uint8).astype(np.uint8)).resize((240, 180))
+    small, large = (3, 5, 30, 31), (10, 20, 70, 90)  # (top, left, height, width)
+    assert 30 * 31 <= REGION_LIMIT * 16 * 16 < 70 * 90
+    regions = tuple(split.crop_region(picture, box) for box in (small, large))
+    assert [region.shape for region in regions] == [(3, 30, 31), (3, 16, 16)]
+    chunk = EncodedImages.from_samples((b"", b""), (small, large), regions)
+    pixels, black = device_decode.decode_rows(split, chunk, 0, 2, torch.device("cpu"))
+    want = [split.apply(picture, box) for box in (small, large)]
+    assert black == 0 and (pixels[0].int() - want[0].int()).abs().max() <= 2
+    assert torch.equal(pixels[1], want[1])
