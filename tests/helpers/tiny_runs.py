@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,7 +48,8 @@ def run_train(overrides: list[str], *, nproc: int = 1, timeout: float = 240, scr
     process below it is killed, then it raises."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] \
         if nproc > 1 else [sys.executable]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    # PYTHONFAULTHANDLER: a run that never ends shows where each of its processes' threads stood.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen([*launcher, script, "--config", DIGITS_YAML, *overrides], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -55,14 +57,17 @@ def run_train(overrides: list[str], *, nproc: int = 1, timeout: float = 240, scr
     except subprocess.TimeoutExpired:
         # torchrun starts each worker in a session of its own: killing the launcher's group would
         # leave them running, holding the output pipes open, and the test would wait forever.
+        kill_tree(proc.pid, signal.SIGABRT)  # each Python process writes its threads' stacks
+        time.sleep(3)
         kill_tree(proc.pid)
         stdout, stderr = proc.communicate()
-        raise AssertionError(f"run did not end within {timeout} s (a hang?):\n{stderr[-3000:]}") from None
+        raise AssertionError(f"run did not end within {timeout} s (a hang?); its last output:\n{stdout[-1500:]}\n"
+                             f"and its stacks:\n{stderr[-8000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL `pid` and every process below it, found through /proc's parent links."""
+def kill_tree(pid: int, sent: int = signal.SIGKILL) -> None:
+    """`sent` (SIGKILL) to `pid` and every process below it, found through /proc's parent links."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError):  # a process that ended meanwhile
@@ -75,4 +80,4 @@ def kill_tree(pid: int) -> None:
         todo += below
     for each in found:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(each, signal.SIGKILL)
+            os.kill(each, sent)
