@@ -47,9 +47,13 @@ def max_taps(largest: int, out_size: int, interpolation: str) -> int:
     return int(2 * FILTER_RADIUS[interpolation] * max(1.0, largest / out_size) + 2)
 
 
-def image_table(images: list[torch.Tensor]) -> torch.Tensor:
-    """int64 [n, 3] on the host: each image's address, height and width (uint8 [3, H, W], contiguous)."""
-    return torch.tensor([(img.data_ptr(), img.shape[1], img.shape[2]) for img in images], dtype=torch.int64).reshape(-1, 3)
+def image_table(images: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The images (uint8 [3, H, W]) made contiguous, where a CPU decoder's are HWC views (keep them
+    alive while the programs run), and their table: int64 [n, 3] on the host, each one's address,
+    height and width."""
+    images = [img if img.is_contiguous() else img.contiguous() for img in images]
+    where = torch.tensor([(img.data_ptr(), img.shape[1], img.shape[2]) for img in images], dtype=torch.int64)
+    return images, where.reshape(-1, 3)
 
 
 def resized_crops(images: list[torch.Tensor], boxes, size: tuple[int, int], interpolation: str) -> torch.Tensor:
@@ -59,8 +63,8 @@ def resized_crops(images: list[torch.Tensor], boxes, size: tuple[int, int], inte
     grey level: float rounding)."""
     if not images:
         return resized_crops_at(torch.empty(0, 3, dtype=torch.int64), boxes, size, interpolation, torch.device("cpu"))
-    images = [img if img.is_contiguous() else img.contiguous() for img in images]  # a CPU decoder's are HWC views
-    return resized_crops_at(image_table(images), boxes, size, interpolation, images[0].device)
+    images, where = image_table(images)
+    return resized_crops_at(where, boxes, size, interpolation, images[0].device)
 
 
 def resized_crops_at(where: torch.Tensor, boxes, size: tuple[int, int], interpolation: str, device: torch.device) -> torch.Tensor:

@@ -118,7 +118,7 @@ class WorkerRegions:
 
 def resized_crops(split: SplitTransform, images: list[torch.Tensor], boxes: torch.Tensor, device: torch.device,
                   regions: WorkerRegions | None = None) -> torch.Tensor:
-    """Decoded images cropped and resized by `split`'s PIL steps (`boxes`: int64 [n, k], each
+    """Decoded images cropped and resized by `split`'s PIL steps (`boxes`: int64 [n, 4], each
     image's drawn crop), then the worker's `regions`: uint8 [n + m, 3, H, W]. On a GPU (or under
     Triton's interpreter) one batched pass for all of them (`crop_resize`) when the steps are a
     single RandomResizedCrop it can run, the regions placed by a table (no call per image);
@@ -127,12 +127,11 @@ def resized_crops(split: SplitTransform, images: list[torch.Tensor], boxes: torc
     from clipscale.triton_modes import interpreting  # Triton: imported where it runs
 
     if regions is not None:
-        boxes = torch.cat([boxes[:, :4], regions.boxes])
+        boxes = torch.cat([boxes, regions.boxes])
     if crop is not None and (device.type == "cuda" or interpreting()):
         from clipscale.data import crop_resize
 
-        images = [img if img.is_contiguous() else img.contiguous() for img in images]  # a CPU decoder's are HWC views
-        where = crop_resize.image_table(images)
+        images, where = crop_resize.image_table(images)
         if regions is not None:
             where = torch.cat([where, regions.table()])
         return crop_resize.resized_crops_at(where, boxes, tuple(crop.size), crop.interpolation.value, device)

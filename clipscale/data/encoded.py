@@ -110,8 +110,9 @@ class EncodedImages:
         pixels = sizes = None
         if rows:  # each image copied once, into its place (PIL's come as [3, h, w] views of [h, w, 3] memory)
             sizes = torch.tensor([decoded[k].shape[1:] for k in rows], dtype=torch.int64)
-            pixels = torch.empty(int(3 * sizes.prod(1).sum()), dtype=torch.uint8)
-            for k, place in zip(rows, pixels.split((3 * sizes.prod(1)).tolist())):
+            lengths = (3 * sizes.prod(1)).tolist()
+            pixels = torch.empty(sum(lengths), dtype=torch.uint8)
+            for k, place in zip(rows, pixels.split(lengths)):
                 place.view(decoded[k].shape).copy_(decoded[k])
         return cls(data, offsets, torch.tensor(params, dtype=torch.int64).reshape(len(blobs), width),
                    pixels, sizes, torch.tensor(rows, dtype=torch.int64) if rows else None)

@@ -54,8 +54,8 @@ class DataPath:
 AUTO_SHARE, AUTO_SHARE_WORKERS = 0.4, 14
 # A rank's host holds about three batches' worth of the workers' pixels at once (the one training,
 # the one being gathered, the loader's pieces: measured 5.8 GiB more at 32,768 and 0.4, when the
-# workers handed over final 224-px pixels); auto keeps
-# them under this fraction of the host's memory a rank.
+# workers handed over final 224-px pixels); auto keeps them under this fraction of the host's
+# memory a rank.
 AUTO_SHARE_HOST_FRACTION, BATCHES_HELD = 0.25, 3
 
 
