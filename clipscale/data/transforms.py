@@ -13,7 +13,6 @@ it again later as a pure function of the sample (`decode`), in any process.
 
 from __future__ import annotations
 
-import functools
 import io
 from typing import Callable, Optional
 
@@ -81,12 +80,6 @@ class SplitTransform:
                 img = step(img)
         return TF.pil_to_tensor(img)
 
-    @functools.cached_property
-    def region_limit(self) -> int:
-        """`crop_region`'s bound in pixels (read once a transform, not once a sample)."""
-        out_h, out_w = self.only_random_resized_crop().size
-        return REGION_LIMIT * out_h * out_w
-
     def crop_region(self, img: Image.Image, params: tuple) -> torch.Tensor:
         """For the device decoder (`only_random_resized_crop`): the drawn crop's region of `img`,
         uint8 [3, h, w], not resized: the device resizes it with the JPEGs' crops, as `apply` would
@@ -94,7 +87,8 @@ class SplitTransform:
         than `REGION_LIMIT` times the output's pixels (a large photo) is resized here, so that a
         worker never hands over more than that."""
         top, left, height, width = params
-        if height * width > self.region_limit:
+        out_h, out_w = self.only_random_resized_crop().size
+        if height * width > REGION_LIMIT * out_h * out_w:
             return self.apply(img, params)
         return TF.pil_to_tensor(img.crop((left, top, left + width, top + height)))
 
