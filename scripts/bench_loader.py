@@ -100,7 +100,7 @@ def run_case(case: dict, shards: str, workers: int) -> dict:
 # Where a worker's time goes, by the functions that own it (cumulative time of each, profiled).
 WORKER_PARTS = {
     "tar reading (webdataset, tarfile)": ("tariterators.py", "group_by_keys"),
-    "image header (PIL open)": ("members.py", "open_image"),
+    "image header (PIL open)": ("sources.py", "open_image"),
     "crop draw (RandomResizedCrop.get_params)": ("transforms.py", "draw"),
     "JPEG header (the device check)": ("encoded.py", "jpeg_frame"),
     # The images the device does not take, and the worker_decode_share: PIL decodes them (its convert

@@ -72,12 +72,12 @@ def test_the_private_import_scan_finds_each_kind():
     this = "clipscale.data.shards"
     assert private_imports("from clipscale.losses.infcl.kernels import _split\n", this, False) == [
         "1: from clipscale.losses.infcl.kernels import _split"]
-    assert private_imports("from .members import _decode\n", this, False) == ["1: from clipscale.data.members import _decode"]
+    assert private_imports("from .sources import _decode\n", this, False) == ["1: from clipscale.data.sources import _decode"]
     assert private_imports("from ..losses.infcl import kernels as K\nK._split(1, 2, 3)\n", this, False) == ["2: K._split"]
-    assert private_imports("import clipscale.data.members\nclipscale.data.members._decode()\n", this, False) == [
-        "2: clipscale.data.members._decode"]
+    assert private_imports("import clipscale.data.sources\nclipscale.data.sources._decode()\n", this, False) == [
+        "2: clipscale.data.sources._decode"]
     assert private_imports("from clipscale.data import _internal\n", this, False) == ["1: from clipscale.data import _internal"]
-    fine = ("from clipscale.data.members import DATA_ERRORS\nimport torch\ntorch._dynamo.reset()\n"
+    fine = ("from clipscale.data.sources import DATA_ERRORS\nimport torch\ntorch._dynamo.reset()\n"
             "from torch import _C\nself._buffer = 1\nclipscale_name = __name__\n")
     assert private_imports(fine, this, False) == []
 

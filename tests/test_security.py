@@ -30,7 +30,7 @@ from PIL import Image, UnidentifiedImageError
 
 from clipscale.checkpoint import CheckpointError, PickledObjectError, load_latest, save_checkpoint
 from clipscale.config import ConfigError, ModelConfig, load_config
-from clipscale.data.members import ImageTooLarge, open_image
+from clipscale.data.sources import ImageTooLarge, open_image
 from clipscale.data.shards import ShardStream, load_sample
 from clipscale.data.transforms import SplitTransform
 from clipscale.errors import UserError

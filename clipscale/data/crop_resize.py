@@ -18,7 +18,7 @@ center = scale * (j + 0.5), taps i in [trunc(center - support + 0.5), trunc(cent
 sum 1. The filters: bilinear 1 - |x| on |x| < 1; bicubic Keys' cubic with a = -0.5 on |x| < 2
 (PIL's, which torchvision matches when antialias is on). Wy likewise over the rows.
 
-Tiling (the programs are in `crop_resize_programs.py`): `rows_kernel` applies Wx (the horizontal
+Tiling (the programs below): `rows_kernel` applies Wx (the horizontal
 pass) to every row of the crop and writes float32 rows [n, c, crop row, out_w]; `columns_kernel`
 applies Wy to those, rounds and writes uint8 [n, c, out_h, out_w]. Each program owns a
 [BLOCK_R, BLOCK_X] tile of one image's channel and loops over the taps, computing each tap's
@@ -27,6 +27,9 @@ a handful for the crops a random resized crop draws. The images of a chunk diffe
 each lives where the JPEG decoder put it, so they are passed as a per-image table (address,
 height, width, crop box). No atomics: the result is the same on every call, which Gradient
 Cache's two passes over the same bytes need.
+
+The host code takes the programs from `clipscale.triton_modes.programs(__name__, ...)`: this module
+as decorated for each call's mode, compiled for the GPU or run in Triton's interpreter on CPU tensors.
 """
 
 from __future__ import annotations
@@ -35,9 +38,18 @@ from types import MappingProxyType
 
 import torch
 import triton
+import triton.language as tl
 
 from clipscale.caption_length import to_device_async
 from clipscale.triton_modes import interpreting, programs
+
+INTERPRET = interpreting()  # the mode @triton.jit decorates these programs in, read as it reads it
+BLOCK_R, BLOCK_X = (8, 64) if not INTERPRET else (4, 16)  # a program's tile: rows x output columns
+
+# The per-image table's columns (int64 [n, TABLE]): where the image's uint8 [3, height, width]
+# pixels are, its size, and its crop box.
+ADDRESS, HEIGHT, WIDTH, TOP, LEFT, CROP_H, CROP_W = (tl.constexpr(k) for k in range(7))
+TABLE = tl.constexpr(7)
 
 FILTER_RADIUS = MappingProxyType({"bilinear": 1, "bicubic": 2})  # half the support at scale 1, in input pixels
 
@@ -81,12 +93,12 @@ def resized_crops_at(where: torch.Tensor, boxes, size: tuple[int, int], interpol
     # A few tensor calls, not a tensor call per image: this runs in a thread of the training process,
     # where each call hands the GIL to the threads that launch the model's kernels and waits to get it back.
     boxes = torch.as_tensor(boxes, dtype=torch.int64).reshape(n, -1)[:, :4]
-    table = torch.cat([where, boxes], 1)  # the columns crop_resize_programs.TABLE names
+    table = torch.cat([where, boxes], 1)  # the columns TABLE names
     table = to_device_async(table, device)
     max_rows, max_columns = boxes[:, 2:4].max(0).values.tolist()
     rows = torch.empty(n, 3, max_rows, out_w, dtype=torch.float32, device=device)
     out = torch.empty(n, 3, out_h, out_w, dtype=torch.uint8, device=device)
-    P = programs("clipscale.data.crop_resize_programs", interpreting())  # compiled, or Triton's interpreter
+    P = programs(__name__, interpreting())  # compiled, or Triton's interpreter
     block_r, block_x, bicubic = P.BLOCK_R, P.BLOCK_X, interpolation == "bicubic"
     grid = (n * 3, triton.cdiv(max_rows, block_r), triton.cdiv(out_w, block_x))
     P.rows_kernel[grid](table, rows, max_rows, out_w, max_taps(max_columns, out_w, interpolation),
@@ -95,3 +107,93 @@ def resized_crops_at(where: torch.Tensor, boxes, size: tuple[int, int], interpol
     P.columns_kernel[grid](rows, table, out, max_rows, out_h, out_w, max_taps(max_rows, out_h, interpolation),
                            BICUBIC=bicubic, BLOCK_R=block_r, BLOCK_X=block_x)
     return out
+
+
+# --- the programs -------------------------------------------------------------------------------
+
+
+@triton.jit
+def filter_weight(x, BICUBIC: tl.constexpr):
+    """The filter at distance x (in filter units): Keys' cubic with a = -0.5, or the triangle."""
+    x = tl.abs(x)
+    if BICUBIC:
+        near = (1.5 * x - 2.5) * x * x + 1.0
+        far = ((-0.5 * x + 2.5) * x - 4.0) * x + 2.0
+        return tl.where(x < 1.0, near, tl.where(x < 2.0, far, 0.0))
+    else:
+        return tl.maximum(1.0 - x, 0.0)
+
+
+@triton.jit
+def taps_of(out_index, in_size, out_size, BICUBIC: tl.constexpr):
+    """Where the taps of outputs `out_index` begin and end (exclusive) along an axis of `in_size`
+    resized to `out_size`, their centre and the filter's stretch (crop_resize's reference math)."""
+    scale = in_size.to(tl.float32) / out_size
+    stretch = tl.maximum(scale, 1.0)  # downscaling widens the filter (antialiasing)
+    support = (2.0 if BICUBIC else 1.0) * stretch
+    center = scale * (out_index.to(tl.float32) + 0.5)
+    first = tl.maximum(tl.floor(center - support + 0.5), 0.0).to(tl.int64)
+    last = tl.minimum(tl.floor(center + support + 0.5).to(tl.int64), in_size)
+    return first, last, center, stretch
+
+
+# Chunk by chunk the largest crop and the filter's reach change: not compiled anew for each value.
+@triton.jit(do_not_specialize=["max_rows", "taps"])
+def rows_kernel(table, rows, max_rows, out_w, taps,
+                BICUBIC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr):
+    """rows[n, c, r, j] = sum_k w(n, j, k) * img[n, c, top + r, left + first(n, j) + k] / sum_k w(n, j, k)."""
+    nc = tl.program_id(0)
+    n = nc // 3
+    c = nc % 3
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    j = tl.program_id(2) * BLOCK_X + tl.arange(0, BLOCK_X)
+    entry = table + n * TABLE
+    image = tl.load(entry + ADDRESS).to(tl.pointer_type(tl.uint8))
+    height, width = tl.load(entry + HEIGHT), tl.load(entry + WIDTH)
+    crop_h, crop_w = tl.load(entry + CROP_H), tl.load(entry + CROP_W)
+    row_start = (c * height + tl.load(entry + TOP) + r) * width + tl.load(entry + LEFT)  # int64
+    in_rows = r < crop_h
+    in_cols = j < out_w
+    first, last, center, stretch = taps_of(j, crop_w, out_w, BICUBIC)
+    acc = tl.zeros((BLOCK_R, BLOCK_X), dtype=tl.float32)
+    total = tl.zeros((BLOCK_X,), dtype=tl.float32)
+    for k in range(taps):
+        column = first + k
+        used = in_cols & (column < last)
+        weight = tl.where(used, filter_weight((column.to(tl.float32) - center + 0.5) / stretch, BICUBIC), 0.0)
+        mask = in_rows[:, None] & used[None, :]
+        pixel = tl.load(image + row_start[:, None] + column[None, :], mask=mask, other=0)
+        acc += pixel.to(tl.float32) * weight[None, :]
+        total += weight
+    acc = acc / tl.where(total != 0.0, total, 1.0)[None, :]
+    tl.store(rows + (nc * max_rows + r[:, None]) * out_w + j[None, :], acc, mask=in_rows[:, None] & in_cols[None, :])
+
+
+@triton.jit(do_not_specialize=["max_rows", "taps"])
+def columns_kernel(rows, table, out, max_rows, out_h, out_w, taps,
+                   BICUBIC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr):
+    """out[n, c, i, j] = round(clamp(sum_k w(n, i, k) * rows[n, c, first(n, i) + k, j] / sum_k w(n, i, k), 0, 255))."""
+    nc = tl.program_id(0)
+    n = nc // 3
+    i = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    j = tl.program_id(2) * BLOCK_X + tl.arange(0, BLOCK_X)
+    crop_h = tl.load(table + n * TABLE + CROP_H)
+    in_rows = i < out_h
+    in_cols = j < out_w
+    first, last, center, stretch = taps_of(i, crop_h, out_h, BICUBIC)
+    acc = tl.zeros((BLOCK_R, BLOCK_X), dtype=tl.float32)
+    total = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for k in range(taps):
+        row = first + k
+        used = in_rows & (row < last)
+        weight = tl.where(used, filter_weight((row.to(tl.float32) - center + 0.5) / stretch, BICUBIC), 0.0)
+        mask = used[:, None] & in_cols[None, :]
+        value = tl.load(rows + (nc * max_rows + row[:, None]) * out_w + j[None, :], mask=mask, other=0.0)
+        acc += value * weight[:, None]
+        total += weight
+    acc = acc / tl.where(total != 0.0, total, 1.0)[:, None]
+    # Ties to even, as torch.round: an integer-factor enlargement makes exact halves.
+    nearest = tl.floor(acc + 0.5)
+    tie_to_odd = ((nearest - acc) == 0.5) & ((nearest - 2 * tl.floor(nearest * 0.5)) != 0)
+    pixel = tl.minimum(tl.maximum(tl.where(tie_to_odd, nearest - 1, nearest), 0.0), 255.0)
+    tl.store(out + (nc * out_h + i[:, None]) * out_w + j[None, :], pixel.to(tl.uint8), mask=in_rows[:, None] & in_cols[None, :])

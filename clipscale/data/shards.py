@@ -28,8 +28,8 @@ from clipscale.caption_length import captions_cut
 from clipscale.errors import UserError
 from clipscale.data.encoded import EncodedImages, device_decodes, jpeg_frame, size_only
 from clipscale.data.epoch import SAMPLE_SEEDS, EpochOrder, EpochPlan, ShuffledEpoch, WorkList
-from clipscale.data.members import DATA_ERRORS, check_pixel_bound, decode_text, first_member, open_image
-from clipscale.data.sources import IMAGE_KEYS, TEXT_KEYS, ShardSource
+from clipscale.data.sources import (DATA_ERRORS, IMAGE_KEYS, TEXT_KEYS, ShardSource, check_pixel_bound, decode_text,
+                                    first_member, open_image)
 from clipscale.data.transforms import SplitTransform
 
 EPOCHS_COUNTED = 4  # how many of the latest epochs `StreamState.drawn` keeps
@@ -178,7 +178,7 @@ def read_sample(raw: dict, transform: Callable, split: Optional[SplitTransform],
                 decode: bool = True, max_pixels: Optional[int] = None, device_resizes: bool = False) -> tuple:
     """(pixels, (bytes, crop) or None, caption); `UnusableSample` saying why when the sample is unusable.
 
-    Only the image and caption members are decoded (`clipscale.data.members`). Pixels are uint8
+    Only the image and caption members are decoded (`clipscale.data.sources`). Pixels are uint8
     when the transform splits (`SplitTransform`), else the whole transform's float tensor. With
     `keep_encoded` (offload) the image's bytes and the crop it drew are kept too, so the batch can
     be decoded again later without the loader. Without `decode` (the device decodes) a JPEG that

@@ -35,8 +35,8 @@ import torchvision
 import webdataset as wds
 from PIL import Image, UnidentifiedImageError
 
-from clipscale.data.members import DATA_ERRORS, FOLDER_FORMATS, ImageTooLarge, decode_label, decode_text, first_member, open_image
-from clipscale.data.shards import IMAGE_KEYS, TEXT_KEYS
+from clipscale.data.sources import (DATA_ERRORS, FOLDER_FORMATS, IMAGE_KEYS, TEXT_KEYS, ImageTooLarge, decode_label, decode_text,
+                                    first_member, open_image)
 from clipscale.distributed import is_distributed
 
 

@@ -28,9 +28,8 @@ import torch.distributed as dist
 
 from clipscale.config import Config
 from clipscale.data import data_source
-from clipscale.data.members import DATA_ERRORS, decode_text, first_member, open_image
 from clipscale.data.shards import ShardErrors, load_sample
-from clipscale.data.sources import CSV_SUFFIXES, IMAGE_KEYS, TEXT_KEYS
+from clipscale.data.sources import CSV_SUFFIXES, DATA_ERRORS, IMAGE_KEYS, TEXT_KEYS, decode_text, first_member, open_image
 from clipscale.distributed import World, is_distributed
 from clipscale.eval.datasets import Skipped, Skips, reason_of
 from clipscale.eval.gather import concat_over_ranks, sum_over_ranks

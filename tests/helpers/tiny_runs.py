@@ -52,18 +52,25 @@ def run_train(overrides: list[str], *, nproc: int = 1, timeout: float = 240, scr
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen([*launcher, script, "--config", DIGITS_YAML, *overrides], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    stdout, stderr = communicate_or_dump(proc, timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def communicate_or_dump(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """proc's output once it ends; if it has not ended within `timeout`, every Python process below
+    it writes its threads' stacks (PYTHONFAULTHANDLER, SIGABRT), all are killed and the assertion
+    shows the last output and the stacks."""
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         # torchrun starts each worker in a session of its own: killing the launcher's group would
         # leave them running, holding the output pipes open, and the test would wait forever.
-        kill_tree(proc.pid, signal.SIGABRT)  # each Python process writes its threads' stacks
+        kill_tree(proc.pid, signal.SIGABRT)
         time.sleep(3)
         kill_tree(proc.pid)
         stdout, stderr = proc.communicate()
-        raise AssertionError(f"run did not end within {timeout} s (a hang?); its last output:\n{stdout[-1500:]}\n"
-                             f"and its stacks:\n{stderr[-8000:]}") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        raise AssertionError(f"run did not end within {timeout} s (a hang?); its last output:\n{(stdout or '')[-1500:]}\n"
+                             f"and its stacks:\n{(stderr or '')[-8000:]}") from None
 
 
 def kill_tree(pid: int, sent: int = signal.SIGKILL) -> None:
