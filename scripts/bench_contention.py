@@ -124,9 +124,9 @@ class JpegCallTimer:
     released), apart from the rest of a chunk's decoding (the crop's launches, waits for the GIL)."""
 
     def __init__(self):
-        from clipscale.data import device_decode
+        from clipscale.data import decoders
 
-        self.seconds, self.images, self.lock, self.inner = 0.0, 0, threading.Lock(), device_decode.decode_jpegs
+        self.seconds, self.images, self.lock, self.inner = 0.0, 0, threading.Lock(), decoders.decode_jpegs
 
         def timed(blobs, device):
             started = time.perf_counter()
@@ -136,7 +136,7 @@ class JpegCallTimer:
                 self.images += len(blobs)
             return decoded
 
-        device_decode.decode_jpegs = timed
+        decoders.decode_jpegs = timed
 
     def totals(self) -> tuple[float, int]:
         with self.lock:

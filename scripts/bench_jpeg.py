@@ -159,7 +159,7 @@ def nvjpeg_direct_decoder(device: torch.device, priority: int, allocators: str =
     batch = [0]
 
     def judge(blob: torch.Tensor) -> tuple | None:
-        from clipscale.data.encoded import jpeg_frame
+        from clipscale.data.decoders import jpeg_frame
 
         data = blob.numpy().tobytes()
         check(lib.nvjpegJpegStreamParseHeader(handle, data, ctypes.c_size_t(len(data)), parsed), "ParseHeader")

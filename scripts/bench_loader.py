@@ -102,7 +102,7 @@ WORKER_PARTS = {
     "tar reading (webdataset, tarfile)": ("tariterators.py", "group_by_keys"),
     "image header (PIL open)": ("sources.py", "open_image"),
     "crop draw (RandomResizedCrop.get_params)": ("transforms.py", "draw"),
-    "JPEG header (the device check)": ("encoded.py", "jpeg_frame"),
+    "JPEG header (the device check)": ("decoders.py", "jpeg_frame"),
     # The images the device does not take, and the worker_decode_share: PIL decodes them (its convert
     # to RGB forces the decode), then the worker cuts the crop's region, which the device resizes.
     "worker's own decode (PIL's Image.convert)": ("Image.py", "convert"),
@@ -111,7 +111,7 @@ WORKER_PARTS = {
     "per-sample RNG seeding (fork_rng)": ("random.py", "fork_rng"),
     "tokenizer (the piece's captions)": ("captions.py", "__call__"),
     "captions cut (tokenized again)": ("caption_length.py", "captions_cut"),
-    "encoded bytes into one tensor": ("encoded.py", "from_samples"),
+    "encoded bytes into one tensor": ("decoders.py", "from_samples"),
 }
 
 

@@ -22,8 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 import torchvision.transforms as T
 
 from clipscale.data.chunks import Arrivals, ChunkSource, PinnedRows
-from clipscale.data.encoded import EncodedImages
-from clipscale.data.offload import DecodePool
+from clipscale.data.decoders import DecodePool, EncodedImages
 from clipscale.data.transforms import SplitTransform
 from clipscale.gradcache import encode
 from clipscale.losses import CLIP_INPUTS, _registered, available_losses, build_loss, loss_contract

@@ -29,7 +29,7 @@ MAX_PIECE = 1024
 
 
 class ImageDecoder(Protocol):
-    """Who decodes the images beside the loader (device_decode.DeviceDecoder, offload.DecodePool)."""
+    """Who decodes the images beside the loader (decoders.DeviceDecoder, decoders.DecodePool)."""
 
     def column(self, batch_size: int, arrivals: Arrivals, device_transform: DeviceTransform | None,
                budget: KeepBudget | None) -> ChunkSource: ...

@@ -2,7 +2,7 @@
 
 `ChunkSource` is what Gradient Cache asks for chunks, once per pass. Its `Rows` say how rows
 [start, stop) become ready: a pinned host tensor (`PinnedRows`, possibly still filling from the
-loader), offloaded bytes (offload.py), bytes the GPU decodes (device_decode.py). The source owns
+loader), offloaded bytes or bytes the GPU decodes (decoders.py). The source owns
 everything else: preparing the next chunks while one is used, copying host rows on a side CUDA
 stream, keeping pass 1's chunks on the device for pass 2 while the `KeepBudget` has room,
 preparing chunks before their pass asks (`prepare_ahead`), and the time the step waited.
@@ -27,7 +27,7 @@ def chunk_bounds(rows: int, chunk_size: int) -> list[tuple[int, int]]:
 
 
 DeviceTransform = Callable[[torch.Tensor], torch.Tensor]
-LOOKAHEAD = 3  # chunks being prepared while one is used: one a decoding thread (device_decode.DECODE_THREADS), and one queued
+LOOKAHEAD = 3  # chunks being prepared while one is used: one a decoding thread (decoders.DECODE_THREADS), and one queued
 GIB = 2**30
 DEVICE_SHARE_KEPT = 0.25  # of a GPU's memory, for chunks kept for pass 2 (data.keep_on_device_gib: null)
 HOST_KEPT_GIB = 1.0  # the same on a CPU device

@@ -20,9 +20,8 @@ from clipscale.data import prepare_data
 from clipscale.data.batches import BatchStream, ImageDecoder, StreamedBatch, piece_size_for
 from clipscale.data.captions import CaptionTokenizer
 from clipscale.data.chunks import KeepBudget
-from clipscale.data.device_decode import DeviceDecoder
+from clipscale.data.decoders import DecodePool, DeviceDecoder
 from clipscale.data.epoch import WorkList
-from clipscale.data.offload import DecodePool
 from clipscale.data.shards import ShardStream, StreamState
 from clipscale.data.transforms import SplitTransform
 from clipscale.distributed import World, all_reduce_sum_list

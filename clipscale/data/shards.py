@@ -26,7 +26,7 @@ from PIL import UnidentifiedImageError
 
 from clipscale.caption_length import captions_cut
 from clipscale.errors import UserError
-from clipscale.data.encoded import EncodedImages, device_decodes, jpeg_frame, size_only
+from clipscale.data.decoders import EncodedImages, device_decodes, jpeg_frame, size_only
 from clipscale.data.epoch import SAMPLE_SEEDS, EpochOrder, EpochPlan, ShuffledEpoch, WorkList
 from clipscale.data.sources import (DATA_ERRORS, IMAGE_KEYS, TEXT_KEYS, ShardSource, check_pixel_bound, decode_text,
                                     first_member, open_image)

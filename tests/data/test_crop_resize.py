@@ -63,8 +63,8 @@ def test_the_device_decoder_resizes_a_chunk_in_one_pass_and_keeps_its_other_imag
     from open_clip.transform import image_transform
     from PIL import Image
 
-    from clipscale.data import device_decode
-    from clipscale.data.encoded import EncodedImages
+    from clipscale.data import decoders
+    from clipscale.data.decoders import EncodedImages
     from clipscale.data.transforms import SplitTransform
 
     split = SplitTransform.split(image_transform(16, is_train=True, aug_cfg={"scale": (0.5, 1.0)}))
@@ -91,10 +91,10 @@ def test_the_device_decoder_resizes_a_chunk_in_one_pass_and_keeps_its_other_imag
 
     monkeypatch.setattr(C, "resized_crops_at", counted)
     with pytest.warns(UserWarning, match="does not decode"):
-        batched, black = device_decode.decode_rows(split, chunk, 0, 6, torch.device("cpu"))
+        batched, black = decoders.decode_rows(split, chunk, 0, 6, torch.device("cpu"))
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.warns(UserWarning, match="does not decode"):
-        one_by_one, _ = device_decode.decode_rows(split, chunk, 0, 6, torch.device("cpu"))
+        one_by_one, _ = decoders.decode_rows(split, chunk, 0, 6, torch.device("cpu"))
     assert calls == [4] and black == 1  # the two JPEGs and the two regions, in one call; the broken one trained black
     assert batched.shape == one_by_one.shape == (6, 3, 16, 16)
     assert (batched.int() - one_by_one.int()).abs().max() <= 1
@@ -112,8 +112,8 @@ def test_a_workers_crop_region_resized_by_the_device_gives_its_crop_and_a_large_
     from open_clip.transform import image_transform
     from PIL import Image
 
-    from clipscale.data import device_decode
-    from clipscale.data.encoded import EncodedImages
+    from clipscale.data import decoders
+    from clipscale.data.decoders import EncodedImages
     from clipscale.data.transforms import REGION_LIMIT, SplitTransform
 
     if not batched:
@@ -126,7 +126,7 @@ def test_a_workers_crop_region_resized_by_the_device_gives_its_crop_and_a_large_
     regions = tuple(split.crop_region(picture, box) for box in (small, large))
     assert [region.shape for region in regions] == [(3, 30, 31), (3, 16, 16)]
     chunk = EncodedImages.from_samples((b"", b""), (small, large), regions)
-    pixels, black = device_decode.decode_rows(split, chunk, 0, 2, torch.device("cpu"))
+    pixels, black = decoders.decode_rows(split, chunk, 0, 2, torch.device("cpu"))
     want = [split.apply(picture, box) for box in (small, large)]
     assert black == 0 and (pixels[0].int() - want[0].int()).abs().max() <= 2
     assert torch.equal(pixels[1], want[1])

@@ -22,8 +22,7 @@ from open_clip.transform import image_transform
 from PIL import Image
 
 from clipscale.data.chunks import Arrivals, ChunkSource, KeepBudget
-from clipscale.data.device_decode import DeviceDecodedRows, DeviceDecoder, decode_rows
-from clipscale.data.encoded import EncodedImages, device_decodes, jpeg_frame
+from clipscale.data.decoders import DeviceDecodedRows, DeviceDecoder, EncodedImages, decode_rows, device_decodes, jpeg_frame
 from clipscale.data.shards import ShardStream
 from clipscale.data.transforms import SplitTransform
 

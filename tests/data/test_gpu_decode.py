@@ -17,8 +17,7 @@ import torch
 from open_clip.transform import image_transform
 from PIL import Image
 
-from clipscale.data.device_decode import decode_jpegs, decode_rows
-from clipscale.data.encoded import EncodedImages
+from clipscale.data.decoders import EncodedImages, decode_jpegs, decode_rows
 from clipscale.data.transforms import SplitTransform
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -33,7 +33,7 @@ import webdataset as wds
 from open_clip.transform import image_transform
 from PIL import Image, ImageDraw
 
-from clipscale.data.device_decode import decode_jpegs, decode_rows
+from clipscale.data.decoders import decode_jpegs, decode_rows
 from clipscale.data.shards import ShardStream
 from clipscale.data.transforms import SplitTransform
 

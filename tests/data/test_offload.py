@@ -23,9 +23,7 @@ from open_clip.transform import image_transform
 from clipscale.config import load_config
 from clipscale.data.batches import BatchStream
 from clipscale.data.chunks import Arrivals
-from clipscale.data.device_decode import DeviceDecodedRows, DeviceDecoder
-from clipscale.data.encoded import EncodedImages
-from clipscale.data.offload import DecodePool, OffloadedRows
+from clipscale.data.decoders import DecodePool, DeviceDecodedRows, DeviceDecoder, EncodedImages, OffloadedRows
 from clipscale.data.shards import Cursor, ShardErrors, ShardStream, StreamState
 from clipscale.data.sources import IMAGE
 from clipscale.data.transforms import SplitTransform
