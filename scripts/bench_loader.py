@@ -109,7 +109,7 @@ WORKER_PARTS = {
     "worker's crop region (SplitTransform.crop_region)": ("transforms.py", "crop_region"),
     "worker's crop and resize (SplitTransform.apply: the loader decoder's)": ("transforms.py", "apply"),
     "per-sample RNG seeding (fork_rng)": ("random.py", "fork_rng"),
-    "tokenizer (the piece's captions)": ("captions.py", "__call__"),
+    "tokenizer (the piece's captions)": ("transforms.py", "__call__"),
     "captions cut (tokenized again)": ("caption_length.py", "captions_cut"),
     "encoded bytes into one tensor": ("decoders.py", "from_samples"),
 }
@@ -122,7 +122,7 @@ def profile_worker(shards: str, pieces: int, model: str = "ViT-B-32", piece_size
     import torch
     import webdataset as wds
 
-    from clipscale.data.captions import CaptionTokenizer
+    from clipscale.data.transforms import CaptionTokenizer
     from clipscale.data.shards import ShardStream
     from clipscale.data.transforms import SplitTransform
 

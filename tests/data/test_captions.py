@@ -1,4 +1,4 @@
-"""The native caption tokenizer (clipscale/data/captions.py) against open_clip's SimpleTokenizer:
+"""The native caption tokenizer (clipscale/data/transforms.py) against open_clip's SimpleTokenizer:
 every id equal on thousands of captions that mix what web alt-text holds (HTML entities, curly
 quotes, accents, CJK, emoji, ligatures, control characters, odd whitespace, keyword lists longer
 than the context, the special tokens' names)."""
@@ -10,7 +10,7 @@ import random
 import open_clip
 import torch
 
-from clipscale.data.captions import CaptionTokenizer
+from clipscale.data.transforms import CaptionTokenizer
 
 FRAGMENTS = [
     "a", "photo", "of", "the", "Dog's", "don't", "they'll", "I'm", "we've", "T-shirt", "#sale", "@home", "50%", "3.14",

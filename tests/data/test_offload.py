@@ -21,7 +21,7 @@ import torchvision.transforms as T
 from open_clip.transform import image_transform
 
 from clipscale.config import load_config
-from clipscale.data.batches import BatchStream
+from clipscale.data.pipeline import BatchStream
 from clipscale.data.chunks import Arrivals
 from clipscale.data.decoders import DecodePool, DeviceDecodedRows, DeviceDecoder, EncodedImages, OffloadedRows
 from clipscale.data.shards import Cursor, ShardErrors, ShardStream, StreamState

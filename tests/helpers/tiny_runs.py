@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,49 +43,70 @@ def tiny_run(digits_root: Path, output_dir: Path, *extra: str) -> list[str]:
     ]
 
 
+JOB_MARK = "CLIPSCALE_TEST_JOB"  # in the environment of every process a test launches: found even once orphaned
+
+
+def job_env(**extra: str) -> dict:
+    """The environment a test's launched run gets: one thread a process, no wandb, stacks on SIGABRT
+    (PYTHONFAULTHANDLER: a run that never ends shows where each of its threads stood) and a mark of
+    its own, inherited by every process below it (`job_processes`)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONFAULTHANDLER": "1",
+            JOB_MARK: uuid.uuid4().hex, **extra}
+
+
 def run_train(overrides: list[str], *, nproc: int = 1, timeout: float = 240, script: str = TRAIN) -> subprocess.CompletedProcess:
     """`script` (train.py) in its own process group, under torchrun for nproc > 1 (standalone: a
     free port of its own, so runs in parallel test workers never meet); on a timeout every
-    process below it is killed, then it raises."""
+    process of the run is killed, then it raises."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] \
         if nproc > 1 else [sys.executable]
-    # PYTHONFAULTHANDLER: a run that never ends shows where each of its processes' threads stood.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONFAULTHANDLER": "1"}
+    env = job_env()
     proc = subprocess.Popen([*launcher, script, "--config", DIGITS_YAML, *overrides], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    stdout, stderr = communicate_or_dump(proc, timeout)
+    stdout, stderr = communicate_or_dump(proc, timeout, env[JOB_MARK])
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
-def communicate_or_dump(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
-    """proc's output once it ends; if it has not ended within `timeout`, every Python process below
-    it writes its threads' stacks (PYTHONFAULTHANDLER, SIGABRT), all are killed and the assertion
-    shows the last output and the stacks."""
+def communicate_or_dump(proc: subprocess.Popen, timeout: float, mark: str) -> tuple[str, str]:
+    """proc's output once it and every process holding its pipes have ended. If that takes longer
+    than `timeout`, each process of the job (`job_processes`: below it, or marked with `mark` by
+    `job_env`, as an orphan still holding its pipes is) writes its threads' stacks (SIGABRT), all are killed and the assertion shows
+    the last output and the stacks, and whether the launcher itself had ended."""
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        # torchrun starts each worker in a session of its own: killing the launcher's group would
-        # leave them running, holding the output pipes open, and the test would wait forever.
-        kill_tree(proc.pid, signal.SIGABRT)
-        time.sleep(3)
-        kill_tree(proc.pid)
+        launcher = "had not ended" if proc.poll() is None else f"had ended with {proc.returncode}, its processes not"
+        for sent in (signal.SIGABRT, signal.SIGKILL):
+            for pid in job_processes(proc.pid, mark):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sent)
+            time.sleep(3)
         stdout, stderr = proc.communicate()
-        raise AssertionError(f"run did not end within {timeout} s (a hang?); its last output:\n{(stdout or '')[-1500:]}\n"
-                             f"and its stacks:\n{(stderr or '')[-8000:]}") from None
+        raise AssertionError(f"run did not end within {timeout} s (a hang?): the launcher {launcher}; its last output:\n"
+                             f"{(stdout or '')[-1500:]}\nand its stacks:\n{(stderr or '')[-8000:]}") from None
 
 
-def kill_tree(pid: int, sent: int = signal.SIGKILL) -> None:
-    """`sent` (SIGKILL) to `pid` and every process below it, found through /proc's parent links."""
+def job_processes(pid: int, mark: str = "") -> list[int]:
+    """`pid`, every process below it (through /proc's parent links), and every process whose
+    environment holds `mark` (`job_env`): a process whose parent died is no longer below it."""
     children: dict[int, list[int]] = {}
+    marked = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):  # a process that ended meanwhile
+        with contextlib.suppress(OSError, IndexError):  # a process that ended meanwhile
             parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the name in (...) may hold spaces
             children.setdefault(parent, []).append(int(stat.parent.name))
+            if mark and f"{JOB_MARK}={mark}".encode() in (stat.parent / "environ").read_bytes().split(b"\0"):
+                marked.append(int(stat.parent.name))
     found, todo = [pid], [pid]
     while todo:
         below = children.get(todo.pop(), [])
         found += below
         todo += below
-    for each in found:
+    return found + [each for each in marked if each not in found]
+
+
+def kill_tree(pid: int, sent: int = signal.SIGKILL) -> None:
+    """`sent` (SIGKILL) to `pid` and every process below it."""
+    for each in job_processes(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(each, sent)

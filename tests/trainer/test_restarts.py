@@ -22,7 +22,7 @@ from clipscale.checkpoint import latest_checkpoint
 from clipscale.distributed import attempt_namespace
 
 from tests.helpers.gloo_world import free_port
-from tests.helpers.tiny_runs import DIGITS_YAML, REPO, communicate_or_dump, run_train, tiny_run
+from tests.helpers.tiny_runs import DIGITS_YAML, JOB_MARK, REPO, communicate_or_dump, job_env, run_train, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +90,7 @@ def _ends_with_the_reference_weights(run_dir, reference) -> None:
 
 def test_a_worker_killed_on_one_of_two_nodes_restarts_the_job_with_the_same_final_weights(digits_root, reference, tmp_path):
     endpoint, job = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONFAULTHANDLER": "1"}
+    env = job_env()
     launchers = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
@@ -106,7 +106,7 @@ def test_a_worker_killed_on_one_of_two_nodes_restarts_the_job_with_the_same_fina
         assert all(p.poll() is None for p in launchers) and time.time() < deadline, "the run ended before a worker could be killed"
         time.sleep(0.05)
     os.kill(_children(launchers[1].pid)[0], signal.SIGKILL)  # the second "node"'s worker
-    errors = [communicate_or_dump(launcher, 300)[1] for launcher in launchers]
+    errors = [communicate_or_dump(launcher, 300, env[JOB_MARK])[1] for launcher in launchers]
     assert [launcher.returncode for launcher in launchers] == [0, 0], errors[1][-3000:] + errors[0][-3000:]
     assert "exitcode: -9" in errors[1]  # that launcher saw the kill, and the restarted job finished
     _ends_with_the_reference_weights(tmp_path / "killed", reference)
@@ -123,7 +123,7 @@ def test_a_worker_killed_mid_run_is_restarted_from_the_latest_checkpoint(digits_
     older = tmp_path / "killed"  # the run this job replaces
     older.mkdir()
     (older / "config.yaml").write_text("run: {name: killed}\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONFAULTHANDLER": "1"}
+    env = job_env()
     agent = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
          str(REPO / "train.py"), "--config", DIGITS_YAML, *_overrides(digits_root, tmp_path, "killed"), "run.resume=false",
@@ -136,7 +136,7 @@ def test_a_worker_killed_mid_run_is_restarted_from_the_latest_checkpoint(digits_
         assert agent.poll() is None and time.time() < deadline, "the run ended before a worker could be killed"
         time.sleep(0.05)
     os.kill(_children(agent.pid)[-1], signal.SIGKILL)
-    _, stderr = communicate_or_dump(agent, 240)
+    _, stderr = communicate_or_dump(agent, 240, env[JOB_MARK])
     assert agent.returncode == 0, stderr[-3000:]
     assert "exitcode: -9" in stderr  # the agent saw the kill, and the restarted world finished
     assert len(list(tmp_path.glob("killed.old-*"))) == 1, "the restart moved its own run aside as well"
