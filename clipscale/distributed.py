@@ -116,6 +116,17 @@ def attempt_namespace(store: dist.Store, rank: int, world_size: int, timeout: fl
     raise RuntimeError(f"rank {rank}: rank 0 did not answer within {timeout:.0f} s in the process-group store")
 
 
+# What a collective raises where another process of the job ended under it: gloo's transport finds
+# the other end of a pair gone (NCCL's collectives wait instead, until the launcher stops them).
+PEER_ENDED = ("Connection reset by peer", "Connection closed by peer")
+
+
+def lost_a_peer(err: BaseException) -> bool:
+    """Whether `err` is a collective failing because another process of the job ended (killed, or
+    failed itself): not this process's fault, and the launcher reports the one that ended."""
+    return isinstance(err, RuntimeError) and any(reason in str(err) for reason in PEER_ENDED)
+
+
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

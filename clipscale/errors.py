@@ -5,8 +5,10 @@ disk, a read-only folder) is printed by rank 0 as `error: <message>` (under
 torchrun once more after torchrun's report, see launcher.py), and every rank
 exits with status 2. A Ctrl-C that Python turns into KeyboardInterrupt (before the trainer's
 own handler is installed, or a second one while it writes its checkpoint) is one line and
-status 130, as a shell reports a Ctrl-C. Any other exception is a bug: its
-traceback stays. Entry points run their main function through `run_main`:
+status 130, as a shell reports a Ctrl-C. A collective that fails because another process of the
+job ended (`distributed.lost_a_peer`) is one line from rank 0 and status 1: the launcher names the
+process that ended. Any other exception is a bug: its traceback stays. Entry points run their
+main function through `run_main`:
 
     if __name__ == "__main__":
         run_main(main)
@@ -24,6 +26,7 @@ from clipscale.launcher import launcher_ranks, repeat_after_torchrun
 
 USER_ERROR_EXIT = 2  # what argparse uses for a bad command line
 INTERRUPTED_EXIT = 128 + 2  # killed by SIGINT, as a shell says it
+PEER_ENDED_EXIT = 1  # another process of the job ended under a collective
 STORAGE_ERRNOS = {
     errno.ENOSPC: "no space left on the device",
     errno.EDQUOT: "disk quota exceeded",
@@ -70,7 +73,7 @@ def _close_progress_bars() -> None:
 def run_main(main: Callable[[], object]) -> None:
     """Call `main` and exit with its return value where that is an exit status (an int),
     else 0; a UserError exits 2 on every rank, printed by rank 0 only as `error: ...`; a
-    KeyboardInterrupt exits 130, said in one line by rank 0."""
+    KeyboardInterrupt exits 130, and a peer's end under a collective 1, each said in one line by rank 0."""
     try:
         status = main()
     except KeyboardInterrupt:
@@ -85,4 +88,14 @@ def run_main(main: Callable[[], object]) -> None:
             print(f"error: {err}", file=sys.stderr, flush=True)
             repeat_after_torchrun(f"error: {err}")
         sys.exit(USER_ERROR_EXIT)
+    except RuntimeError as err:
+        from clipscale.distributed import lost_a_peer  # torch: imported once a run has failed
+
+        if not lost_a_peer(err):
+            raise
+        if reporting_rank():
+            _close_progress_bars()
+            print("stopped: another process of this job ended in the middle of a step (the launcher says which); "
+                  "the same command resumes from the newest checkpoint", file=sys.stderr, flush=True)
+        sys.exit(PEER_ENDED_EXIT)
     sys.exit(status if isinstance(status, int) else 0)

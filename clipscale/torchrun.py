@@ -6,8 +6,9 @@ torchrun itself ends a Ctrl-C (or a SIGTERM to it) with a 25-line `SignalExcepti
 status 1, after its workers have stopped cleanly, and a worker's failure with a 35-line
 `ChildFailedError` report. This runs the same launcher (`torch.distributed.run.main`, the
 function the `torchrun` command calls) and ends instead with one line and the status a shell
-expects: 128 + the signal (130 for Ctrl-C) when it was stopped, else the first failed worker's
-status (2 for a mistake that worker reported in its `error:` line, which is then the last line).
+expects: 128 + the signal (130 for Ctrl-C) when it was stopped, else the status of the worker that
+failed first, not of those torchrun stopped after it (2 for a mistake that worker reported in its
+`error:` line, which is then the last line).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
               "same command resumes it)", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     except ChildFailedError as err:
-        rank, failure = min(err.failures.items())
+        # The worker that failed first (torchrun records the ones it then stopped as failures too, later).
+        rank, failure = min(err.failures.items(), key=lambda item: item[1].timestamp)
         status = failure.exitcode
         if status != USER_ERROR_EXIT:  # the worker's `error:` line has said what to fix
             how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"

@@ -320,6 +320,14 @@ MUTATIONS = [
     Mutation("auto_worker_share_ignores_the_host", "data.worker_decode_share=auto takes 0.4 at any batch: a million samples' pixels fill the host",
              "clipscale/data/pipeline.py", "    if held > AUTO_SHARE_HOST_FRACTION * host_bytes:", "    if False:",
              ("tests/data/test_pipeline.py::test_the_auto_share_follows_the_workers_and_stays_off_where_the_pixels_would_fill_the_host",)),
+    Mutation("peer_loss_is_a_traceback", "a rank whose peer was killed under a collective prints its traceback",
+             "clipscale/distributed.py", 'PEER_ENDED = ("Connection reset by peer", "Connection closed by peer")',
+             'PEER_ENDED = ("no such error",)',
+             ("tests/trainer/test_rank_killed.py::test_a_rank_killed_mid_step_ends_the_job_in_one_line_and_the_same_command_resumes_on_the_curve[cpu]",)),
+    Mutation("launcher_names_the_lowest_failed_rank", "clipscale.torchrun names the lowest failed rank, not the one that failed first",
+             "clipscale/torchrun.py", "rank, failure = min(err.failures.items(), key=lambda item: item[1].timestamp)",
+             "rank, failure = min(err.failures.items())",
+             ("tests/trainer/test_rank_killed.py::test_a_rank_killed_mid_step_ends_the_job_in_one_line_and_the_same_command_resumes_on_the_curve[cpu]",)),
 ]
 
 

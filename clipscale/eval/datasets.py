@@ -11,7 +11,7 @@ evaluation counts them (`num_skipped`) and names the first few (`Skips`). A miss
 sample to skip: `clipscale.eval.tasks.check_data` names it before any work.
 
 Shards are read as bytes and only the members used are decoded, by explicit decoders
-(`clipscale.data.members`): a shard's other members (pickles, torch or numpy files) are
+(`clipscale.data.sources`): a shard's other members (pickles, torch or numpy files) are
 never loaded. Folder and COCO images open only as the image formats ImageFolder lists. Retrieval reads captions from the members training reads them from.
 
 Distributed evaluation: a map-style set is cut into one contiguous block per
@@ -196,7 +196,7 @@ def shard_retrieval(urls, transform: Callable) -> wds.WebDataset:
 
 def _shards(urls) -> wds.WebDataset:
     # In order, no shuffling; each shard is read by exactly one rank and one worker. No `.decode`:
-    # members stay bytes, and DecodedSamples decodes only those it uses (clipscale.data.members).
+    # members stay bytes, and DecodedSamples decodes only those it uses (clipscale.data.sources).
     return wds.WebDataset(
         urls, shardshuffle=False, nodesplitter=wds.split_by_node, workersplitter=wds.split_by_worker, empty_check=False
     )

@@ -66,6 +66,7 @@ def test_the_device_decoder_resizes_a_chunk_in_one_pass_and_keeps_its_other_imag
     from clipscale.data import decoders
     from clipscale.data.decoders import EncodedImages
     from clipscale.data.transforms import SplitTransform
+    from tests.helpers.user_data import seeded_noise
 
     split = SplitTransform.split(image_transform(16, is_train=True, aug_cfg={"scale": (0.5, 1.0)}))
     assert split.only_random_resized_crop() is not None
@@ -75,7 +76,7 @@ def test_the_device_decoder_resizes_a_chunk_in_one_pass_and_keeps_its_other_imag
         img.save(out, format=kind, quality=90)
         return out.getvalue()
 
-    pictures = [Image.effect_noise((24 + 3 * k, 20 + 2 * k), 40 + 10 * k).convert("RGB") for k in range(6)]
+    pictures = [seeded_noise((24 + 3 * k, 20 + 2 * k), 40 + 10 * k, seed=k) for k in range(6)]
     blobs = [encoded(p, "JPEG") for p in pictures]
     blobs[1] = encoded(pictures[1], "PNG")
     blobs[3] = blobs[3][:20] + b"\x00" * 30 + blobs[3][50:]  # its quantisation tables overwritten: decodes nowhere

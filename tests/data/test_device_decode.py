@@ -28,6 +28,7 @@ from clipscale.data.transforms import SplitTransform
 
 from tests.helpers.gradients import float64_clip_loss, gradcache_grads, make_batch, relative_error, tiny_clip
 from tests.helpers.jpeg_shards import jpeg, train_on_jpeg_shards
+from tests.helpers.user_data import seeded_noise
 
 # Shards of 48-px JPEGs (so the crop is resized down, through the antialiasing kernels) cropped to 32.
 TRAIN = image_transform(32, is_train=True, aug_cfg={"scale": (0.5, 1.0)})
@@ -60,7 +61,7 @@ def _encoded(img: Image.Image, **options) -> bytes:
 def test_the_worker_tells_what_the_device_decodes_from_the_header_alone():
     """Baseline and progressive JPEGs, colour or grayscale, go to the device; a CMYK JPEG, a PNG,
     one cut short (no end marker), one with bytes after its end and damaged headers do not."""
-    picture = Image.effect_noise((40, 30), 60).convert("RGB")
+    picture = seeded_noise((40, 30), 60, seed=0)
     baseline, progressive = _encoded(picture, format="JPEG"), _encoded(picture, format="JPEG", progressive=True)
     gray, cmyk = _encoded(picture.convert("L"), format="JPEG"), _encoded(picture.convert("CMYK"), format="JPEG")
     frames = {name: jpeg_frame(data) for name, data in

@@ -54,12 +54,13 @@ def job_env(**extra: str) -> dict:
             JOB_MARK: uuid.uuid4().hex, **extra}
 
 
-def run_train(overrides: list[str], *, nproc: int = 1, timeout: float = 240, script: str = TRAIN) -> subprocess.CompletedProcess:
-    """`script` (train.py) in its own process group, under torchrun for nproc > 1 (standalone: a
-    free port of its own, so runs in parallel test workers never meet); on a timeout every
-    process of the run is killed, then it raises."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] \
-        if nproc > 1 else [sys.executable]
+def run_train(overrides: list[str], *, nproc: int = 1, timeout: float = 240, script: str = TRAIN,
+              launcher: str = "torch.distributed.run") -> subprocess.CompletedProcess:
+    """`script` (train.py) in its own process group, under `launcher` (torchrun, or clipscale's
+    `clipscale.torchrun`) for nproc > 1 (standalone: a free port of its own, so runs in parallel
+    test workers never meet); on a timeout every process of the run is killed, then it raises."""
+    launcher = [sys.executable, "-m", launcher, "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 \
+        else [sys.executable]
     env = job_env()
     proc = subprocess.Popen([*launcher, script, "--config", DIGITS_YAML, *overrides], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -15,6 +15,7 @@ from PIL import Image
 from clipscale.metrics import read_metrics
 
 from tests.helpers.tiny_runs import DIGITS_YAML, TINY_MODEL, run_train, tiny_run
+from tests.helpers.user_data import seeded_noise
 
 PLUGIN_TRAIN = str(Path(__file__).resolve().parent / "train_with_plugins.py")
 CORRUPT_JPEG = b"\xff\xd8\xff\xe0" + bytes(300)  # a JPEG header, then nothing decodable
@@ -37,7 +38,7 @@ def write_shards(folder: Path, shards: int, per_shard: int, *, uniform: bool = F
                 if uniform:
                     image = Image.new("RGB", (32, 32), ((37 * i) % 256, (91 * i + 40) % 256, (53 * i + 100) % 256))
                 else:
-                    image = Image.effect_noise((32, 32), 30 + i % 60).convert("RGB")
+                    image = seeded_noise((32, 32), 30 + i % 60, seed=i)
                 buffer = io.BytesIO()
                 image.save(buffer, "JPEG", quality=95)
                 data = CORRUPT_JPEG if corrupt_every and i % corrupt_every == corrupt_every - 1 else buffer.getvalue()
@@ -52,9 +53,10 @@ def shard_run(shards: str, output_dir: Path, name: str, *extra: str) -> list[str
             *extra]
 
 
-def launch(overrides: list[str], *, nproc: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
+def launch(overrides: list[str], *, nproc: int = 1, timeout: float = 300,
+           launcher: str = "torch.distributed.run") -> subprocess.CompletedProcess:
     """train.py with the test losses registered (train_with_plugins.py)."""
-    return run_train(overrides, nproc=nproc, timeout=timeout, script=PLUGIN_TRAIN)
+    return run_train(overrides, nproc=nproc, timeout=timeout, script=PLUGIN_TRAIN, launcher=launcher)
 
 
 def checked(result: subprocess.CompletedProcess, returncode: int = 0) -> subprocess.CompletedProcess:

@@ -6,13 +6,23 @@ import io
 import json
 from pathlib import Path
 
+import torch
 import webdataset as wds
 from PIL import Image
 
 
+def seeded_noise(size: tuple[int, int], sigma: float, seed: int) -> Image.Image:
+    """Grey Gaussian noise around 128, as PIL's `Image.effect_noise(size, sigma)` draws it, but from a
+    seeded generator: effect_noise uses the C library's unseeded one, so its images (and their
+    encoded sizes) change from one process to the next, and a failure would not come back."""
+    width, height = size
+    grey = 128 + sigma * torch.randn(height, width, generator=torch.Generator().manual_seed(seed))
+    return Image.fromarray(grey.round().clamp(0, 255).to(torch.uint8).numpy(), "L").convert("RGB")
+
+
 def noise_image(index: int, fmt: str = "JPEG") -> bytes:
     buffer = io.BytesIO()
-    Image.effect_noise((24, 24), 20 + index % 70).convert("RGB").save(buffer, fmt)
+    seeded_noise((24, 24), 20 + index % 70, seed=index).save(buffer, fmt)
     return buffer.getvalue()
 
 
