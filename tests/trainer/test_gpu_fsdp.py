@@ -5,7 +5,9 @@ collectives are NCCL's, the shards live on the GPUs and DCP writes them from the
 - a run under FSDP on two GPUs, SIGKILLed just after its step-4 checkpoint (step file renamed,
   its DCP folder written), resumes on the uninterrupted FSDP run's curve;
 - a DDP run killed the same way resumes under FSDP, and an FSDP run under DDP, both on the
-  uninterrupted curve.
+  uninterrupted curve;
+- an FSDP run killed the same way on two GPUs resumes on one (DCP reshards its two shards), on the
+  curve of the run never interrupted on two.
 The towers are eager (model.compile=false: eight tiny runs, each compile would take longer than
 the training) and the loss is Inf-CL's reference (deterministic; the Triton kernels have their
 own two-GPU tests in tests/losses/infcl/test_gpu_kernels.py).
@@ -71,3 +73,18 @@ def test_a_checkpoint_of_one_kind_resumes_under_the_other_on_the_same_curve(runs
     final = torch.load(runs / name / OPEN_CLIP_WEIGHTS, map_location="cpu", weights_only=True)
     uninterrupted = torch.load(runs / "ddp" / OPEN_CLIP_WEIGHTS, map_location="cpu", weights_only=True)
     assert max_difference(final, uninterrupted) < 1e-4, name
+
+
+def test_an_fsdp_run_killed_on_two_gpus_resumes_on_one_on_the_same_curve(runs):
+    """The same global batch on another number of GPUs: the epochs' order and the batches do not
+    depend on the shape, so only the reductions' order differs (float32 rounding)."""
+    shards = write_shards(runs / "shards", shards=2, per_shard=BATCH, uniform=True)  # the same files again: their pattern
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(KILL_AT, "after_rename:step_00000004.pt")
+        died = launch(_overrides(shards, runs, "two_then_one", "fsdp"), nproc=2)
+    assert died.returncode != 0 and max(step_checkpoints(runs / "two_then_one")) == 4, died.stderr[-3000:]
+    checked(launch(_overrides(shards, runs, "two_then_one", "fsdp"), nproc=1))
+    assert _losses(runs / "two_then_one") == pytest.approx(_losses(runs / "fsdp"), rel=1e-4)
+    final = torch.load(runs / "two_then_one" / OPEN_CLIP_WEIGHTS, map_location="cpu", weights_only=True)
+    uninterrupted = torch.load(runs / "fsdp" / OPEN_CLIP_WEIGHTS, map_location="cpu", weights_only=True)
+    assert max_difference(final, uninterrupted) < 1e-4
