@@ -399,17 +399,52 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
             log.flush()
         if case.get("profile") == "1":  # one more step, under the profiler: where the ceiling's own time goes
             log.write(json.dumps({"profile": profiled_step(lambda: float(step(images, text_column, cfg.optim.lr).loss),
-                                                           device)}) + "\n")
+                                                           device, flops=step_flops)}) + "\n")
 
 
-GEMM_KERNELS = re.compile(r"gemm|nvjet|cutlass|sm90_xmma|matmul|flash|fmha|attention", re.I)  # matmuls and attention
+# What kind of work a GPU kernel does, from its name: the first pattern that matches. Order
+# matters: cuDNN's convolution kernels say "sgemm" too, Inductor's fused layer norms are reductions.
+KERNEL_KINDS = (
+    ("convolution", r"conv|wgrad|dgrad"),
+    ("attention", r"flash|fmha|sdpa|attention"),
+    ("matmul", r"gemm|nvjet|cutlass|xmma|matmul|cublas"),
+    ("loss (Inf-CL kernels)", r"^(lse_fwd|merge|weights|rowdot)_kernel"),
+    ("crop and resize", r"^(rows|columns)_kernel"),
+    ("optimizer", r"multi_tensor|adam"),
+    ("layer norm", r"layer_norm|layernorm"),
+    ("pointwise (Inductor: GELU, residuals, casts)", r"^triton_poi"),
+    ("reductions (Inductor)", r"^triton_(red|per)"),
+    ("copies and fills", r"memcpy|memset|copy|CatArray|fill"),
+    ("NCCL", r"nccl"),
+    ("elementwise and reductions (eager)", r"elementwise|reduce_kernel"),
+)
+KINDS_MATCHING = tuple((kind, re.compile(pattern, re.I)) for kind, pattern in KERNEL_KINDS)
+MATMUL_KINDS = ("matmul", "attention")
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KINDS_MATCHING if pattern.search(name)), "other")
+
+
+def kernel_account(kernel_us: dict[str, float]) -> list[dict]:
+    """The kernels' time by kind (`KERNEL_KINDS`), largest first: each kind's share of all kernel
+    time, its milliseconds and how many distinct kernels it has."""
+    kinds: dict[str, list] = {}
+    for name, us in kernel_us.items():
+        entry = kinds.setdefault(kernel_kind(name), [0.0, 0])
+        entry[0] += us
+        entry[1] += 1
+    total = sum(kernel_us.values()) or 1.0
+    return [{"kind": kind, "share": round(us / total, 4), "ms": round(us / 1e3, 2), "kernels": count}
+            for kind, (us, count) in sorted(kinds.items(), key=lambda item: -item[1][0])]
 HOST_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
 
 
-def profiled_step(run_step, device: torch.device) -> dict:
+def profiled_step(run_step, device: torch.device, flops: float | None = None) -> dict:
     """One step under torch.profiler: the GPU's busy share of the step's wall time (kernels and
-    copies, overlaps counted once), the kernels' count and the share of their time in matmuls and
-    attention, the longest idle gaps, host synchronisations, and the kernels taking most time."""
+    copies, overlaps counted once), the kernels' count, their time by kind (`kernel_account`) and
+    the share of it in matmuls and attention, with `flops` (the step's model FLOPs) the rate those
+    kernels ran at, the longest idle gaps, host synchronisations, and the kernels taking most time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -434,11 +469,16 @@ def profiled_step(run_step, device: torch.device) -> dict:
         kernel_us[name] = kernel_us.get(name, 0.0) + end - start
     total = sum(kernel_us.values()) or 1.0
     syncs = {name: sum(1 for e in prof.events() if e.name == name) for name in HOST_SYNCS}
+    matmul_us = sum(us for name, us in kernel_us.items() if kernel_kind(name) in MATMUL_KINDS)
     return {
         "step_s": wall_us / 1e6,
         "gpu_busy_share": busy / wall_us,
         "gpu_events": len(gpu),
-        "matmul_attention_share": sum(us for name, us in kernel_us.items() if GEMM_KERNELS.search(name)) / total,
+        "matmul_attention_share": matmul_us / total,
+        # the step's useful model FLOPs (as mfu counts them: not Gradient Cache's second forward)
+        # over the matmul and attention kernels' time
+        "matmul_attention_tflops": flops / matmul_us / 1e6 if flops and matmul_us else None,
+        "kernel_account": kernel_account(kernel_us),
         "idle_gaps_ms": {"count_over_0.1ms": sum(g > 100 for g in gaps), "sum": sum(gaps) / 1e3,
                          "longest": [round(g / 1e3, 2) for g in sorted(gaps)[-5:]]},
         "host_syncs": syncs,
