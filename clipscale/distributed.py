@@ -117,8 +117,9 @@ def attempt_namespace(store: dist.Store, rank: int, world_size: int, timeout: fl
 
 
 # What a collective raises where another process of the job ended under it: gloo's transport finds
-# the other end of a pair gone (NCCL's collectives wait instead, until the launcher stops them).
-PEER_ENDED = ("Connection reset by peer", "Connection closed by peer")
+# the other end of a pair gone; NCCL's collectives mostly wait until the launcher stops them, or
+# report ncclRemoteError ("remote process exited or there was a network error").
+PEER_ENDED = ("Connection reset by peer", "Connection closed by peer", "remote process exited")
 
 
 def lost_a_peer(err: BaseException) -> bool:
