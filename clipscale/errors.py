@@ -95,7 +95,7 @@ def run_main(main: Callable[[], object]) -> None:
             raise
         if reporting_rank():
             _close_progress_bars()
-            print("stopped: another process of this job ended in the middle of a step (the launcher says which); "
-                  "the same command resumes from the newest checkpoint", file=sys.stderr, flush=True)
+            print("stopped: another process of this job ended while they worked together (the launcher says which)",
+                  file=sys.stderr, flush=True)
         sys.exit(PEER_ENDED_EXIT)
     sys.exit(status if isinstance(status, int) else 0)
