@@ -227,6 +227,10 @@ class TrainConfig:
     keep_checkpoints: Optional[int] = may_change(3)
     keep_every: Optional[int] = may_change(None)  # also keep every checkpoint at a multiple of this many steps
     max_nonfinite_steps: int = may_change(10)  # consecutive skipped steps before the run stops
+    # Step N (counted from 1) runs under torch.profiler: where its GPU time went and what the GPU
+    # waited for, into runs/<name>/profile/step_N.json with the Chrome trace beside it (rank 0;
+    # clipscale/profiling.py). null: no step is profiled.
+    profile_step: Optional[int] = may_change(None)
     # ddp: every process holds the whole model; fsdp: parameters, gradients and optimizer state
     # sharded over the processes (FSDP2, docs/fsdp.md), for towers beyond one GPU's memory. Both
     # train the same weights.
@@ -665,6 +669,8 @@ def check_sections(cfg: Config) -> None:
         raise ConfigError(f"train.chunk_size: must be positive, null or 'auto', got {cfg.train.chunk_size}")
     if cfg.train.keep_checkpoints is not None and cfg.train.keep_checkpoints < 1:
         raise ConfigError(f"train.keep_checkpoints: must be >= 1 or null (keep all), got {cfg.train.keep_checkpoints}")
+    if cfg.train.profile_step is not None and cfg.train.profile_step < 1:
+        raise ConfigError(f"train.profile_step: must be a step number (from 1) or null, got {cfg.train.profile_step}")
     if cfg.train.keep_every is not None and (cfg.train.keep_every <= 0 or cfg.train.keep_every % cfg.train.checkpoint_every):
         raise ConfigError(f"train.keep_every: must be a positive multiple of train.checkpoint_every "
                           f"({cfg.train.checkpoint_every}) or null, got {cfg.train.keep_every}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -30,6 +31,7 @@ from clipscale.metrics import DataProblems, MetricsLogger, RecordWindow, StepRep
 from clipscale.models import build_model, train_mode, write_open_clip_folder
 from clipscale.optim import build_optimizer, learning_rate
 from clipscale.parallel import ParallelModel, gathered, parallelize
+from clipscale.profiling import profiled_step
 from clipscale.run_dir import RunFolder, open_run_folder
 from clipscale.signals import StopRequest
 from clipscale.step import StepResult, TrainStep
@@ -154,7 +156,10 @@ class Run:
         for step_number in range(self.start_step, cfg.train.steps):
             lr = learning_rate(step_number, cfg.optim, cfg.train.steps)
             with self.batches.next() as batch:  # its pieces still arriving; used once the step returns
-                result = self.step(batch.images, batch.texts, lr)
+                if step_number + 1 == cfg.train.profile_step:
+                    result = self.profiled(step_number + 1, lambda: self.step(batch.images, batch.texts, lr))
+                else:
+                    result = self.step(batch.images, batch.texts, lr)
             self.report(batch.data_wait_s)
             if step_number == self.start_step and self.compile_cache is not None and self.world.is_main:
                 save_portable_cache(self.compile_cache)  # what the first step compiled, for a start elsewhere
@@ -179,6 +184,26 @@ class Run:
                                     data_errors=self.batches.error_totals())
         self.logger.log(step_number, record)
         self.progress.set_postfix(self.window.progress_figures(record, self.model.module.context_length))
+
+    def profiled(self, step_number: int, run_step: Callable[[], StepResult]) -> StepResult:
+        """The step under torch.profiler (train.profile_step); rank 0 writes its account and trace."""
+        folder = self.folder.run_dir / "profile"
+        results = []
+
+        def step_to_its_end() -> None:
+            results.append(run_step())
+            float(results[0].loss)  # its GPU work ends inside the profile
+
+        if self.world.is_main:
+            folder.mkdir(exist_ok=True)
+        account = profiled_step(step_to_its_end, self.world.device,
+                                trace=folder / f"step_{step_number}.trace.json.gz" if self.world.is_main else None)
+        if self.world.is_main:
+            path = folder / f"step_{step_number}.json"
+            path.write_text(json.dumps({"step": step_number, **account}, indent=1) + "\n")
+            self.console.say(f"step {step_number} profiled: the GPU busy {account['gpu_busy_share']:.0%} of "
+                             f"{account['step_s']:.2f} s; {path} and its trace beside it")
+        return results[0]
 
     def report(self, data_wait_s: float) -> None:
         """Console lines from every step: the compile time, steps waiting for data, data problems.

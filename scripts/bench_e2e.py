@@ -39,7 +39,8 @@ local_loss (openclip: 1 adds --local-loss --gather-with-grad), pythonpath (prepe
 only: open_clip_train needs webdataset 0.2.x), ceiling (clipscale: 0 skips its ceiling), ceiling_batch
 (default the case's batch over nproc), ceiling_steps (default 5, the first two dropped: compiling, then
 recording CUDA graphs), profile (a ceiling case run as runner=ceiling: 1 adds one step under
-torch.profiler, `profiled_step`) and ceiling_text (cut or full: the ceiling's text positions, instead of the run's). --set
+torch.profiler, `clipscale.profiling.profiled_step`), profile_step (clipscale: train.profile_step, that step's
+profile in the case's `profile`; each profiled step's Chrome trace is kept beside --out) and ceiling_text (cut or full: the ceiling's text positions, instead of the run's). --set
 KEY=VALUE adds a config override to every clipscale case and its ceiling (a tiny model.custom for a
 CPU smoke run, say). Cases past --budget seconds are recorded as not run.
 """
@@ -51,6 +52,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -73,6 +75,7 @@ from clipscale.gradcache import trainable_towers
 from clipscale.losses import build_loss
 from clipscale.models import build_model, open_clip_model_config
 from clipscale.optim import build_optimizer
+from clipscale.profiling import profiled_step
 from clipscale.provenance import provenance
 from clipscale.step import TrainStep
 from clipscale.utilization import forward_flops, peak_bf16_flops
@@ -144,12 +147,13 @@ CONFIG = REPO / "configs" / "vit_b16_infcl.yaml"
 OPTIONAL = {"chunk": "train.chunk_size", "decoder": "data.decoder",
             "compile": "model.compile", "cuda_graphs": "model.cuda_graphs", "cache": "model.compile_cache", "resampled": "data.resampled",
             "parallel": "train.parallel", "fsdp_offload": "train.fsdp_offload", "grad_checkpointing": "model.grad_checkpointing",
-            "patch_embed": "model.patch_embed", "worker_share": "data.worker_decode_share"}
+            "patch_embed": "model.patch_embed", "worker_share": "data.worker_decode_share", "profile_step": "train.profile_step"}
+FLAGS = ("compile", "cuda_graphs", "resampled", "fsdp_offload", "grad_checkpointing")  # 0/1 in a case: false/true
 
 
 def config_overrides(case: dict, shards: str, workers: int, out_dir: Path, extra: list[str]) -> list[str]:
     """train.py's overrides of CONFIG for a clipscale case (and for its ceiling, which reads the same config)."""
-    chosen = [f"{key}={ {'none': 'null', '0': 'false', '1': 'true'}.get(case[name], case[name]) }"
+    chosen = [f"{key}={ {'none': 'null', **({'0': 'false', '1': 'true'} if name in FLAGS else {})}.get(case[name], case[name]) }"
               for name, key in OPTIONAL.items() if name in case]
     return [*([f"model.name={case['model']}"] if "model" in case else []), "data.kind=webdataset",
             f"data.train_shards={shards}", f"data.workers={workers}", f"train.batch_size={case['batch']}", *chosen,
@@ -279,6 +283,13 @@ def run_case(case: dict, args, timeout: float) -> dict:
         result["console"] = re.findall(r"^(?:compiling the towers.*|data\.\w+.*|the steps waited.*)$", log, re.M)
     if case["runner"] == "ceiling" and metrics_lines(out_dir / "ceiling.jsonl", "profile"):
         result["profile"] = metrics_lines(out_dir / "ceiling.jsonl", "profile")[0]["profile"]
+    profiled = out_dir / "bench" / "profile" / f"step_{case.get('profile_step')}.json"
+    if profiled.is_file():  # train.profile_step's account
+        result["profile"] = json.loads(profiled.read_text())
+    for trace in sorted(out_dir.rglob("*.trace.json.gz")):  # kept beside --out, numbered by the case
+        kept = Path(args.out).with_name(f"{Path(args.out).stem}.case{args.case_number}.{trace.name}")
+        shutil.copyfile(trace, kept)
+        result.setdefault("traces", []).append(str(kept))
     if case["runner"] == "ceiling":  # what it said of its towers and its text tower
         result["console"] = re.findall(r"^(?:text|towers): .*$", log, re.M)
         result["compiled"] = "towers: compiled" in log
@@ -399,92 +410,8 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
             log.flush()
         if case.get("profile") == "1":  # one more step, under the profiler: where the ceiling's own time goes
             log.write(json.dumps({"profile": profiled_step(lambda: float(step(images, text_column, cfg.optim.lr).loss),
-                                                           device, flops=step_flops)}) + "\n")
-
-
-# What kind of work a GPU kernel does, from its name: the first pattern that matches. Order
-# matters: cuDNN's convolution kernels say "sgemm" too, Inductor's fused layer norms are reductions.
-KERNEL_KINDS = (
-    ("convolution", r"conv|wgrad|dgrad"),
-    ("attention", r"flash|fmha|sdpa|attention"),
-    ("matmul", r"gemm|nvjet|cutlass|xmma|matmul|cublas"),
-    ("loss (Inf-CL kernels)", r"^(lse_fwd|merge|weights|rowdot)_kernel"),
-    ("crop and resize", r"^(rows|columns)_kernel"),
-    ("optimizer", r"multi_tensor|adam"),
-    ("layer norm", r"layer_norm|layernorm"),
-    ("pointwise (Inductor: GELU, residuals, casts)", r"^triton_poi"),
-    ("reductions (Inductor)", r"^triton_(red|per)"),
-    ("copies and fills", r"memcpy|memset|copy|CatArray|fill"),
-    ("NCCL", r"nccl"),
-    ("elementwise and reductions (eager)", r"elementwise|reduce_kernel"),
-)
-KINDS_MATCHING = tuple((kind, re.compile(pattern, re.I)) for kind, pattern in KERNEL_KINDS)
-MATMUL_KINDS = ("matmul", "attention")
-
-
-def kernel_kind(name: str) -> str:
-    return next((kind for kind, pattern in KINDS_MATCHING if pattern.search(name)), "other")
-
-
-def kernel_account(kernel_us: dict[str, float]) -> list[dict]:
-    """The kernels' time by kind (`KERNEL_KINDS`), largest first: each kind's share of all kernel
-    time, its milliseconds and how many distinct kernels it has."""
-    kinds: dict[str, list] = {}
-    for name, us in kernel_us.items():
-        entry = kinds.setdefault(kernel_kind(name), [0.0, 0])
-        entry[0] += us
-        entry[1] += 1
-    total = sum(kernel_us.values()) or 1.0
-    return [{"kind": kind, "share": round(us / total, 4), "ms": round(us / 1e3, 2), "kernels": count}
-            for kind, (us, count) in sorted(kinds.items(), key=lambda item: -item[1][0])]
-HOST_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
-
-
-def profiled_step(run_step, device: torch.device, flops: float | None = None) -> dict:
-    """One step under torch.profiler: the GPU's busy share of the step's wall time (kernels and
-    copies, overlaps counted once), the kernels' count, their time by kind (`kernel_account`) and
-    the share of it in matmuls and attention, with `flops` (the step's model FLOPs) the rate those
-    kernels ran at, the longest idle gaps, host synchronisations, and the kernels taking most time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        started = time.perf_counter()
-        run_step()
-        wall_us = (time.perf_counter() - started) * 1e6
-    gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    busy, gaps, reach = 0.0, [], None
-    for start, end, _ in gpu:
-        if reach is None or start > reach:
-            if reach is not None:
-                gaps.append(start - reach)
-            busy += end - start
-            reach = end
-        elif end > reach:
-            busy += end - reach
-            reach = end
-    kernel_us: dict[str, float] = {}
-    for start, end, name in gpu:
-        kernel_us[name] = kernel_us.get(name, 0.0) + end - start
-    total = sum(kernel_us.values()) or 1.0
-    syncs = {name: sum(1 for e in prof.events() if e.name == name) for name in HOST_SYNCS}
-    matmul_us = sum(us for name, us in kernel_us.items() if kernel_kind(name) in MATMUL_KINDS)
-    return {
-        "step_s": wall_us / 1e6,
-        "gpu_busy_share": busy / wall_us,
-        "gpu_events": len(gpu),
-        "matmul_attention_share": matmul_us / total,
-        # the step's useful model FLOPs (as mfu counts them: not Gradient Cache's second forward)
-        # over the matmul and attention kernels' time
-        "matmul_attention_tflops": flops / matmul_us / 1e6 if flops and matmul_us else None,
-        "kernel_account": kernel_account(kernel_us),
-        "idle_gaps_ms": {"count_over_0.1ms": sum(g > 100 for g in gaps), "sum": sum(gaps) / 1e3,
-                         "longest": [round(g / 1e3, 2) for g in sorted(gaps)[-5:]]},
-        "host_syncs": syncs,
-        "top_kernels": [{"name": name[:90], "share": round(us / total, 4)}
-                        for name, us in sorted(kernel_us.items(), key=lambda item: -item[1])[:15]],
-    }
+                                                           device, flops=step_flops,
+                                                           trace=out.parent / "ceiling.trace.json.gz")}) + "\n")
 
 
 SHOWN = ("steps_done", "window", "short_window", "samples_per_s", "first_step_s", "steady_step_s", "peak_host_gib", "peak_gpu_allocated_gib",
@@ -522,7 +449,7 @@ def main(argv=None) -> None:
 
     record = {**provenance(argv), "shards": args.shards, "workers": args.workers, "cases": []}
     deadline = time.monotonic() + args.budget
-    for spec, case in zip(args.case, cases):
+    for args.case_number, (spec, case) in enumerate(zip(args.case, cases)):
         left = deadline - time.monotonic()
         if left < 30:
             record["cases"].append({"case": case, "not_run": "time budget"})
