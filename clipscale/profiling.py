@@ -62,6 +62,13 @@ def kernel_account(kernel_us: dict[str, float]) -> list[dict]:
             for kind, (us, count) in sorted(kinds.items(), key=lambda item: -item[1][0])]
 
 
+def gpu_work(events: list) -> list:
+    """The GPU's kernels, copies and fills among a profile's events, by start time. Not the GPU-side
+    ranges of `record_function` (user annotations): the profiled step's own range spans all of it."""
+    return sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
+                   and e.time_range.end > e.time_range.start), key=lambda e: e.time_range.start)
+
+
 def idle_gaps(spans: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
     """The busy time of sorted (start, end) spans, overlaps counted once, and the gaps between them
     as (start, length)."""
@@ -117,8 +124,7 @@ def profiled_step(run_step: Callable[[], object], device: torch.device, flops: f
             torch.cuda.synchronize(device)
         wall_us = (time.perf_counter() - started) * 1e6
     events = prof.events()
-    gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start),
-                 key=lambda e: e.time_range.start)
+    gpu = gpu_work(events)
     cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     busy, gaps = idle_gaps([(e.time_range.start, e.time_range.end) for e in gpu])
     kernel_us: dict[str, float] = {}

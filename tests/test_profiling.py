@@ -10,7 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from clipscale.profiling import HOST_SYNCS, host_operations_at, idle_gaps, kernel_account, kernel_kind
+import torch
+
+from clipscale.profiling import HOST_SYNCS, gpu_work, host_operations_at, idle_gaps, kernel_account, kernel_kind
 from tests.helpers.tiny_runs import REPO, run_train, tiny_run
 
 
@@ -36,6 +38,20 @@ def test_overlapping_kernels_count_once_and_the_gaps_between_them_are_found():
     busy, gaps = idle_gaps([(0, 10), (5, 12), (20, 30), (21, 25), (40, 41)])
     assert busy == 12 + 10 + 1
     assert gaps == [(12, 8), (30, 10)]
+
+
+def test_the_gpus_work_leaves_out_the_steps_own_range():
+    """record_function's range has a GPU-side twin spanning the whole step: counted as work, the GPU
+    would look busy all along (as the first profile of a train.py step said, 100% against 60%)."""
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, start, end, device=cuda, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    events = [event("## the profiled step ##", 0, 100, annotation=True), event("gemm", 30, 40), event("copy", 10, 20),
+              event("aten::mm", 5, 50, device=cpu), event("empty", 60, 60)]
+    assert [e.name for e in gpu_work(events)] == ["copy", "gemm"]
 
 
 def op(name: str, start: float, end: float, thread: int = 1) -> SimpleNamespace:
