@@ -12,7 +12,8 @@ worker on any SIGTERM that its parent did not send) and the trainer would then
 fail with "DataLoader worker (pid ...) is killed by signal" before it could
 checkpoint. `ignore_stop_signals` is the loaders' `worker_init_fn`: workers
 ignore the stop signals unless the trainer itself sends them, and end when the
-trainer ends them, as on any exit.
+trainer ends them, as on any exit. `worker_context` is how they start: from a fork
+server, not forked from the trainer's threads.
 """
 
 from __future__ import annotations
@@ -68,6 +69,25 @@ class StopRequest:
 
     def __exit__(self, *exc) -> None:
         self.restore()
+
+
+# Modules a loader worker needs, imported once in the fork server instead of in every worker.
+WORKER_PRELOAD = ("torch", "clipscale.data.shards", "clipscale.eval.datasets")
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """How DataLoader workers start: forked from a fork server, never from the trainer itself.
+
+    By the time a loader starts, the trainer has threads that are not Python's (gloo's and NCCL's)
+    which briefly take the interpreter's thread-state lock to call into Python; a worker forked at
+    that instant inherits the lock taken and waits for it forever in `PyOS_AfterFork_Child` (seen:
+    a world of two hung at its start, rank 0's loader worker stuck there, rank 1 waiting for rank 0
+    in DDP's first broadcast). The fork server is a fresh process, started with no threads, the
+    modules above imported once; each worker forks from it and gets its dataset pickled (tensors
+    in shared memory). A worker whose trainer died sees the server end and ends too."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(WORKER_PRELOAD))
+    return context
 
 
 def ignore_stop_signals(worker_id: int) -> None:
