@@ -85,7 +85,7 @@ def worker_context() -> multiprocessing.context.BaseContext:
     a world of two hung at its start, rank 0's loader worker stuck there, rank 1 waiting for rank 0
     in DDP's first broadcast). The fork server is a fresh process, started with no threads, the
     modules above imported once; each worker forks from it and gets its dataset pickled (tensors
-    in shared memory). A worker whose trainer died sees the server end and ends too."""
+    in shared memory). A worker ends with its trainer, killed or not (`ignore_stop_signals`)."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(WORKER_PRELOAD))
     return context
