@@ -26,7 +26,7 @@ import threading
 
 import torch
 
-from clipscale.distributed import all_reduce_max
+from clipscale.distributed import all_reduce_max, is_distributed
 from clipscale.errors import reporting_rank
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -76,16 +76,21 @@ class StopRequest:
 WORKER_PRELOAD = ("torch", "clipscale.data.shards", "clipscale.eval.datasets")
 
 
-def worker_context() -> multiprocessing.context.BaseContext:
-    """How DataLoader workers start: forked from a fork server, never from the trainer itself.
+def worker_context() -> multiprocessing.context.BaseContext | None:
+    """How DataLoader workers start in a process of a distributed job: forked from a fork server,
+    never from the trainer itself; None (fork, the default) in a process alone.
 
-    By the time a loader starts, the trainer has threads that are not Python's (gloo's and NCCL's)
-    which briefly take the interpreter's thread-state lock to call into Python; a worker forked at
-    that instant inherits the lock taken and waits for it forever in `PyOS_AfterFork_Child` (seen:
-    a world of two hung at its start, rank 0's loader worker stuck there, rank 1 waiting for rank 0
-    in DDP's first broadcast). The fork server is a fresh process, started with no threads, the
-    modules above imported once; each worker forks from it and gets its dataset pickled (tensors
-    in shared memory). A worker ends with its trainer, killed or not (`ignore_stop_signals`)."""
+    In a job, by the time a loader starts the trainer has threads that are not Python's (gloo's and
+    NCCL's) which briefly take the interpreter's thread-state lock to call into Python; a worker
+    forked at that instant inherits the lock taken and waits for it forever in `PyOS_AfterFork_Child`
+    (seen: a world of two hung at its start, rank 0's loader worker stuck there, rank 1 waiting for
+    rank 0 in DDP's first broadcast). The fork server is a fresh process, started with no threads,
+    the modules above imported once; each worker forks from it and gets its dataset pickled (tensors
+    in shared memory). A worker ends with its trainer, killed or not (`ignore_stop_signals`). A
+    process alone keeps fork: it has no such threads, and the server's start (importing torch)
+    would cost every short run a few seconds."""
+    if not is_distributed():
+        return None
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(WORKER_PRELOAD))
     return context
