@@ -12,7 +12,12 @@ on the device. Beside it, as `train.py` runs them:
   decoder     the run's decoder alone, decoding a batch of the shards' JPEGs again and again;
   decoder_alone  the same with no step beside it (12 s): the decoder's own rate (run it before
               data_path: its first chunks compile the crop's programs);
-  python      a thread running pure Python (a reference for what any GIL holder costs).
+  python      a thread running pure Python (a reference for what any GIL holder costs);
+  workers_elsewhere  the same loader workers (data.worker_decode_share as set) feeding another
+              process (scripts/bench_loader.py, nothing decoded on the GPU): their load on the
+              host's cores, caches and memory without a thread in this process, so that
+              data_path's cost splits into what the workers' load costs and what the trainer's own
+              data threads cost.
 
 Each case reports the step's median seconds and its ratio to the step alone, how many images a
 second the load delivered beside it (`data_path_images_per_s`: whole batches) and the decoder's
@@ -30,6 +35,7 @@ import functools
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -143,6 +149,28 @@ class JpegCallTimer:
             return self.seconds, self.images
 
 
+class LoaderElsewhere:
+    """scripts/bench_loader.py in a process of its own, its workers reading and decoding the shards
+    flat out until `stop` (its batches dropped), started a while before the timed steps."""
+
+    def __init__(self, shards: str, workers: int, batch: int, worker_share):
+        case = f"decoder=device,batch={batch},batches=1000000,worker_share={worker_share}"
+        self.process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("bench_loader.py")), "--shards", shards,
+                                         "--workers", str(workers), "--case", case, "--out", os.devnull],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.rounds = None
+
+    def start(self) -> "LoaderElsewhere":
+        time.sleep(20)  # its workers started and reading (the 2 s every load gets follow)
+        if self.process.poll() is not None:
+            raise SystemExit(f"bench_loader.py ended early (exit status {self.process.returncode})")
+        return self
+
+    def stop(self) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)  # its workers with it
+        self.process.wait()
+
+
 def pure_python(stopping: threading.Event) -> None:
     total = 0
     for k in range(200_000):
@@ -240,7 +268,10 @@ def main(argv=None) -> None:
         switch = sys.getswitchinterval()
         if name.endswith("_switch"):
             sys.setswitchinterval(0.0002)
-        load = Background(name, background()).start() if background else None
+        if name == "workers_elsewhere":
+            load = LoaderElsewhere(args.shards, args.workers, args.batch, cfg.data.worker_decode_share).start()
+        else:
+            load = Background(name, background()).start() if background else None
         decoder = batches.decoder
         decoded_before = (decoder.images_decoded, decoder.decode_s, *jpeg_calls.totals()) if decoder is not None else None
         if load is not None:
@@ -264,7 +295,7 @@ def main(argv=None) -> None:
         baseline = baseline or median
         result = {"case": name, "step_s": times, "median_step_s": median, "over_alone": median / baseline,
                   "samples_per_s": args.batch / median, "background_rounds": rounds,
-                  "data_path_images_per_s": rounds * args.batch / (2 + sum(times)) if load else None,
+                  "data_path_images_per_s": rounds * args.batch / (2 + sum(times)) if rounds is not None else None,
                   "decoded": decoded if decoded_before is not None else None}
         if spy is not None:
             result["gil_shares"] = gil_shares(out.with_name(f"{out.stem}_gil_{name}.txt"))

@@ -33,7 +33,8 @@ default the config's: auto; openclip: 1 adds --torchcompile), cache (clipscale: 
 model.compile_cache folder, so a second case reuses what the first compiled), resampled
 (clipscale: 1 draws shards with replacement, so a batch may be larger than the shards), parallel
 (clipscale: ddp or fsdp), fsdp_offload and grad_checkpointing (clipscale: 0/1), patch_embed (clipscale: auto, conv
-or matmul, default the config's: auto; issue 49), worker_share (clipscale: data.worker_decode_share, default the config's: auto; 0 for the GPU alone), nproc (torchrun
+or matmul, default the config's: auto; issue 49), worker_share (clipscale: data.worker_decode_share, default the config's: auto; 0 for the GPU alone),
+decode_threads (clipscale: data.decode_workers), nproc (torchrun
 processes, default 1; openclip too), accum (openclip: --accum-freq; batch stays the global batch),
 local_loss (openclip: 1 adds --local-loss --gather-with-grad), pythonpath (prepended for this case
 only: open_clip_train needs webdataset 0.2.x), ceiling (clipscale: 0 skips its ceiling), ceiling_batch
@@ -147,7 +148,8 @@ CONFIG = REPO / "configs" / "vit_b16_infcl.yaml"
 OPTIONAL = {"chunk": "train.chunk_size", "decoder": "data.decoder",
             "compile": "model.compile", "cuda_graphs": "model.cuda_graphs", "cache": "model.compile_cache", "resampled": "data.resampled",
             "parallel": "train.parallel", "fsdp_offload": "train.fsdp_offload", "grad_checkpointing": "model.grad_checkpointing",
-            "patch_embed": "model.patch_embed", "worker_share": "data.worker_decode_share", "profile_step": "train.profile_step"}
+            "patch_embed": "model.patch_embed", "worker_share": "data.worker_decode_share", "profile_step": "train.profile_step",
+            "decode_threads": "data.decode_workers"}
 FLAGS = ("compile", "cuda_graphs", "resampled", "fsdp_offload", "grad_checkpointing")  # 0/1 in a case: false/true
 
 
