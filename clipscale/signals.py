@@ -12,21 +12,19 @@ worker on any SIGTERM that its parent did not send) and the trainer would then
 fail with "DataLoader worker (pid ...) is killed by signal" before it could
 checkpoint. `ignore_stop_signals` is the loaders' `worker_init_fn`: workers
 ignore the stop signals unless the trainer itself sends them, and end when the
-trainer ends them, as on any exit. `worker_context` is how they start: from a fork
-server, not forked from the trainer's threads.
+trainer ends them, as on any exit.
 """
 
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.connection
 import os
 import signal
 import threading
 
 import torch
 
-from clipscale.distributed import all_reduce_max, is_distributed
+from clipscale.distributed import all_reduce_max
 from clipscale.errors import reporting_rank
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -72,30 +70,6 @@ class StopRequest:
         self.restore()
 
 
-# Modules a loader worker needs, imported once in the fork server instead of in every worker.
-WORKER_PRELOAD = ("torch", "clipscale.data.shards", "clipscale.eval.datasets")
-
-
-def worker_context() -> multiprocessing.context.BaseContext | None:
-    """How DataLoader workers start in a process of a distributed job: forked from a fork server,
-    never from the trainer itself; None (fork, the default) in a process alone.
-
-    In a job, by the time a loader starts the trainer has threads that are not Python's (gloo's and
-    NCCL's) which briefly take the interpreter's thread-state lock to call into Python; a worker
-    forked at that instant inherits the lock taken and waits for it forever in `PyOS_AfterFork_Child`
-    (seen: a world of two hung at its start, rank 0's loader worker stuck there, rank 1 waiting for
-    rank 0 in DDP's first broadcast). The fork server is a fresh process, started with no threads,
-    the modules above imported once; each worker forks from it and gets its dataset pickled (tensors
-    in shared memory). A worker ends with its trainer, killed or not (`ignore_stop_signals`). A
-    process alone keeps fork: it has no such threads, and the server's start (importing torch)
-    would cost every short run a few seconds."""
-    if not is_distributed():
-        return None
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(WORKER_PRELOAD))
-    return context
-
-
 def ignore_stop_signals(worker_id: int) -> None:
     """DataLoader `worker_init_fn` (and the JPEG decoding process's start): the stop signals are the
     trainer's, not the worker's.
@@ -108,17 +82,8 @@ def ignore_stop_signals(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    trainer = multiprocessing.parent_process()  # not os.getppid(): a fork server is the parent of its workers
-    threading.Thread(target=_exit_on_sigterm_from, args=(trainer.pid,), name="sigterm-from-trainer", daemon=True).start()
-    threading.Thread(target=_exit_with, args=(trainer,), name="ends-with-trainer", daemon=True).start()
-
-
-def _exit_with(trainer: multiprocessing.process.BaseProcess) -> None:
-    """End when the trainer has ended, killed too. PyTorch's worker watches its OS parent, which is
-    the fork server here; and the server lives as long as any process it started (each holds its
-    liveness pipe): a killed trainer's workers would outlive it, holding its output."""
-    multiprocessing.connection.wait([trainer.sentinel])
-    os._exit(0)
+    trainer = multiprocessing.parent_process().pid  # not os.getppid(): a forkserver is the parent of its workers
+    threading.Thread(target=_exit_on_sigterm_from, args=(trainer,), name="sigterm-from-trainer", daemon=True).start()
 
 
 def _exit_on_sigterm_from(trainer: int) -> None:
