@@ -22,9 +22,11 @@ import torch
 
 # What kind of work a GPU kernel does, from its name: the first pattern that matches. Order
 # matters: cuDNN's convolution kernels say "sgemm" too, Inductor's fused layer norms are reductions.
+# cuDNN's attention backward has helpers of its own (`compute_dot_do_o`, `convert_dq_to_16bits`):
+# attention, not a convolution.
 KERNEL_KINDS = (
-    ("convolution", r"conv|wgrad|dgrad"),
-    ("attention", r"flash|fmha|sdpa|attention"),
+    ("attention", r"flash|fmha|sdpa|attention|dot_do_o|convert_dq"),
+    ("convolution", r"conv(?!ert)|wgrad|dgrad"),
     ("matmul", r"gemm|nvjet|cutlass|xmma|matmul|cublas"),
     ("loss (Inf-CL kernels)", r"^(lse_fwd|merge|weights|rowdot)_kernel"),
     ("crop and resize", r"^(rows|columns)_kernel"),
