@@ -12,12 +12,14 @@ worker on any SIGTERM that its parent did not send) and the trainer would then
 fail with "DataLoader worker (pid ...) is killed by signal" before it could
 checkpoint. `ignore_stop_signals` is the loaders' `worker_init_fn`: workers
 ignore the stop signals unless the trainer itself sends them, and end when the
-trainer ends them, as on any exit.
+trainer ends them, as on any exit (also when they start from a fork server:
+clipscale/worker_server.py).
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import threading
@@ -82,8 +84,17 @@ def ignore_stop_signals(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    trainer = multiprocessing.parent_process().pid  # not os.getppid(): a forkserver is the parent of its workers
-    threading.Thread(target=_exit_on_sigterm_from, args=(trainer,), name="sigterm-from-trainer", daemon=True).start()
+    trainer = multiprocessing.parent_process()  # not os.getppid(): a fork server is the parent of its workers
+    threading.Thread(target=_exit_on_sigterm_from, args=(trainer.pid,), name="sigterm-from-trainer", daemon=True).start()
+    threading.Thread(target=_exit_with, args=(trainer,), name="ends-with-trainer", daemon=True).start()
+
+
+def _exit_with(trainer: multiprocessing.process.BaseProcess) -> None:
+    """End when the trainer has ended, killed too. PyTorch's worker watches its OS parent, which is
+    the fork server here; and the server lives as long as any process it started (each holds its
+    liveness pipe): a killed trainer's workers would outlive it, holding its output."""
+    multiprocessing.connection.wait([trainer.sentinel])
+    os._exit(0)
 
 
 def _exit_on_sigterm_from(trainer: int) -> None:

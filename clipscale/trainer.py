@@ -36,6 +36,7 @@ from clipscale.run_dir import RunFolder, open_run_folder
 from clipscale.signals import StopRequest
 from clipscale.step import StepResult, TrainStep
 from clipscale.utilization import train_flops_per_sample
+from clipscale.worker_server import start_worker_server
 
 
 def train(cfg: Config, *, loss_fn: torch.nn.Module | None = None) -> dict:
@@ -43,6 +44,7 @@ def train(cfg: Config, *, loss_fn: torch.nn.Module | None = None) -> dict:
     {"preempted_by": signal number} when a signal stopped it after a checkpoint.
     `loss_fn`: a loss built by the caller, in place of cfg.loss's."""
     with library_noise_kept_off():  # open_clip's "initialized randomly": the run says what it loads (weights_line)
+        start_worker_server()  # while this process is one thread: before CUDA and the process group
         world = init_distributed(cfg.run.device, group_of_one=cfg.train.parallel == "fsdp")
         console = Console(world.is_main)
         preemption = StopRequest()

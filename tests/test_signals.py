@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from tests.helpers.tiny_runs import REPO
+from clipscale.worker_server import worker_context
+from tests.helpers.tiny_runs import JOB_MARK, REPO, communicate_or_dump, job_env
 
 # Iterates a DataLoader with 2 workers (ignore_stop_signals as worker_init_fn unless argv[1] is
 # "plain") under a StopRequest. After a stop request it takes 8 more batches, more than the
@@ -112,3 +113,54 @@ def test_a_second_ctrl_c_aborts_at_once_in_one_line_with_status_130():
     assert process.returncode == 128 + signal.SIGINT, output[-3000:]
     assert "Traceback" not in output and "KeyboardInterrupt" not in output and "stopping on signal" not in output
     assert output.rstrip().splitlines()[-1].startswith("interrupted (Ctrl-C): stopped at once"), output[-3000:]
+
+
+
+# Each rank of a torchrun job (gloo's threads running) starts a loader worker that reports its OS
+# parent, after forking the fork server as train.py does (init_distributed) or leaving it to
+# multiprocessing (argv[1] == "late").
+JOB_LOADER = """
+import os, sys, torch, torch.distributed as dist
+from clipscale.signals import ignore_stop_signals
+from clipscale.worker_server import start_worker_server, worker_context
+
+class ParentOfWorker(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield os.getppid()
+
+def command_line(pid):
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+if __name__ == "__main__":  # not again in the worker, which imports this module for its dataset's class
+    if sys.argv[1] != "late":
+        start_worker_server()
+    dist.init_process_group("gloo")
+    context = worker_context()
+    loader = torch.utils.data.DataLoader(ParentOfWorker(), batch_size=None, num_workers=1,
+                                         worker_init_fn=ignore_stop_signals, multiprocessing_context=context)
+    parent = next(iter(loader))
+    print("rank", dist.get_rank(), "trainer", os.getpid(), "parent", parent, "served", context is not None,
+          "forked", command_line(parent) == command_line(os.getpid()), flush=True)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("server", ["forked", "late"])
+def test_a_jobs_loader_workers_start_from_a_fork_server_and_a_lone_process_forks_them(tmp_path, server):
+    """In a job of two, each rank's loader worker is not forked from the trainer (whose gloo threads
+    may hold the interpreter's thread-state lock at the fork): its OS parent is the fork server,
+    itself forked from the trainer at its start (the trainer's command line: nothing imported anew),
+    or, where the run did not start it, multiprocessing's own. A process alone forks its workers."""
+    script = tmp_path / "job_loader.py"
+    script.write_text(JOB_LOADER)
+    env = job_env()
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), server],
+                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    stdout, stderr = communicate_or_dump(job, 120, env[JOB_MARK])
+    reports = [line.split() for line in stdout.splitlines() if line.startswith("rank ")]
+    assert job.returncode == 0 and len(reports) == 2, stdout[-2000:] + stderr[-2000:]
+    for _, rank, _, trainer, _, parent, _, served, _, forked in reports:
+        assert served == "True" and parent != trainer and forked == str(server == "forked"), reports
+    assert worker_context() is None

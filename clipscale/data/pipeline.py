@@ -37,6 +37,7 @@ from clipscale.data.transforms import CaptionTokenizer, SplitTransform
 from clipscale.distributed import World, all_reduce_sum_list
 from clipscale.errors import UserError
 from clipscale.signals import ignore_stop_signals
+from clipscale.worker_server import worker_context
 
 if TYPE_CHECKING:
     from clipscale.checks import RunPlan
@@ -161,6 +162,7 @@ class TrainingBatches:
         # A generator of its own: the loader's seed draw leaves the global RNG (dropout's) as restored.
         loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=cfg.data.workers,
                                              persistent_workers=cfg.data.workers > 0, worker_init_fn=ignore_stop_signals,
+                                             multiprocessing_context=worker_context() if cfg.data.workers else None,
                                              generator=torch.Generator().manual_seed(cfg.run.seed + world.rank))
         self.decoder: ImageDecoder | None = None
         if self.path.decoder == "device":

@@ -38,6 +38,7 @@ from PIL import Image, UnidentifiedImageError
 from clipscale.data.sources import (DATA_ERRORS, FOLDER_FORMATS, IMAGE_KEYS, TEXT_KEYS, ImageTooLarge, decode_label, decode_text,
                                     first_member, open_image)
 from clipscale.distributed import is_distributed
+from clipscale.worker_server import worker_context
 
 
 @dataclass(frozen=True)
@@ -302,4 +303,5 @@ def make_loader(dataset, batch_size: int, workers: int, collate_fn=collate_sampl
         collate_fn=collate_fn or collate_samples,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=False,
+        multiprocessing_context=worker_context() if workers else None,  # not forked from the trainer's threads
     )
