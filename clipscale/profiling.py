@@ -11,10 +11,12 @@ chrome://tracing or Perfetto.
 from __future__ import annotations
 
 import gzip
+import heapq
 import re
 import shutil
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -90,8 +92,6 @@ def idle_gaps(spans: list[tuple[float, float]]) -> tuple[float, list[tuple[float
 def host_operations_at(cpu: list, moments: list[float], thread: int | None) -> list[str]:
     """For each of `moments`, the innermost host operation running then (on `thread` where given):
     what the GPU's next work was waiting behind. One sweep over the operations by start time."""
-    import heapq
-
     events = sorted((e for e in cpu if (thread is None or e.thread == thread) and not NOT_A_CAUSE.match(e.name)),
                     key=lambda e: e.time_range.start)
     running: list[tuple[float, int, object]] = []  # (end, order, event): the earliest end on top
@@ -132,9 +132,10 @@ def profiled_step(run_step: Callable[[], object], device: torch.device, flops: f
     kernel_us: dict[str, float] = {}
     stream_us: dict[str, float] = {}
     for e in gpu:
-        kernel_us[e.name] = kernel_us.get(e.name, 0.0) + e.time_range.elapsed_us()
+        us = e.time_range.elapsed_us()
+        kernel_us[e.name] = kernel_us.get(e.name, 0.0) + us
         stream = f"stream {getattr(e, 'device_resource_id', '?')}"
-        stream_us[stream] = stream_us.get(stream, 0.0) + e.time_range.elapsed_us()
+        stream_us[stream] = stream_us.get(stream, 0.0) + us
     total = sum(kernel_us.values()) or 1.0
     main_thread = next((e.thread for e in cpu if e.name == STEP_RANGE), None)
     long_gaps = [(start, length) for start, length in gaps if length > 100]
@@ -143,7 +144,8 @@ def profiled_step(run_step: Callable[[], object], device: torch.device, flops: f
     for cause, (_, length) in zip(causes, long_gaps):
         gap_causes[cause] = gap_causes.get(cause, 0.0) + length
     longest = sorted(zip(causes, long_gaps), key=lambda item: item[1][1])[-8:]
-    syncs = {name: sum(1 for e in events if e.name == name) for name in HOST_SYNCS}
+    calls = Counter(e.name for e in cpu)
+    syncs = {name: calls[name] for name in HOST_SYNCS}
     matmul_us = sum(us for name, us in kernel_us.items() if kernel_kind(name) in MATMUL_KINDS)
     if trace is not None:
         with tempfile.TemporaryDirectory() as scratch:

@@ -235,7 +235,8 @@ def of_ceiling(result: dict, nproc: int) -> None:
     result["of_ceiling_median"] = statistics.median(window) if window else None
 
 
-def run_case(case: dict, args, timeout: float) -> dict:
+def run_case(case: dict, args, timeout: float, number: int) -> dict:
+    """`number`: the case's place on the command line, in the names of the traces it keeps."""
     out_dir = Path(tempfile.mkdtemp(prefix="bench_e2e_"))
     build = {"clipscale": clipscale_command, "openclip": openclip_command, "ceiling": ceiling_command}[case["runner"]]
     command = build(case, args.shards, args.workers, out_dir, args.set)
@@ -289,7 +290,7 @@ def run_case(case: dict, args, timeout: float) -> dict:
     if profiled.is_file():  # train.profile_step's account
         result["profile"] = json.loads(profiled.read_text())
     for trace in sorted(out_dir.rglob("*.trace.json.gz")):  # kept beside --out, numbered by the case
-        kept = Path(args.out).with_name(f"{Path(args.out).stem}.case{args.case_number}.{trace.name}")
+        kept = Path(args.out).with_name(f"{Path(args.out).stem}.case{number}.{trace.name}")
         shutil.copyfile(trace, kept)
         result.setdefault("traces", []).append(str(kept))
     if case["runner"] == "ceiling":  # what it said of its towers and its text tower
@@ -451,17 +452,17 @@ def main(argv=None) -> None:
 
     record = {**provenance(argv), "shards": args.shards, "workers": args.workers, "cases": []}
     deadline = time.monotonic() + args.budget
-    for args.case_number, (spec, case) in enumerate(zip(args.case, cases)):
+    for number, (spec, case) in enumerate(zip(args.case, cases)):
         left = deadline - time.monotonic()
         if left < 30:
             record["cases"].append({"case": case, "not_run": "time budget"})
             continue
-        result = run_case(case, args, left)
+        result = run_case(case, args, left, number)
         record["cases"].append(result)
         report(spec, result)
         if case["runner"] == "clipscale" and case.get("ceiling") != "0" and "samples_per_s" in result:
             left = deadline - time.monotonic()
-            result["ceiling"] = run_case(ceiling_case(case, result, args), args, left) if left >= 30 else {"not_run": "time budget"}
+            result["ceiling"] = run_case(ceiling_case(case, result, args), args, left, number) if left >= 30 else {"not_run": "time budget"}
             report(f"{spec} ceiling:", result["ceiling"])
             if result["ceiling"].get("compiled") not in (None, result["compiled"]):
                 result["void"] = (f"the ceiling's towers were {'compiled' if result['ceiling']['compiled'] else 'eager'} "
