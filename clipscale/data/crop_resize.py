@@ -1,4 +1,5 @@
-"""The random resized crops of a whole chunk in two Triton launches (the device decoder's resize).
+"""The random resized crops of a whole chunk in two Triton launches (the device decoder's resize),
+and a chunk's uint8 pixels made normalised floats in one (`normalized`).
 
 Done image by image with torchvision's tensor kernels, a chunk of 512 crops is thousands of
 small kernel launches, and on an H100 they cost more than the JPEG decode itself. Here every
@@ -109,7 +110,35 @@ def resized_crops_at(where: torch.Tensor, boxes, size: tuple[int, int], interpol
     return out
 
 
+def normalized(pixels: torch.Tensor, mean: tuple[float, float, float], std: tuple[float, float, float]) -> torch.Tensor:
+    """float32 `(pixels / 255 - mean[c]) / std[c]` of uint8 [n, 3, H, W] pixels, in one pass: what
+    ToTensor and Normalize compute with three kernels (`SplitTransform.to_float`), the same
+    operations in the same order, each correctly rounded, so bit for bit the same."""
+    pixels = pixels.contiguous()
+    out = torch.empty(pixels.shape, dtype=torch.float32, device=pixels.device)
+    if not pixels.numel():
+        return out
+    P = programs(__name__, interpreting())
+    block = 1024 if not P.INTERPRET else 256
+    P.normalize_kernel[(triton.cdiv(pixels.numel(), block),)](pixels, out, pixels.numel(), pixels.shape[-2] * pixels.shape[-1],
+                                                              *mean, *std, BLOCK=block)
+    return out
+
+
 # --- the programs -------------------------------------------------------------------------------
+
+
+@triton.jit
+def normalize_kernel(pixels, out, numel, plane, mean0, mean1, mean2, std0, std1, std2, BLOCK: tl.constexpr):
+    """out[k] = (pixels[k] / 255 - mean[c]) / std[c], c the channel of element k, each division
+    correctly rounded (div_rn: Triton's plain `/` on float32 is an approximation)."""
+    at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = at < numel
+    channel = (at // plane) % 3
+    value = tl.math.div_rn(tl.load(pixels + at, mask=inside, other=0).to(tl.float32), 255.0)
+    mean = tl.where(channel == 0, mean0, tl.where(channel == 1, mean1, mean2))
+    std = tl.where(channel == 0, std0, tl.where(channel == 1, std1, std2))
+    tl.store(out + at, tl.math.div_rn(value - mean, std), mask=inside)
 
 
 @triton.jit

@@ -74,3 +74,14 @@ def test_a_full_chunk_of_real_size_decodes_in_one_call():
     images = decode_jpegs(blobs, device)
     assert all(image is not None for image in images)
     assert images[0].shape == (3, 224, 224) and images[0].dtype == torch.uint8 and images[0].is_cuda
+
+
+def test_normalized_on_the_gpu_equals_the_eager_kernels_bit_for_bit():
+    """The fused normalisation (SplitTransform.to_float on a GPU) against ToTensor and Normalize's
+    eager kernels on the same GPU, at a chunk's real size: every value equal (Triton's plain
+    float32 division would miss by an ulp)."""
+    pixels = torch.randint(0, 256, (512, 3, 224, 224), dtype=torch.uint8, device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(0))
+    (step,) = SPLIT.normalize
+    mean, std = (torch.tensor(v, device="cuda").view(3, 1, 1) for v in (step.mean, step.std))
+    assert torch.equal(SPLIT.to_float(pixels), pixels.float().div(255).sub(mean).div(std))
