@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Callable, Iterator, Optional, Protocol, Sequence
 
@@ -115,6 +116,80 @@ class KeepBudget:
             self.changed.notify_all()
 
 
+def page_lock(tensor: torch.Tensor) -> bool:
+    """Register a host tensor's memory with CUDA (page-locked, so copies from it to the GPU are
+    asynchronous DMA) until the tensor's storage is freed; False where CUDA is absent or refuses."""
+    if not torch.cuda.is_available() or not tensor.numel():
+        return False
+    nbytes = tensor.numel() * tensor.element_size()
+    if torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0) != 0:  # not cudaSuccess
+        return False
+    weakref.finalize(tensor.untyped_storage(), torch.cuda.cudart().cudaHostUnregister, tensor.data_ptr())
+    return True
+
+
+ARENA_WAIT_S = 0.0005  # how often a worker whose arena is full looks again
+
+
+class WorkerArenas:
+    """Host memory the loader's workers write their pieces' images into, one circular arena a
+    worker, shared with the training process and page-locked there: a chunk goes to the GPU in one
+    copy from where its worker wrote it, with nothing copied on the host and no thread in the
+    training process (`data.worker_decode_share: 1`, docs/architecture.md).
+
+    A worker writes its pieces one after another, wrapping round (a piece never straddles the end:
+    the tail it does not fit in stays unused); the trainer gives each piece's bytes back once the
+    step is done with it (`release`), in the order the worker wrote them, as the DataLoader hands a
+    worker's pieces out in order. A worker waits while its arena is full. Positions count the bytes
+    a worker has written since the run began; `released` is written by the trainer alone, a
+    worker's next position (`next_start`) by that worker alone, so no lock is needed. Its last entry says the
+    trainer is closing: a waiting worker then gives up.
+
+    In the trainer:  arenas = WorkerArenas(workers, arena_bytes)   # pickled to the workers with the dataset
+    In worker w:     start, place = arenas.place(w, nbytes)      # place: a uint8 view to fill
+    In the trainer:  arenas.view(w, start, stop) ... arenas.release(w, stop)
+    """
+
+    def __init__(self, workers: int, arena_bytes: int):
+        self.workers, self.arena_bytes = workers, arena_bytes
+        storage = torch.UntypedStorage._new_shared(workers * arena_bytes)  # shared memory, mapped by each worker
+        self.memory = torch.empty(0, dtype=torch.uint8).set_(storage)
+        self.released = torch.zeros(workers + 1, dtype=torch.int64).share_memory_()
+        self.next_start = [0] * workers  # where each worker's next piece goes (each worker's process keeps its own)
+        self.page_locked = page_lock(self.memory)  # the trainer's mapping; a worker never touches CUDA
+
+    def place(self, worker: int, nbytes: int) -> tuple[int, torch.Tensor] | None:
+        """Where worker `worker`'s next piece of `nbytes` goes, once the trainer has given back room
+        for it: (its start position, a view of the arena there); None when the trainer is closing."""
+        if nbytes > self.arena_bytes:
+            raise RuntimeError(f"a loader piece of {nbytes:,} bytes does not fit its worker's arena of {self.arena_bytes:,}")
+        start = self.next_start[worker]
+        if start % self.arena_bytes + nbytes > self.arena_bytes:
+            start += self.arena_bytes - start % self.arena_bytes  # to the arena's beginning
+        stop = start + nbytes
+        released = self.released.numpy()
+        while stop - released[worker] > self.arena_bytes:
+            if released[-1]:
+                return None
+            time.sleep(ARENA_WAIT_S)
+        self.next_start[worker] = stop
+        return start, self.view(worker, start, stop)
+
+    def view(self, worker: int, start: int, stop: int) -> torch.Tensor:
+        """Bytes [start, stop) of worker `worker`'s pieces (positions as `place` gave them)."""
+        offset = worker * self.arena_bytes + start % self.arena_bytes
+        return self.memory[offset : offset + stop - start]
+
+    def release(self, worker: int, stop: int) -> None:
+        """The trainer is done with worker `worker`'s pieces up to position `stop` (the GPU's copies
+        from them included): the worker may write there again."""
+        self.released[worker] = max(int(self.released[worker]), stop)
+
+    def close(self) -> None:
+        """The trainer stops reading: workers waiting for room give up."""
+        self.released[-1] = 1
+
+
 class Arrivals:
     """How many leading rows of a batch have arrived; waiting on it re-raises a loader failure."""
 
@@ -142,6 +217,27 @@ class Arrivals:
     def raise_if_failed(self) -> None:
         if self.error is not None:
             raise RuntimeError("the data loader failed while gathering this batch") from self.error
+
+
+class PulledArrivals(Arrivals):
+    """Arrivals that the thread asking for rows brings in itself: waiting for rows calls `pull`
+    (the batch's next piece from the loader, put into its columns) until they are there. No
+    gathering thread: the training thread receives each piece's few small tensors when a chunk
+    needs them, while the loader's workers run ahead in their arenas (`WorkerArenas`)."""
+
+    def __init__(self, pull: Callable[[], None] | None = None):
+        super().__init__()
+        self.pull = pull
+
+    def wait_for(self, rows: int) -> None:
+        while self.rows < rows and self.error is None:
+            try:
+                self.pull()
+            except BaseException as error:
+                self.fail(error)
+                raise
+        if self.rows < rows:
+            self.raise_if_failed()
 
 
 class Prepared(Protocol):

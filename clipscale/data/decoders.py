@@ -42,7 +42,7 @@ import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from clipscale.caption_length import to_device_async  # a copy that never waits for the step's queued work
-from clipscale.data.chunks import Arrivals, ChunkSource, DeviceTransform, HostChunk, KeepBudget
+from clipscale.data.chunks import Arrivals, ChunkSource, DeviceTransform, HostChunk, KeepBudget, WorkerArenas
 from clipscale.data.transforms import SplitTransform
 
 JPEG_START, JPEG_END = b"\xff\xd8", b"\xff\xd9"
@@ -112,13 +112,16 @@ class EncodedImages:
     worker more than the decode), laid end to end in `pixels` (uint8, flat),
     each of `pixel_sizes` [m, 2] (height, width) and starting at `pixel_offsets` [m + 1]; their
     rows in `pixel_rows` [m] (ascending). Tensors, so loader workers pass it through shared memory.
+    Where the worker wrote the pixels into its arena (`WorkerArenas`), `arena_span` is (worker,
+    start, stop) and `pixels` is empty until the trainer puts its view of them there (`in_arena`).
 
     `self[i]` is (bytes, params tuple), what `SplitTransform.decode` takes."""
 
     def __init__(self, data: torch.Tensor, offsets: torch.Tensor, params: torch.Tensor,
                  pixels: torch.Tensor | None = None, pixel_sizes: torch.Tensor | None = None,
-                 pixel_rows: torch.Tensor | None = None):
+                 pixel_rows: torch.Tensor | None = None, arena_span: tuple[int, int, int] | None = None):
         self.data, self.offsets, self.params = data, offsets, params
+        self.arena_span = arena_span
         self.pixels = pixels if pixels is not None else torch.empty(0, dtype=torch.uint8)
         self.pixel_sizes = pixel_sizes if pixel_sizes is not None else torch.empty(0, 2, dtype=torch.int64)
         self.pixel_rows = pixel_rows if pixel_rows is not None else torch.empty(0, dtype=torch.int64)
@@ -127,9 +130,11 @@ class EncodedImages:
 
     @classmethod
     def from_samples(cls, blobs: tuple[bytes, ...], params: tuple[tuple, ...],
-                     decoded: tuple[torch.Tensor | None, ...] | None = None) -> "EncodedImages":
+                     decoded: tuple[torch.Tensor | None, ...] | None = None,
+                     arena: tuple[WorkerArenas, int] | None = None) -> "EncodedImages | None":
         """`decoded`: per sample, its uint8 [3, h, w] pixels where the worker decoded it (its
-        bytes are then not kept)."""
+        bytes are then not kept); written into `arena` ((arenas, this worker)) where given. None
+        when the trainer closes while the worker waits for room in its arena."""
         rows = [k for k, pixels in enumerate(decoded or ()) if pixels is not None]
         if rows:
             blobs = tuple(b"" if pixels is not None else blob for blob, pixels in zip(blobs, decoded))
@@ -138,15 +143,23 @@ class EncodedImages:
         joined = b"".join(blobs)  # empty where the worker decoded every image (torch.frombuffer refuses nothing)
         data = torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
         width = len(params[0]) if params else 0
-        pixels = sizes = None
+        pixels = sizes = span = None
         if rows:  # each image copied once, into its place (PIL's come as [3, h, w] views of [h, w, 3] memory)
             sizes = torch.tensor([decoded[k].shape[1:] for k in rows], dtype=torch.int64)
             lengths = (3 * sizes.prod(1)).tolist()
-            pixels = torch.empty(sum(lengths), dtype=torch.uint8)
-            for k, place in zip(rows, pixels.split(lengths)):
+            if arena is None:
+                pixels = torch.empty(sum(lengths), dtype=torch.uint8)
+                places = pixels
+            else:
+                arenas, worker = arena
+                placed = arenas.place(worker, sum(lengths))
+                if placed is None:
+                    return None
+                span, places = (worker, placed[0], placed[0] + sum(lengths)), placed[1]
+            for k, place in zip(rows, places.split(lengths)):
                 place.view(decoded[k].shape).copy_(decoded[k])
         return cls(data, offsets, torch.tensor(params, dtype=torch.int64).reshape(len(blobs), width),
-                   pixels, sizes, torch.tensor(rows, dtype=torch.int64) if rows else None)
+                   pixels, sizes, torch.tensor(rows, dtype=torch.int64) if rows else None, span)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -163,6 +176,10 @@ class EncodedImages:
         training process's interpreter, so it spends no Python per sample where one call does."""
         first = int(self.offsets[start])
         return torch.tensor_split(self.data[first : int(self.offsets[stop])], self.offsets[start + 1 : stop] - first)
+
+    def all_by_worker(self) -> bool:
+        """Whether the worker decoded every image (its image k is then row k)."""
+        return len(self.pixel_rows) == len(self)
 
     def decoded_rows(self, start: int, stop: int) -> tuple[list[int], slice]:
         """The rows of [start, stop) whose pixels the worker decoded, counted from `start`, and
@@ -185,12 +202,16 @@ class EncodedImages:
     def params_of(self, i: int) -> tuple:
         return tuple(self.params[i].tolist())
 
-    def clone(self, pinned: bool = False) -> "EncodedImages":
+    def clone(self, pinned: bool = False, arenas: WorkerArenas | None = None) -> "EncodedImages":
         """A private copy; `pinned`: the worker's pixels page-locked, so that a chunk's rows of them
-        go to the device in one asynchronous copy, from a view (`worker_span`)."""
-        pixels = self.pixels.pin_memory() if pinned and self.pixels.numel() else self.pixels.clone()
+        go to the device in one asynchronous copy, from a view (`worker_span`). Pixels in a worker's
+        arena are not copied: the copy's pixels are the trainer's view of them (`arenas`)."""
+        if self.arena_span is not None:
+            pixels = arenas.view(*self.arena_span)
+        else:
+            pixels = self.pixels.pin_memory() if pinned and self.pixels.numel() else self.pixels.clone()
         return EncodedImages(self.data.clone(), self.offsets.clone(), self.params.clone(), pixels, self.pixel_sizes.clone(),
-                             self.pixel_rows.clone())
+                             self.pixel_rows.clone(), self.arena_span)
 
     @property
     def nbytes(self) -> int:
@@ -199,17 +220,26 @@ class EncodedImages:
 
 
 class EncodedBatch:
-    """A step's images kept as the pieces' `EncodedImages`, in row order, as they arrive."""
+    """A step's images kept as the pieces' `EncodedImages`, in row order, as they arrive; pixels the
+    workers wrote into their `arenas` stay there, until `release`."""
 
-    def __init__(self):
+    def __init__(self, arenas: WorkerArenas | None = None):
         self.pieces: list[tuple[int, EncodedImages]] = []  # (first row, the piece's images)
+        self.arenas = arenas
 
     def add(self, first_row: int, encoded: EncodedImages) -> None:
         """Keep a private copy: a loader worker's tensors sit in shared memory, one file descriptor
         each, and a batch of a million samples would hold thousands of them. Where CUDA is, the
         worker's pixels are copied into page-locked memory here, in the gathering thread, not by
         the decoding thread (the data path's limit) when it sends them to the device."""
-        self.pieces.append((first_row, encoded.clone(pinned=torch.cuda.is_available())))
+        self.pieces.append((first_row, encoded.clone(pinned=torch.cuda.is_available(), arenas=self.arenas)))
+
+    def release(self) -> None:
+        """Give the workers' arenas back the pieces' pixels (call once no copy from them is pending)."""
+        for _, encoded in self.pieces:
+            if encoded.arena_span is not None:
+                worker, _, stop = encoded.arena_span
+                self.arenas.release(worker, stop)
 
     def rows(self, start: int, stop: int) -> list[tuple[EncodedImages, int, int]]:
         """Rows [start, stop) as (piece, first, stop) within each piece that holds some of them."""
@@ -258,6 +288,9 @@ def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop:
     images nothing could decode, trained black). The JPEGs are decoded in one call, the worker's
     crop regions sent in one copy, and all of them resized in one pass; what nvJPEG refuses, PIL
     decodes here."""
+    if encoded.all_by_worker():  # the workers decoded every image (data.worker_decode_share 1): one copy, one resize
+        regions = WorkerRegions(encoded, slice(start, stop), device)
+        return resized_crops(split, [], encoded.params[:0, :4], device, regions), 0
     n = stop - start
     blobs = encoded.blobs(start, stop)
     pixel_rows, pixel_index = encoded.decoded_rows(start, stop)
@@ -360,7 +393,11 @@ DECODE_THREADS = 2
 
 
 class DeviceDecoder:
-    """Decodes a batch's chunks on the device in `threads` threads of its own.
+    """Decodes a batch's chunks on the device in `threads` threads of its own, or (`threads=0`) in
+    the thread that asks for them, when the loader's workers decoded every image into their
+    `arenas`: a chunk is then one copy and one resize, a few calls, cheaper than any hand-over to
+    another thread of the training process, which would share its interpreter lock (a thread doing
+    Python beside the step slows every one of the step's launches: bench_contention.py).
 
     A decode waits for its own work: issued from the training thread, every chunk's decode
     would stall the model's queue. On threads each with its own CUDA stream, chunks
@@ -373,12 +410,13 @@ class DeviceDecoder:
     counted by their batch's rows at their chunk's first decode (`DeviceDecodedRows.trained_black`)."""
 
     def __init__(self, split: SplitTransform, device: torch.device, chunk_size: int | None = None,
-                 threads: int = DECODE_THREADS):
-        self.split, self.device, self.chunk_size = split, device, chunk_size
+                 threads: int = DECODE_THREADS, arenas: WorkerArenas | None = None):
+        self.split, self.device, self.chunk_size, self.arenas = split, device, chunk_size, arenas
         self.own = threading.local()  # each thread's CUDA stream
+        self.streams: list = []  # every thread's, for `wait_for_copies`
         self.thread = ThreadPoolExecutor(threads, thread_name_prefix="clipscale-decode",
                                          initializer=torch.cuda.set_device if device.type == "cuda" else None,
-                                         initargs=(device,) if device.type == "cuda" else ())
+                                         initargs=(device,) if device.type == "cuda" else ()) if threads else None
         self.count_lock = threading.Lock()
         self.images_decoded = 0
         self.decode_s = 0.0  # the threads' time in decoding calls, summed (their rows' arrival not counted)
@@ -387,14 +425,19 @@ class DeviceDecoder:
                budget: KeepBudget | None) -> ChunkSource:
         """A batch's images column, decoded here; its chunks decoded ahead when the budget and the
         transform allow (a single random resized crop: every image's pixels are the same size)."""
-        return decoded_column(DeviceDecodedRows(batch_size, arrivals, self), self.split, self.chunk_size, arrivals,
+        ahead = self.chunk_size if self.thread is not None else None  # decoded when asked for, in the asking thread
+        return decoded_column(DeviceDecodedRows(batch_size, arrivals, self), self.split, ahead, arrivals,
                               device_transform, budget)
 
     def submit(self, encoded: EncodedBatch, arrivals: Arrivals, start: int, stop: int,
                counted: "DeviceDecodedRows | None" = None) -> "DecodedChunk":
         """Rows [start, stop) decoded once they have arrived; the images trained black are added to
         `counted`'s count (their first decode's, not a second's)."""
-        return DecodedChunk(self.thread.submit(self._decode, encoded, arrivals, start, stop, counted))
+        if self.thread is not None:
+            return DecodedChunk(self.thread.submit(self._decode, encoded, arrivals, start, stop, counted))
+        decoded: Future = Future()
+        decoded.set_result(self._decode(encoded, arrivals, start, stop, counted))
+        return DecodedChunk(decoded)
 
     def _decode(self, encoded: EncodedBatch, arrivals: Arrivals, start: int, stop: int, counted: "DeviceDecodedRows | None"
                 ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -402,6 +445,8 @@ class DeviceDecoder:
         if not hasattr(self.own, "stream"):  # this thread's first chunk
             # The highest priority: the crop's kernels take SMs as the step's kernels free them.
             self.own.stream = torch.cuda.Stream(self.device, priority=-100) if self.device.type == "cuda" else None
+            with self.count_lock:
+                self.streams.append(self.own.stream)
         stream = self.own.stream
         started = time.perf_counter()
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
@@ -413,8 +458,18 @@ class DeviceDecoder:
             self.decode_s += time.perf_counter() - started
         return pixels, (stream.record_event() if stream is not None else None)
 
+    def wait_for_copies(self) -> None:
+        """Until every copy and resize issued so far has run (the arenas' pixels they read may be
+        written again after)."""
+        with self.count_lock:
+            streams = list(self.streams)
+        for stream in streams:
+            if stream is not None:
+                stream.synchronize()
+
     def close(self) -> None:
-        self.thread.shutdown(wait=False, cancel_futures=True)
+        if self.thread is not None:
+            self.thread.shutdown(wait=False, cancel_futures=True)
 
 
 class DecodedChunk:
@@ -443,7 +498,7 @@ class DeviceDecodedRows:
 
     def __init__(self, batch_size: int, arrivals: Arrivals, decoder: DeviceDecoder):
         self.batch_size, self.arrivals, self.decoder = batch_size, arrivals, decoder
-        self.encoded = EncodedBatch()
+        self.encoded = EncodedBatch(decoder.arenas)
         self.trained_black = 0  # images of the batch nothing decoded, trained black (at their first decode)
 
     def __len__(self) -> int:
@@ -456,7 +511,11 @@ class DeviceDecodedRows:
         return self.decoder.submit(self.encoded, self.arrivals, start, stop, counted=self if pass_number == 1 else None)
 
     def release(self) -> None:
-        """Nothing is held elsewhere: the bytes are this process's, dropped with the batch."""
+        """The bytes are this process's, dropped with the batch; pixels in the workers' arenas go
+        back to them once the device has read them."""
+        if self.decoder.arenas is not None:
+            self.decoder.wait_for_copies()
+            self.encoded.release()
 
 
 # --- decoding again in processes (train.offload) ----------------------------------------------------

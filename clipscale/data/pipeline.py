@@ -21,7 +21,6 @@ import queue
 import threading
 import time
 import warnings
-import weakref
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
@@ -29,11 +28,12 @@ import torch
 
 from clipscale.config import Config, ConfigError
 from clipscale.data import prepare_data
-from clipscale.data.chunks import Arrivals, ChunkSource, DeviceTransform, KeepBudget, PinnedRows, on_the_callers_device
-from clipscale.data.decoders import DecodePool, DeviceDecoder
+from clipscale.data.chunks import (Arrivals, ChunkSource, DeviceTransform, KeepBudget, PinnedRows, PulledArrivals, WorkerArenas,
+                                   on_the_callers_device, page_lock)
+from clipscale.data.decoders import DECODE_THREADS, DecodePool, DeviceDecoder
 from clipscale.data.epoch import WorkList
 from clipscale.data.shards import SKIPS_NAMED, ShardStream, StreamState
-from clipscale.data.transforms import CaptionTokenizer, SplitTransform
+from clipscale.data.transforms import REGION_LIMIT, CaptionTokenizer, SplitTransform
 from clipscale.distributed import World, all_reduce_sum_list
 from clipscale.errors import UserError
 from clipscale.signals import ignore_stop_signals
@@ -68,6 +68,9 @@ AUTO_SHARE, AUTO_SHARE_WORKERS = 0.4, 14
 # workers handed over final 224-px pixels); auto keeps them under this fraction of the host's
 # memory a rank.
 AUTO_SHARE_HOST_FRACTION, BATCHES_HELD = 0.25, 3
+# The workers' arenas (share 1): at most this fraction of the host's memory a rank; the loader may
+# run this many of a worker's batch shares ahead (they wait for room in their arena anyway).
+ARENA_HOST_FRACTION, ARENA_BATCHES = 0.5, 2
 
 
 def auto_worker_share(workers: int, per_rank_batch: int, image_bytes: int, host_bytes: int) -> tuple[float, str | None]:
@@ -140,6 +143,7 @@ class TrainingBatches:
             raise ConfigError("train.offload needs an image transform whose random crop can be kept with the image bytes "
                               f"(open_clip's RandomResizedCrop pipelines); got {image_transform}")
         self.workers = cfg.data.workers
+        self.arenas = self._arenas(cfg, split, per_rank, piece)
         self.state = StreamState(workers=max(1, cfg.data.workers))
         stream = ShardStream(
             data.train_shards,
@@ -157,23 +161,45 @@ class TrainingBatches:
             decode=self.path.decoder == "loader",
             worker_decode_share=self.path.worker_decode_share,
             max_image_pixels=cfg.data.max_image_pixels,
+            arenas=self.arenas,
         )
         self.order = stream.order
         # A generator of its own: the loader's seed draw leaves the global RNG (dropout's) as restored.
         loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=cfg.data.workers,
                                              persistent_workers=cfg.data.workers > 0, worker_init_fn=ignore_stop_signals,
                                              multiprocessing_context=worker_context() if cfg.data.workers else None,
-                                             generator=torch.Generator().manual_seed(cfg.run.seed + world.rank))
+                                             generator=torch.Generator().manual_seed(cfg.run.seed + world.rank),
+                                             **({"prefetch_factor": ARENA_BATCHES * self.arena_pieces} if self.arenas else {}))
         self.decoder: ImageDecoder | None = None
         if self.path.decoder == "device":
-            self.decoder = DeviceDecoder(split, world.device, chunk_size=chunk)
+            self.decoder = DeviceDecoder(split, world.device, chunk_size=chunk, threads=0 if self.arenas else DECODE_THREADS,
+                                         arenas=self.arenas)
         elif self.path.offload:
-            # Without workers the batch is gathered whole before the step (BatchStream's in_thread): no bound then.
+            # Without workers the batch is gathered whole before the step (BatchStream's gather="whole"): no bound then.
             window = 2 * max(1, chunk // piece) if cfg.data.workers else 0
             self.decoder = DecodePool(split.decode, cfg.data.decode_workers or max(1, cfg.data.workers), window)
         self.stream = BatchStream(loader, batch_size=per_rank, piece_size=piece, state=self.state, steps=cfg.train.steps,
                                   device_transform=split.to_float if split is not None else None, decoder=self.decoder,
-                                  budget=KeepBudget(plan.keep_on_device_bytes), in_thread=cfg.data.workers > 0)
+                                  budget=KeepBudget(plan.keep_on_device_bytes),
+                                  gather="pulled" if self.arenas else "thread" if cfg.data.workers else "whole")
+
+    def _arenas(self, cfg: Config, split: SplitTransform | None, per_rank: int, piece: int) -> WorkerArenas | None:
+        """The workers' arenas where they decode every image for the device (`WorkerArenas`): each
+        holds its worker's pieces of a batch with every crop region at its largest
+        (`REGION_LIMIT` outputs' pixels), so a batch always fits, and about two batches of
+        img2dataset's images; None (the gathering thread copies the pixels) where the workers do
+        not decode them all, or the arenas would take more than `ARENA_HOST_FRACTION` of the host."""
+        if self.path.decoder != "device" or self.path.worker_decode_share < 1 or not cfg.data.workers:
+            return None
+        height, width = split.only_random_resized_crop().size
+        self.arena_pieces = -(-(per_rank // piece) // cfg.data.workers)  # a worker's pieces of a batch, at most
+        arena_bytes = int(self.arena_pieces * piece * REGION_LIMIT * 3 * height * width)
+        if cfg.data.workers * arena_bytes > ARENA_HOST_FRACTION * host_bytes_per_rank():
+            self.path.notes.append(f"the loader workers' pixels are copied by a thread of the trainer: their arenas would take "
+                                   f"{cfg.data.workers * arena_bytes / 2**30:.0f} GiB, over {ARENA_HOST_FRACTION:.0%} of the "
+                                   "host's memory a rank")
+            return None
+        return WorkerArenas(cfg.data.workers, arena_bytes)
 
     def next(self) -> StreamedBatch:
         return self.stream.next()
@@ -209,6 +235,8 @@ class TrainingBatches:
     def close(self) -> None:
         """The gathering thread, the loader's workers and the decoder stop (each batch first: a
         batch being decoded ahead stops before its decoder does)."""
+        if self.arenas is not None:
+            self.arenas.close()  # workers waiting for room in their arenas give up
         self.stream.close()
         if self.decoder is not None:
             self.decoder.close()
@@ -237,12 +265,8 @@ def pinned_empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     rounds every block up to a power of two: a 4.9 GB batch would hold 8 GB. Registering
     plain memory with CUDA pins exactly what the batch needs."""
     tensor = torch.empty(shape, dtype=dtype)
-    if torch.cuda.is_available() and tensor.numel():
-        nbytes = tensor.numel() * tensor.element_size()
-        status = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
-        if status != 0:  # cudaSuccess; otherwise fall back to the caching allocator
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
-        weakref.finalize(tensor.untyped_storage(), torch.cuda.cudart().cudaHostUnregister, tensor.data_ptr())
+    if torch.cuda.is_available() and tensor.numel() and not page_lock(tensor):
+        return torch.empty(shape, dtype=dtype, pin_memory=True)  # CUDA refused: the caching allocator
     return tensor
 
 
@@ -287,22 +311,25 @@ class BatchStream:
                 when the pieces already hold the final images.
     decoder:    None (the pieces hold the pixels), or who decodes the images (`ImageDecoder`).
     budget:     what chunks may keep on the device for pass 2 (`KeepBudget`), or None.
-    in_thread:  gather in a background thread, one batch ahead. Off when the loader decodes in
-                this process (no workers): its per-sample seeding sets the process-wide RNG,
-                which a thread would race with the step's dropout and Gradient Cache's replays.
-                The whole batch is then gathered inside `next()`.
+    gather:     "thread": in a background thread, one batch ahead. "whole": the whole batch
+                inside `next()`, when the loader decodes in this process (no workers): its
+                per-sample seeding sets the process-wide RNG, which a thread would race with the
+                step's dropout and Gradient Cache's replays. "pulled": each piece when a chunk
+                asks for its rows, in the asking thread (`PulledArrivals`), when the workers write
+                their pixels into arenas (`WorkerArenas`) and are ahead there: nothing of the
+                data path runs beside the step in the training process.
     """
 
     SLOTS = 2  # the batch in use and the next one
 
     def __init__(self, loader: Iterable[dict], *, batch_size: int, piece_size: int, state: StreamState, steps: int,
                  device_transform: DeviceTransform | None = None, decoder: ImageDecoder | None = None,
-                 budget: KeepBudget | None = None, in_thread: bool = True):
+                 budget: KeepBudget | None = None, gather: str = "thread"):
         if batch_size % piece_size:
             raise ValueError(f"batch_size {batch_size} is not a multiple of piece_size {piece_size}")
         self.loader_iterable, self.loader = loader, None  # iterated (its workers started) by the first `next()`
         self.state, self.steps = state, steps
-        self.in_thread = in_thread
+        self.gather = gather
         self.batch_size, self.piece_size = batch_size, piece_size
         self.device_transform = device_transform
         self.decoder = decoder
@@ -321,7 +348,7 @@ class BatchStream:
         """Start reading: the loader's workers take the stream as it is now (a resumed run's cursors
         are in it by then, whenever they were restored), and the gathering thread starts."""
         self.loader = iter(self.loader_iterable)
-        if self.in_thread:
+        if self.gather == "thread":
             self.thread = threading.Thread(target=on_the_callers_device(self._gather), args=(self.steps - self.state.batches,),
                                            name="clipscale-batches", daemon=True)
             self.thread.start()
@@ -331,7 +358,9 @@ class BatchStream:
         started = time.perf_counter()
         if self.loader is None:
             self.start()
-        if self.thread is None:
+        if self.gather == "pulled":
+            batch = self._pulled_batch(self.free.get_nowait())
+        elif self.thread is None:
             gathered: list = []
             self._gather_batch(self.free.get_nowait(), gathered.append)
             batch = gathered[0]
@@ -400,8 +429,34 @@ class BatchStream:
 
     def _gather_batch(self, slot: int, publish: Callable[[StreamedBatch], None]) -> None:
         """Gather one batch into `slot`, publishing it as soon as its first piece is there."""
-        piece = next(self.loader)
-        arrivals = Arrivals()
+        batch = self._start_batch(slot, next(self.loader), Arrivals())
+        publish(batch)
+        try:
+            for k in range(1, self.batch_size // self.piece_size):
+                if self.stopping.is_set():
+                    raise RuntimeError("the batch stream was closed")
+                self._put(batch, k, next(self.loader))
+        except BaseException as error:
+            batch.arrivals.fail(error)
+            raise
+
+    def _pulled_batch(self, slot: int) -> StreamedBatch:
+        """A batch whose pieces are received when its rows are asked for (`gather="pulled"`)."""
+        arrivals = PulledArrivals()
+        batch = self._start_batch(slot, self._next_piece(), arrivals)
+        pieces = iter(range(1, self.batch_size // self.piece_size))
+        arrivals.pull = lambda: self._put(batch, next(pieces), self._next_piece())
+        return batch
+
+    def _next_piece(self) -> dict:
+        """The loader's next piece, its worker's error as the thread would give it to `next`."""
+        try:
+            return next(self.loader)
+        except UserError as error:
+            raise type(error)(last_line(str(error))) from None
+
+    def _start_batch(self, slot: int, piece: dict, arrivals: Arrivals) -> StreamedBatch:
+        """A batch in `slot`, its columns made for `piece`, which is put in as its first."""
         if self.decoder is not None:
             images = self.decoder.column(self.batch_size, arrivals, self.device_transform, self.budget)
         else:
@@ -409,25 +464,24 @@ class BatchStream:
                                  self.device_transform, self.budget)
         texts = ChunkSource(PinnedRows(self._buffer(slot, "texts", piece["texts"]), "texts", arrivals), budget=self.budget)
         batch = StreamedBatch(images, texts, arrivals, slot, self)
-        publish(batch)
         try:
-            for k in range(self.batch_size // self.piece_size):
-                if self.stopping.is_set():
-                    raise RuntimeError("the batch stream was closed")
-                if k:
-                    piece = next(self.loader)
-                rows = slice(k * self.piece_size, (k + 1) * self.piece_size)
-                if len(piece["texts"]) != self.piece_size:
-                    raise RuntimeError(f"a loader piece has {len(piece['texts'])} samples, expected {self.piece_size}")
-                images.put(rows, piece)
-                texts.put(rows, piece)
-                batch.records.append({key: piece[key] for key in ("cursor", "drawn", "sample_keys", "skipped_samples", "skips",
-                                                                   "shard_errors", "captions_cut", "problem_shards")
-                                      if key in piece})
-                arrivals.add(self.piece_size)
+            self._put(batch, 0, piece)
         except BaseException as error:
             arrivals.fail(error)
             raise
+        return batch
+
+    def _put(self, batch: StreamedBatch, k: int, piece: dict) -> None:
+        """Piece `k` of the batch into its columns and records."""
+        rows = slice(k * self.piece_size, (k + 1) * self.piece_size)
+        if len(piece["texts"]) != self.piece_size:
+            raise RuntimeError(f"a loader piece has {len(piece['texts'])} samples, expected {self.piece_size}")
+        batch.images.put(rows, piece)
+        batch.texts.put(rows, piece)
+        batch.records.append({key: piece[key] for key in ("cursor", "drawn", "sample_keys", "skipped_samples", "skips",
+                                                           "shard_errors", "captions_cut", "problem_shards")
+                              if key in piece})
+        batch.arrivals.add(self.piece_size)
 
 
 def last_line(message: str) -> str:

@@ -26,6 +26,7 @@ from PIL import UnidentifiedImageError
 
 from clipscale.caption_length import captions_cut
 from clipscale.errors import UserError
+from clipscale.data.chunks import WorkerArenas
 from clipscale.data.decoders import EncodedImages, device_decodes, jpeg_frame, size_only
 from clipscale.data.epoch import SAMPLE_SEEDS, EpochOrder, EpochPlan, ShuffledEpoch, WorkList
 from clipscale.data.sources import (DATA_ERRORS, IMAGE_KEYS, TEXT_KEYS, ShardSource, check_pixel_bound, decode_text,
@@ -254,6 +255,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         worker_decode_share: float = 0.0,
         max_image_pixels: Optional[int] = None,
         keep_keys: bool = False,
+        arenas: Optional[WorkerArenas] = None,
     ):
         if (keep_encoded or not decode) and split is None:
             raise ValueError("keeping images encoded needs a split transform (the crop drawn apart from the decode)")
@@ -273,6 +275,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.decoded_here_below = round(worker_decode_share * SAMPLE_SEEDS)
         self.max_image_pixels = max_image_pixels  # None: PIL's Image.MAX_IMAGE_PIXELS
         self.keep_keys = keep_keys
+        self.arenas = arenas  # where the workers write the pixels they decode for the device (WorkerArenas)
         self.state = state or StreamState(workers=self.num_workers)  # read when iterated: it may be restored after this is built
         self.order = EpochOrder(self.source, seed)
 
@@ -297,7 +300,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         return f"{raw.get('__url__') or shard}: sample {raw.get('__key__')}", str(error)
 
     def _piece(self, samples: list[tuple], cursor: Cursor, drawn: Counter, skipped: int, skips: list, errors: ShardErrors,
-               problem_shards: list) -> dict:
+               problem_shards: list, loader_worker: int) -> dict | None:
+        """The piece of `samples`; None when the trainer closed while this worker waited for room in
+        its arena (`loader_worker`: the DataLoader's number of this worker)."""
         pixels, encoded, captions, keys = zip(*samples)
         texts = self.tokenizer(list(captions))
         piece = {
@@ -315,7 +320,10 @@ class ShardStream(torch.utils.data.IterableDataset):
         if self.decode:
             piece["images"] = torch.stack(pixels)
         if self.keep_encoded:  # without `decode`, the images the device will not decode come as pixels
-            piece["encoded"] = EncodedImages.from_samples(*zip(*encoded), None if self.decode else pixels)
+            arena = (self.arenas, loader_worker) if self.arenas is not None and not self.decode else None
+            piece["encoded"] = EncodedImages.from_samples(*zip(*encoded), None if self.decode else pixels, arena)
+            if piece["encoded"] is None:
+                return None
         return piece
 
     def __iter__(self):
@@ -358,8 +366,11 @@ class ShardStream(torch.utils.data.IterableDataset):
                 usable += 1
                 samples.append((*sample, (epoch, raw["__key__"])))
                 if len(samples) == self.piece_size:
-                    yield self._piece(samples, Cursor(worker, item, shuffled.position()), drawn, skipped, skips, errors,
-                                      problem_shards)
+                    piece = self._piece(samples, Cursor(worker, item, shuffled.position()), drawn, skipped, skips, errors,
+                                        problem_shards, slot)
+                    if piece is None:
+                        return
+                    yield piece
                     samples, drawn, skipped, skips, errors.count, errors.shards, problem_shards = [], Counter(), 0, [], 0, [], []
             # Slots move between consumers every epoch, so a barren stretch can be bad luck; an epoch's
             # worth of them in a row means the data itself is broken, and waiting would hang the run.

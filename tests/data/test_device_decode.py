@@ -324,3 +324,55 @@ def test_an_image_whose_data_does_not_decode_is_trained_black_with_a_warning():
     assert pixels.shape == (3, 3, 32, 32) and black == 1
     assert torch.equal(pixels[1], torch.zeros(3, 32, 32, dtype=torch.uint8))
     assert torch.equal(pixels[0], pixels[2]) and pixels[0].float().mean() > 50
+
+
+def test_workers_decoding_every_image_write_into_arenas_and_train_on_the_threads_curve(digits_root, tmp_path, jpeg_shards,
+                                                                                       monkeypatch):
+    """data.worker_decode_share=1 with loader workers: each worker writes its crop regions into its
+    arena (WorkerArenas), the training thread pulls the pieces and resizes each chunk itself (no
+    gathering or decoding thread), and the run equals, loss for loss, the same share through the
+    gathering thread's pinned copies (arenas refused); nothing kept on the device, so pass 2 reads
+    the arenas again before their pieces are given back."""
+    import clipscale.data.pipeline as pipeline
+
+    record: list = []
+    arenas = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "arenas", "data.decoder=device",
+                                  "data.worker_decode_share=1", monkeypatch=monkeypatch, record=record)
+    assert all(encoded.arena_span is not None for images in record for _, encoded in images.rows.encoded.pieces)
+    assert not [thread.name for thread in threading.enumerate() if thread.name.startswith(("clipscale-batches", "clipscale-decode",
+                                                                                         "clipscale-ahead"))]
+    monkeypatch.setattr(pipeline, "ARENA_HOST_FRACTION", 0.0)
+    copied = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "copied", "data.decoder=device",
+                                  "data.worker_decode_share=1")
+    assert [m["loss"] for m in arenas] == [m["loss"] for m in copied]
+    assert [m["skipped_samples_total"] for m in arenas] == [m["skipped_samples_total"] for m in copied]
+
+
+def test_an_arena_wraps_round_and_a_worker_waits_for_room_until_given_back():
+    """A worker's pieces go one after another, a piece that does not fit before the end starts at
+    the beginning, and a worker whose arena is full waits until the trainer gives pieces back (or
+    closes: then it gets None)."""
+    from clipscale.data.chunks import WorkerArenas
+
+    arenas = WorkerArenas(workers=2, arena_bytes=100)
+    first, place = arenas.place(1, 60)
+    place.fill_(7)
+    assert first == 0 and torch.equal(arenas.view(1, 0, 60), torch.full((60,), 7, dtype=torch.uint8))
+    assert arenas.view(0, 0, 60).sum() == 0  # worker 0's arena apart
+    placed = []
+    waiting = threading.Thread(target=lambda: placed.append(arenas.place(1, 50)))
+    waiting.start()
+    time.sleep(0.1)
+    assert waiting.is_alive()  # 60 + 50 bytes do not fit: it waits
+    arenas.release(1, 60)
+    waiting.join(timeout=10)
+    start, place = placed[0]
+    assert start == 100 and place.data_ptr() == arenas.memory.data_ptr() + 100  # wrapped to the beginning
+    with pytest.raises(RuntimeError, match="does not fit"):
+        arenas.place(1, 101)
+    arenas.place(0, 100)
+    late = threading.Thread(target=lambda: placed.append(arenas.place(0, 1)))
+    late.start()
+    arenas.close()
+    late.join(timeout=10)
+    assert placed[-1] is None

@@ -116,7 +116,7 @@ class _CountedPieces:
 
 def test_a_batch_moves_the_stream_on_when_its_step_is_done_and_not_when_the_step_fails():
     pieces, state = _CountedPieces(), StreamState()
-    stream = BatchStream(pieces, batch_size=4, piece_size=2, state=state, steps=5, in_thread=False)
+    stream = BatchStream(pieces, batch_size=4, piece_size=2, state=state, steps=5, gather="whole")
     with pytest.raises(ValueError):
         with stream.next():
             raise ValueError("the step failed")
