@@ -228,14 +228,17 @@ class PulledArrivals(Arrivals):
     def __init__(self, pull: Callable[[], None] | None = None):
         super().__init__()
         self.pull = pull
+        self.wait_s = 0.0  # time spent receiving pieces: the batch's data wait beside its chunks'
 
     def wait_for(self, rows: int) -> None:
+        started = time.perf_counter()
         while self.rows < rows and self.error is None:
             try:
                 self.pull()
             except BaseException as error:
                 self.fail(error)
                 raise
+        self.wait_s += time.perf_counter() - started
         if self.rows < rows:
             self.raise_if_failed()
 

@@ -194,10 +194,13 @@ class TrainingBatches:
         height, width = split.only_random_resized_crop().size
         self.arena_pieces = -(-(per_rank // piece) // cfg.data.workers)  # a worker's pieces of a batch, at most
         arena_bytes = int(self.arena_pieces * piece * REGION_LIMIT * 3 * height * width)
-        if cfg.data.workers * arena_bytes > ARENA_HOST_FRACTION * host_bytes_per_rank():
+        total = cfg.data.workers * arena_bytes
+        shared = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None  # where shared memory lives
+        room = min(ARENA_HOST_FRACTION * host_bytes_per_rank(), shared.f_bavail * shared.f_frsize if shared else 0)
+        if total > room:
             self.path.notes.append(f"the loader workers' pixels are copied by a thread of the trainer: their arenas would take "
-                                   f"{cfg.data.workers * arena_bytes / 2**30:.0f} GiB, over {ARENA_HOST_FRACTION:.0%} of the "
-                                   "host's memory a rank")
+                                   f"{total / 2**30:.1f} GiB, over {ARENA_HOST_FRACTION:.0%} of the host's memory a rank or "
+                                   "what /dev/shm has free")
             return None
         return WorkerArenas(cfg.data.workers, arena_bytes)
 
@@ -285,8 +288,9 @@ class StreamedBatch:
 
     @property
     def data_wait_s(self) -> float:
-        """Time the step waited for this batch's data: its start, then each chunk not yet there."""
-        return self.handed_out_after_s + self.images.wait_s + self.texts.wait_s
+        """Time the step waited for this batch's data: its start, then each chunk not yet there (and
+        each piece received, when the step's thread receives them: `PulledArrivals`)."""
+        return self.handed_out_after_s + self.images.wait_s + self.texts.wait_s + getattr(self.arrivals, "wait_s", 0.0)
 
     def __len__(self) -> int:
         return len(self.texts)
