@@ -110,10 +110,16 @@ def resized_crops_at(where: torch.Tensor, boxes, size: tuple[int, int], interpol
     return out
 
 
+# ToTensor's division by 255 as PyTorch's CUDA kernel computes it: times the float32 reciprocal.
+RECIPROCAL_255 = (torch.tensor(1.0) / 255).item()
+
+
 def normalized(pixels: torch.Tensor, mean: tuple[float, float, float], std: tuple[float, float, float]) -> torch.Tensor:
     """float32 `(pixels / 255 - mean[c]) / std[c]` of uint8 [n, 3, H, W] pixels, in one pass: what
-    ToTensor and Normalize compute with three kernels (`SplitTransform.to_float`), the same
-    operations in the same order, each correctly rounded, so bit for bit the same."""
+    ToTensor and Normalize compute with three kernels on a GPU (`SplitTransform.to_float`), bit for
+    bit: the same operations in the same order, each rounded as PyTorch's CUDA kernels round it
+    (a division by a number, ToTensor's 255, is a product with its float32 reciprocal there; a
+    division by a tensor, Normalize's std, is correctly rounded)."""
     pixels = pixels.contiguous()
     out = torch.empty(pixels.shape, dtype=torch.float32, device=pixels.device)
     if not pixels.numel():
@@ -121,7 +127,7 @@ def normalized(pixels: torch.Tensor, mean: tuple[float, float, float], std: tupl
     P = programs(__name__, interpreting())
     block = 1024 if not P.INTERPRET else 256
     P.normalize_kernel[(triton.cdiv(pixels.numel(), block),)](pixels, out, pixels.numel(), pixels.shape[-2] * pixels.shape[-1],
-                                                              *mean, *std, BLOCK=block)
+                                                              RECIPROCAL_255, *mean, *std, BLOCK=block)
     return out
 
 
@@ -129,13 +135,13 @@ def normalized(pixels: torch.Tensor, mean: tuple[float, float, float], std: tupl
 
 
 @triton.jit
-def normalize_kernel(pixels, out, numel, plane, mean0, mean1, mean2, std0, std1, std2, BLOCK: tl.constexpr):
-    """out[k] = (pixels[k] / 255 - mean[c]) / std[c], c the channel of element k, each division
-    correctly rounded (div_rn: Triton's plain `/` on float32 is an approximation)."""
+def normalize_kernel(pixels, out, numel, plane, reciprocal_255, mean0, mean1, mean2, std0, std1, std2, BLOCK: tl.constexpr):
+    """out[k] = (pixels[k] * (1 / 255) - mean[c]) / std[c], c the channel of element k; the
+    division correctly rounded (div_rn: Triton's plain `/` on float32 is an approximation)."""
     at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = at < numel
     channel = (at // plane) % 3
-    value = tl.math.div_rn(tl.load(pixels + at, mask=inside, other=0).to(tl.float32), 255.0)
+    value = tl.load(pixels + at, mask=inside, other=0).to(tl.float32) * reciprocal_255
     mean = tl.where(channel == 0, mean0, tl.where(channel == 1, mean1, mean2))
     std = tl.where(channel == 0, std0, tl.where(channel == 1, std1, std2))
     tl.store(out + at, tl.math.div_rn(value - mean, std), mask=inside)
