@@ -110,24 +110,20 @@ def resized_crops_at(where: torch.Tensor, boxes, size: tuple[int, int], interpol
     return out
 
 
-# ToTensor's division by 255 as PyTorch's CUDA kernel computes it: times the float32 reciprocal.
-RECIPROCAL_255 = (torch.tensor(1.0) / 255).item()
-
-
-def normalized(pixels: torch.Tensor, mean: tuple[float, float, float], std: tuple[float, float, float]) -> torch.Tensor:
-    """float32 `(pixels / 255 - mean[c]) / std[c]` of uint8 [n, 3, H, W] pixels, in one pass: what
-    ToTensor and Normalize compute with three kernels on a GPU (`SplitTransform.to_float`), bit for
-    bit: the same operations in the same order, each rounded as PyTorch's CUDA kernels round it
-    (a division by a number, ToTensor's 255, is a product with its float32 reciprocal there; a
-    division by a tensor, Normalize's std, is correctly rounded)."""
+def normalized(pixels: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """float32 [n, 3, H, W]: each uint8 pixel of channel c replaced by `table[c, value]` ([3, 256]
+    float32 on the pixels' device), in one pass. `SplitTransform.to_float` makes the table with
+    ToTensor and Normalize's own kernels on the same device, so the result equals theirs bit for bit
+    whatever their rounding (on a GPU a division by 255 is a product with its reciprocal, and a
+    compiled product and subtraction may fuse into one rounding): no arithmetic is redone here."""
     pixels = pixels.contiguous()
     out = torch.empty(pixels.shape, dtype=torch.float32, device=pixels.device)
     if not pixels.numel():
         return out
     P = programs(__name__, interpreting())
     block = 1024 if not P.INTERPRET else 256
-    P.normalize_kernel[(triton.cdiv(pixels.numel(), block),)](pixels, out, pixels.numel(), pixels.shape[-2] * pixels.shape[-1],
-                                                              RECIPROCAL_255, *mean, *std, BLOCK=block)
+    P.table_kernel[(triton.cdiv(pixels.numel(), block),)](pixels, table.contiguous(), out, pixels.numel(),
+                                                           pixels.shape[-2] * pixels.shape[-1], BLOCK=block)
     return out
 
 
@@ -135,16 +131,13 @@ def normalized(pixels: torch.Tensor, mean: tuple[float, float, float], std: tupl
 
 
 @triton.jit
-def normalize_kernel(pixels, out, numel, plane, reciprocal_255, mean0, mean1, mean2, std0, std1, std2, BLOCK: tl.constexpr):
-    """out[k] = (pixels[k] * (1 / 255) - mean[c]) / std[c], c the channel of element k; the
-    division correctly rounded (div_rn: Triton's plain `/` on float32 is an approximation)."""
+def table_kernel(pixels, table, out, numel, plane, BLOCK: tl.constexpr):
+    """out[k] = table[c, pixels[k]], c the channel of element k ([n, 3, H, W] contiguous)."""
     at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = at < numel
     channel = (at // plane) % 3
-    value = tl.load(pixels + at, mask=inside, other=0).to(tl.float32) * reciprocal_255
-    mean = tl.where(channel == 0, mean0, tl.where(channel == 1, mean1, mean2))
-    std = tl.where(channel == 0, std0, tl.where(channel == 1, std1, std2))
-    tl.store(out + at, tl.math.div_rn(value - mean, std), mask=inside)
+    value = tl.load(pixels + at, mask=inside, other=0).to(tl.int64)
+    tl.store(out + at, tl.load(table + channel * 256 + value, mask=inside, other=0.0), mask=inside)
 
 
 @triton.jit

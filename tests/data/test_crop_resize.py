@@ -134,12 +134,14 @@ def test_a_workers_crop_region_resized_by_the_device_gives_its_crop_and_a_large_
 
 
 def test_normalized_in_one_pass_equals_totensor_and_normalize_bit_for_bit():
-    """The fused normalisation against the three kernels it replaces as PyTorch's CUDA kernels
-    compute them (ToTensor's division by 255 a product with its float32 reciprocal, Normalize's
-    subtraction and correctly rounded division), at an odd size: every value equal."""
+    """The fused normalisation (one lookup a pixel in the table of each channel's 256 values that
+    SplitTransform makes with the eager kernels) against those kernels on the whole chunk, at an
+    odd size: every value equal, each channel its own."""
+    from open_clip.transform import image_transform
+
+    from clipscale.data.transforms import SplitTransform
+
+    split = SplitTransform.split(image_transform(32, is_train=True))
     generator = torch.Generator().manual_seed(3)
     pixels = torch.randint(0, 256, (3, 3, 17, 23), dtype=torch.uint8, generator=generator)
-    mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
-    reciprocal = torch.tensor(1.0) / 255
-    eager = pixels.float().mul(reciprocal).sub(torch.tensor(mean).view(3, 1, 1)).div(torch.tensor(std).view(3, 1, 1))
-    assert torch.equal(C.normalized(pixels, mean, std), eager)
+    assert torch.equal(C.normalized(pixels, split._value_table(pixels.device)), split._eager_to_float(pixels))
