@@ -168,6 +168,10 @@ class DataConfig:
     # img2dataset image of short side 256, against ~25 KiB of JPEG). "auto": 0.4 with
     # 14 workers a GPU (measured best, B/32 at 32,768 on an H200), less with fewer workers, 0
     # where the pixels would take more than a quarter of the host's memory (a million samples).
+    # 1: the workers decode every image into arenas of page-locked shared memory and nothing of
+    # the data path runs beside the step in the training process (no thread: each chunk is one
+    # copy and one resize, issued by the step's own thread); it needs workers fast enough for the
+    # towers (about 4,250 images/s from 14 on a 16-core H100 host: enough for ViT-B/16, not B/32).
     worker_decode_share: float | Literal["auto"] = may_change("auto")
     # GiB of a step's pass-1 chunks (uint8 pixels, tokens) kept on the device for Gradient Cache's
     # pass 2, which then neither decodes nor copies them again; null: a quarter of the GPU's memory.
