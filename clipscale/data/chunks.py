@@ -138,12 +138,14 @@ class WorkerArenas:
     training process (`data.worker_decode_share: 1`, docs/architecture.md).
 
     A worker writes its pieces one after another, wrapping round (a piece never straddles the end:
-    the tail it does not fit in stays unused); the trainer gives each piece's bytes back once the
-    step is done with it (`release`), in the order the worker wrote them, as the DataLoader hands a
-    worker's pieces out in order. A worker waits while its arena is full. Positions count the bytes
-    a worker has written since the run began; `released` is written by the trainer alone, a
-    worker's next position (`next_start`) by that worker alone, so no lock is needed. Its last entry says the
-    trainer is closing: a waiting worker then gives up.
+    the tail it does not fit in stays unused, holding no data); the trainer gives each piece's bytes
+    back once the step is done with it (`release`), in the order the worker wrote them, as the
+    DataLoader hands a worker's pieces out in order. Positions count the bytes a worker has written
+    since the run began, position p at p mod arena_bytes; a piece may go where everything before
+    the oldest piece the trainer still holds lies a lap behind (a skipped tail included). A worker
+    waits while that is not so. `released` is written by the trainer alone, a worker's own
+    positions (`next_start`, `held`) by that worker alone, so no lock is needed. Its last entry
+    says the trainer is closing: a waiting worker then gives up.
 
     In the trainer:  arenas = WorkerArenas(workers, arena_bytes)   # pickled to the workers with the dataset
     In worker w:     start, place = arenas.place(w, nbytes)      # place: a uint8 view to fill
@@ -156,6 +158,7 @@ class WorkerArenas:
         self.memory = torch.empty(0, dtype=torch.uint8).set_(storage)
         self.released = torch.zeros(workers + 1, dtype=torch.int64).share_memory_()
         self.next_start = [0] * workers  # where each worker's next piece goes (each worker's process keeps its own)
+        self.held: list[deque] = [deque() for _ in range(workers)]  # each worker's pieces (start, stop) not known given back
         self.page_locked = page_lock(self.memory)  # the trainer's mapping; a worker never touches CUDA
 
     def place(self, worker: int, nbytes: int) -> tuple[int, torch.Tensor] | None:
@@ -167,11 +170,16 @@ class WorkerArenas:
         if start % self.arena_bytes + nbytes > self.arena_bytes:
             start += self.arena_bytes - start % self.arena_bytes  # to the arena's beginning
         stop = start + nbytes
-        released = self.released.numpy()
-        while stop - released[worker] > self.arena_bytes:
+        released, held = self.released.numpy(), self.held[worker]
+        while True:
+            while held and held[0][1] <= released[worker]:
+                held.popleft()
+            if stop - (held[0][0] if held else start) <= self.arena_bytes:  # free up to the oldest piece still held
+                break
             if released[-1]:
                 return None
             time.sleep(ARENA_WAIT_S)
+        held.append((start, stop))
         self.next_start[worker] = stop
         return start, self.view(worker, start, stop)
 

@@ -370,6 +370,24 @@ def test_an_arena_wraps_round_and_a_worker_waits_for_room_until_given_back():
     assert start == 100 and place.data_ptr() == arenas.memory.data_ptr() + 100  # wrapped to the beginning
     with pytest.raises(RuntimeError, match="does not fit"):
         arenas.place(1, 101)
+    # The tail a wrapped piece skips holds no data: once the piece before it is given back, a piece
+    # larger than what that one held goes in at once (a worker of a job waited here forever).
+    arenas.release(1, 150)
+    start, _ = arenas.place(1, 52)
+    assert start == 200
+    arenas.release(1, 252)
+    second = threading.Thread(target=lambda: placed.append(arenas.place(1, 53)))  # does not fit before the end
+    second.start()
+    second.join(timeout=10)
+    assert not second.is_alive() and placed[-1][0] == 300  # at the beginning, at once
+    placed.clear()
+    third = threading.Thread(target=lambda: placed.append(arenas.place(1, 60)))  # would overwrite the one held
+    third.start()
+    time.sleep(0.1)
+    assert third.is_alive()
+    arenas.release(1, 353)
+    third.join(timeout=10)
+    assert not third.is_alive() and placed[0][0] == 400
     arenas.place(0, 100)
     late = threading.Thread(target=lambda: placed.append(arenas.place(0, 1)))
     late.start()
