@@ -394,3 +394,24 @@ def test_an_arena_wraps_round_and_a_worker_waits_for_room_until_given_back():
     arenas.close()
     late.join(timeout=10)
     assert placed[-1] is None
+
+
+@pytest.mark.slow
+def test_a_job_of_two_processes_trains_through_arenas_on_the_threads_curve(digits_root, tmp_path, jpeg_shards):
+    """train.py under torchrun, two ranks of two loader workers each, started from the fork server
+    (the arenas reach them pickled, as shared memory), one piece a worker a batch: the workers wrap
+    round their arenas every step, and the run equals, loss for loss, the same job through the
+    gathering and decoding threads (share 0.5: what the CPU decodes is the same either way)."""
+    from clipscale.metrics import read_metrics
+    from tests.helpers.tiny_runs import run_train, tiny_run
+
+    losses = {}
+    for name, share in (("arenas", "1"), ("threads", "0.5")):
+        overrides = tiny_run(digits_root, tmp_path, f"run.name={name}", "eval.zeroshot=false", "train.steps=4",
+                             "train.chunk_size=16", "data.kind=webdataset", "data.decoder=device", "data.workers=2",
+                             f"data.train_shards={jpeg_shards[0].replace('train-0', 'train-{0..2}')}",
+                             f"data.worker_decode_share={share}")
+        result = run_train(overrides, nproc=2, timeout=180)
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses[name] = [m["loss"] for m in read_metrics(tmp_path / name / "metrics.jsonl")]
+    assert len(losses["arenas"]) == 4 and losses["arenas"] == losses["threads"]
