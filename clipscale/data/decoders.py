@@ -113,7 +113,7 @@ class EncodedImages:
     each of `pixel_sizes` [m, 2] (height, width) and starting at `pixel_offsets` [m + 1]; their
     rows in `pixel_rows` [m] (ascending). Tensors, so loader workers pass it through shared memory.
     Where the worker wrote the pixels into its arena (`WorkerArenas`), `arena_span` is (worker,
-    start, stop) and `pixels` is empty until the trainer puts its view of them there (`in_arena`).
+    start, stop) and `pixels` is empty until the trainer's copy puts its view of them there (`clone`).
 
     `self[i]` is (bytes, params tuple), what `SplitTransform.decode` takes."""
 
@@ -231,7 +231,8 @@ class EncodedBatch:
         """Keep a private copy: a loader worker's tensors sit in shared memory, one file descriptor
         each, and a batch of a million samples would hold thousands of them. Where CUDA is, the
         worker's pixels are copied into page-locked memory here, in the gathering thread, not by
-        the decoding thread (the data path's limit) when it sends them to the device."""
+        the decoding thread (the data path's limit) when it sends them to the device; pixels in a
+        worker's arena are page-locked where they are, and stay there."""
         self.pieces.append((first_row, encoded.clone(pinned=torch.cuda.is_available(), arenas=self.arenas)))
 
     def release(self) -> None:
