@@ -12,7 +12,9 @@ on the device. Beside it, as `train.py` runs them:
   decoder     the run's decoder alone, decoding a batch of the shards' JPEGs again and again;
   decoder_alone  the same with no step beside it (12 s): the decoder's own rate (run it before
               data_path: its first chunks compile the crop's programs);
-  python      a thread running pure Python (a reference for what any GIL holder costs);
+  python      a thread running pure Python (a reference for what any GIL holder costs; not in the
+              default cases: on an H100 its steps did not end within minutes, each of the step's
+              calls waiting for the interpreter lock the loop holds);
   workers_elsewhere  the same loader workers (data.worker_decode_share as set) feeding another
               process (scripts/bench_loader.py, nothing decoded on the GPU): their load on the
               host's cores, caches and memory without a thread in this process, so that
@@ -209,7 +211,7 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--steps", type=int, default=4, help="steps a case; the first of each is dropped")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
-    parser.add_argument("--cases", default="alone,tokens_on_device,data_path,decoder,python,data_path_switch")
+    parser.add_argument("--cases", default="alone,tokens_on_device,workers_elsewhere,data_path,decoder,data_path_switch")
     parser.add_argument("--pyspy", action="store_true")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", required=True)

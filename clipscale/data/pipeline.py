@@ -50,8 +50,12 @@ class DataPath:
     offload: bool
     notes: list[str]
     worker_decode_share: float = 0.0  # device: the share of the GPU's JPEGs the workers decode instead
+    arenas: bool = False  # the workers decode every image into arenas (WorkerArenas): no data thread in the trainer
 
     def describe(self) -> str:
+        if self.arenas:
+            return ("training images decoded by the loader workers (PIL) into page-locked shared memory, each chunk "
+                    "resized on the GPU by the training thread")
         who = "the GPU (nvJPEG)" if self.decoder == "device" else "the loader workers (PIL)"
         if self.worker_decode_share:
             who += f", {self.worker_decode_share:.0%} of its JPEGs by the loader workers (PIL)"
@@ -202,6 +206,7 @@ class TrainingBatches:
                                    f"{total / 2**30:.1f} GiB, over {ARENA_HOST_FRACTION:.0%} of the host's memory a rank or "
                                    "what /dev/shm has free")
             return None
+        self.path.arenas = True
         return WorkerArenas(cfg.data.workers, arena_bytes)
 
     def next(self) -> StreamedBatch:
