@@ -176,8 +176,11 @@ class DataConfig:
     # GiB of a step's pass-1 chunks (uint8 pixels, tokens) kept on the device for Gradient Cache's
     # pass 2, which then neither decodes nor copies them again; null: a quarter of the GPU's memory.
     keep_on_device_gib: Optional[float] = may_change(None)
-    # train.offload: processes per rank decoding the kept image bytes again for Gradient Cache's
-    # second pass (the first pass takes the loader's pixels); null = data.workers
+    # data.decoder=device: threads of the training process decoding the GPU's JPEGs (null: 2); 0:
+    # none, the training thread decodes each chunk itself when it asks for it, and the loader
+    # workers write the images they decode into arenas of page-locked shared memory (what
+    # worker_decode_share: 1 always does). train.offload with data.decoder=loader: processes per
+    # rank decoding the kept image bytes again for Gradient Cache's second pass; null = data.workers.
     decode_workers: Optional[int] = may_change(None)
     # An image whose header claims more pixels is skipped and counted before anything is
     # allocated for it (image bombs); the default is PIL's bound, Image.MAX_IMAGE_PIXELS.
@@ -689,8 +692,8 @@ def check_sections(cfg: Config) -> None:
         raise ConfigError(f"data.worker_decode_share: must be between 0 and 1, got {cfg.data.worker_decode_share}")
     if cfg.data.keep_on_device_gib is not None and cfg.data.keep_on_device_gib < 0:
         raise ConfigError(f"data.keep_on_device_gib: must be >= 0 or null, got {cfg.data.keep_on_device_gib}")
-    if cfg.data.decode_workers is not None and cfg.data.decode_workers < 1:
-        raise ConfigError(f"data.decode_workers: must be positive, got {cfg.data.decode_workers}")
+    if cfg.data.decode_workers is not None and cfg.data.decode_workers < 0:
+        raise ConfigError(f"data.decode_workers: must be >= 0 or null, got {cfg.data.decode_workers}")
 
 
 def check_run_length(cfg: Config) -> None:

@@ -34,7 +34,7 @@ model.compile_cache folder, so a second case reuses what the first compiled), re
 (clipscale: 1 draws shards with replacement, so a batch may be larger than the shards), parallel
 (clipscale: ddp or fsdp), fsdp_offload and grad_checkpointing (clipscale: 0/1), patch_embed (clipscale: auto, conv
 or matmul, default the config's: auto; issue 49), worker_share (clipscale: data.worker_decode_share, default the config's: auto; 0 for the GPU alone),
-decode_threads (clipscale: data.decode_workers), nproc (torchrun
+decode_threads (clipscale: data.decode_workers; 0: the training thread decodes, the workers' share into arenas), nproc (torchrun
 processes, default 1; openclip too), accum (openclip: --accum-freq; batch stays the global batch),
 local_loss (openclip: 1 adds --local-loss --gather-with-grad), pythonpath (prepended for this case
 only: open_clip_train needs webdataset 0.2.x), ceiling (clipscale: 0 skips its ceiling), ceiling_batch

@@ -53,12 +53,14 @@ class DataPath:
     arenas: bool = False  # the workers decode every image into arenas (WorkerArenas): no data thread in the trainer
 
     def describe(self) -> str:
-        if self.arenas:
+        if self.arenas and self.worker_decode_share >= 1:
             return ("training images decoded by the loader workers (PIL) into page-locked shared memory, each chunk "
                     "resized on the GPU by the training thread")
         who = "the GPU (nvJPEG)" if self.decoder == "device" else "the loader workers (PIL)"
+        who += " in the training thread" if self.arenas else ""
         if self.worker_decode_share:
             who += f", {self.worker_decode_share:.0%} of its JPEGs by the loader workers (PIL)"
+            who += " into page-locked shared memory" if self.arenas else ""
         return f"training images decoded by {who}" + ("; the batch offloaded to the host as JPEG bytes" if self.offload else "")
 
 
@@ -176,9 +178,13 @@ class TrainingBatches:
                                              **({"prefetch_factor": ARENA_BATCHES * self.arena_pieces} if self.arenas else {}))
         self.decoder: ImageDecoder | None = None
         if self.path.decoder == "device":
-            self.decoder = DeviceDecoder(split, world.device, chunk_size=chunk, threads=0 if self.arenas else DECODE_THREADS,
+            threads = DECODE_THREADS if cfg.data.decode_workers is None else cfg.data.decode_workers
+            self.decoder = DeviceDecoder(split, world.device, chunk_size=chunk, threads=0 if self.arenas else max(1, threads),
                                          arenas=self.arenas)
         elif self.path.offload:
+            if cfg.data.decode_workers == 0:
+                raise ConfigError("data.decode_workers=0 (the training thread decodes) needs data.decoder=device; with "
+                                  "train.offload and the loader's decoding it is the processes decoding again: 1 or more")
             # Without workers the batch is gathered whole before the step (BatchStream's gather="whole"): no bound then.
             window = 2 * max(1, chunk // piece) if cfg.data.workers else 0
             self.decoder = DecodePool(split.decode, cfg.data.decode_workers or max(1, cfg.data.workers), window)
@@ -188,12 +194,16 @@ class TrainingBatches:
                                   gather="pulled" if self.arenas else "thread" if cfg.data.workers else "whole")
 
     def _arenas(self, cfg: Config, split: SplitTransform | None, per_rank: int, piece: int) -> WorkerArenas | None:
-        """The workers' arenas where they decode every image for the device (`WorkerArenas`): each
-        holds its worker's pieces of a batch with every crop region at its largest
-        (`REGION_LIMIT` outputs' pixels), so a batch always fits, and about two batches of
-        img2dataset's images; None (the gathering thread copies the pixels) where the workers do
-        not decode them all, or the arenas would take more than `ARENA_HOST_FRACTION` of the host."""
-        if self.path.decoder != "device" or self.path.worker_decode_share < 1 or not cfg.data.workers:
+        """The workers' arenas, where they write the images they decode for the device
+        (`WorkerArenas`), when no thread of the trainer decodes: the workers decode every image
+        (share 1), or `data.decode_workers` is 0 (the training thread decodes the GPU's JPEGs). Each
+        holds its worker's pieces of a batch with every sample's crop region at its largest
+        (`REGION_LIMIT` outputs' pixels: a piece's samples may all fall in the workers' share), so a
+        batch always fits, and about two batches of img2dataset's images at share 1; None (the
+        gathering thread copies the pixels) otherwise, or where the arenas would take more than
+        `ARENA_HOST_FRACTION` of the host."""
+        if self.path.decoder != "device" or not cfg.data.workers or not (
+                self.path.worker_decode_share >= 1 or cfg.data.decode_workers == 0):
             return None
         height, width = split.only_random_resized_crop().size
         self.arena_pieces = -(-(per_rank // piece) // cfg.data.workers)  # a worker's pieces of a batch, at most

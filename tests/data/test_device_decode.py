@@ -25,6 +25,7 @@ from clipscale.data.chunks import Arrivals, ChunkSource, KeepBudget
 from clipscale.data.decoders import DeviceDecodedRows, DeviceDecoder, EncodedImages, decode_rows, device_decodes, jpeg_frame
 from clipscale.data.shards import ShardStream
 from clipscale.data.transforms import SplitTransform
+from clipscale.step import TrainStep
 
 from tests.helpers.gradients import float64_clip_loss, gradcache_grads, make_batch, relative_error, tiny_clip
 from tests.helpers.jpeg_shards import jpeg, train_on_jpeg_shards
@@ -331,21 +332,41 @@ def test_workers_decoding_every_image_write_into_arenas_and_train_on_the_threads
     """data.worker_decode_share=1 with loader workers: each worker writes its crop regions into its
     arena (WorkerArenas), the training thread pulls the pieces and resizes each chunk itself (no
     gathering or decoding thread), and the run equals, loss for loss, the same share through the
-    gathering thread's pinned copies (arenas refused); nothing kept on the device, so pass 2 reads
-    the arenas again before their pieces are given back."""
+    gathering thread's pinned copies (arenas refused), and half the share with the training thread
+    decoding the other half's JPEGs (data.decode_workers=0); nothing kept on the device, so pass 2
+    reads the arenas again before their pieces are given back."""
     import clipscale.data.pipeline as pipeline
 
     record: list = []
+    real_call = TrainStep.__call__
+
+    def recording(into: list):
+        def call(step, images, texts, lr=None):
+            into.append(images)
+            return real_call(step, images, texts, lr)
+        return call
+
+    monkeypatch.setattr(TrainStep, "__call__", recording(record))
     arenas = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "arenas", "data.decoder=device",
-                                  "data.worker_decode_share=1", monkeypatch=monkeypatch, record=record)
+                                  "data.worker_decode_share=1")
     assert all(encoded.arena_span is not None for images in record for _, encoded in images.rows.encoded.pieces)
     assert not [thread.name for thread in threading.enumerate() if thread.name.startswith(("clipscale-batches", "clipscale-decode",
                                                                                          "clipscale-ahead"))]
+    half: list = []  # the training thread decodes the GPU's JPEGs, the workers half of them into arenas
+    monkeypatch.setattr(TrainStep, "__call__", recording(half))
+    both = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "both", "data.decoder=device",
+                                "data.worker_decode_share=0.5", "data.decode_workers=0")
+    pieces = [encoded for images in half for _, encoded in images.rows.encoded.pieces]
+    assert all(encoded.arena_span is not None for encoded in pieces if len(encoded.pixel_rows))
+    assert 0.3 < sum(len(encoded.pixel_rows) for encoded in pieces) / sum(len(encoded) for encoded in pieces) < 0.7
+    monkeypatch.undo()
     monkeypatch.setattr(pipeline, "ARENA_HOST_FRACTION", 0.0)
     copied = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "copied", "data.decoder=device",
                                   "data.worker_decode_share=1")
-    assert [m["loss"] for m in arenas] == [m["loss"] for m in copied]
-    assert [m["skipped_samples_total"] for m in arenas] == [m["skipped_samples_total"] for m in copied]
+    # The CPU decodes a JPEG the same way wherever it runs (the GPU's half is torchvision's CPU decoder here).
+    for run in (copied, both):
+        assert [m["loss"] for m in arenas] == [m["loss"] for m in run]
+        assert [m["skipped_samples_total"] for m in arenas] == [m["skipped_samples_total"] for m in run]
 
 
 def test_an_arena_wraps_round_and_a_worker_waits_for_room_until_given_back():
