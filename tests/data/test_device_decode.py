@@ -372,17 +372,28 @@ def test_workers_decoding_every_image_write_into_arenas_and_train_on_the_threads
 def test_an_arena_wraps_round_and_a_worker_waits_for_room_until_given_back():
     """A worker's pieces go one after another, a piece that does not fit before the end starts at
     the beginning, and a worker whose arena is full waits until the trainer gives pieces back (or
-    closes: then it gets None)."""
+    closes: then it gets None). Each `place` runs in a thread: a wait where none is due fails here."""
     from clipscale.data.chunks import WorkerArenas
 
     arenas = WorkerArenas(workers=2, arena_bytes=100)
-    first, place = arenas.place(1, 60)
+
+    def placing(worker: int, nbytes: int) -> tuple[threading.Thread, list]:
+        placed: list = []
+        thread = threading.Thread(target=lambda: placed.append(arenas.place(worker, nbytes)), daemon=True)
+        thread.start()
+        return thread, placed
+
+    def placed_at_once(worker: int, nbytes: int):
+        thread, placed = placing(worker, nbytes)
+        thread.join(timeout=10)
+        assert not thread.is_alive(), f"worker {worker}'s piece of {nbytes} bytes waited for room it had"
+        return placed[0]
+
+    first, place = placed_at_once(1, 60)
     place.fill_(7)
     assert first == 0 and torch.equal(arenas.view(1, 0, 60), torch.full((60,), 7, dtype=torch.uint8))
     assert arenas.view(0, 0, 60).sum() == 0  # worker 0's arena apart
-    placed = []
-    waiting = threading.Thread(target=lambda: placed.append(arenas.place(1, 50)))
-    waiting.start()
+    waiting, placed = placing(1, 50)
     time.sleep(0.1)
     assert waiting.is_alive()  # 60 + 50 bytes do not fit: it waits
     arenas.release(1, 60)
@@ -394,27 +405,20 @@ def test_an_arena_wraps_round_and_a_worker_waits_for_room_until_given_back():
     # The tail a wrapped piece skips holds no data: once the piece before it is given back, a piece
     # larger than what that one held goes in at once (a worker of a job waited here forever).
     arenas.release(1, 150)
-    start, _ = arenas.place(1, 52)
-    assert start == 200
+    assert placed_at_once(1, 52)[0] == 200
     arenas.release(1, 252)
-    second = threading.Thread(target=lambda: placed.append(arenas.place(1, 53)))  # does not fit before the end
-    second.start()
-    second.join(timeout=10)
-    assert not second.is_alive() and placed[-1][0] == 300  # at the beginning, at once
-    placed.clear()
-    third = threading.Thread(target=lambda: placed.append(arenas.place(1, 60)))  # would overwrite the one held
-    third.start()
+    assert placed_at_once(1, 53)[0] == 300  # does not fit before the end: at the beginning
+    third, placed = placing(1, 60)  # would overwrite the piece still held
     time.sleep(0.1)
     assert third.is_alive()
     arenas.release(1, 353)
     third.join(timeout=10)
     assert not third.is_alive() and placed[0][0] == 400
-    arenas.place(0, 100)
-    late = threading.Thread(target=lambda: placed.append(arenas.place(0, 1)))
-    late.start()
+    placed_at_once(0, 100)
+    late, placed = placing(0, 1)
     arenas.close()
     late.join(timeout=10)
-    assert placed[-1] is None
+    assert placed == [None]
 
 
 @pytest.mark.slow
