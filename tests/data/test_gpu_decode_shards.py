@@ -164,3 +164,20 @@ def test_the_trainer_decodes_on_the_gpu_on_the_loaders_curve(digits_root, tmp_pa
     for run in (device, shared):
         assert [m["loss"] for m in run] == pytest.approx([m["loss"] for m in loader], rel=2e-3)
         assert [m["skipped_samples_total"] for m in run] == [m["skipped_samples_total"] for m in loader]
+
+
+@pytest.mark.gpu
+def test_the_trainer_on_the_gpu_through_the_workers_arenas_on_the_loaders_curve(digits_root, tmp_path, jpeg_shards):
+    """The workers' arenas on the GPU (page-locked shared memory, copied a chunk at a time by the
+    training thread, no data thread): the workers decoding every image, and half of them with the
+    training thread decoding the other half's JPEGs (data.decode_workers=0); both follow the
+    loader-decoded run's curve and count the same skips."""
+    loader = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "loader", "run.device=cuda", "data.decoder=loader",
+                                  "model.compile=false")
+    arenas = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "arenas", "run.device=cuda", "data.decoder=device",
+                                  "model.compile=false", "data.worker_decode_share=1")
+    half = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "half", "run.device=cuda", "data.decoder=device",
+                                "model.compile=false", "data.worker_decode_share=0.5", "data.decode_workers=0")
+    for run in (arenas, half):
+        assert [m["loss"] for m in run] == pytest.approx([m["loss"] for m in loader], rel=2e-3)
+        assert [m["skipped_samples_total"] for m in run] == [m["skipped_samples_total"] for m in loader]
