@@ -234,7 +234,7 @@ class StepReport:
             knobs.append(f"more data.workers (now {data.workers}, with {_count(self.cores, 'core')} for this process)")
         if self.gpu and self.path.decoder != "device" and on_resume("data.decoder") is not None:
             knobs.append("data.decoder=device to decode on the GPU")
-        if getattr(self.path, "arenas", False) and on_resume("data.worker_decode_share") is not None:
+        if self.path.arenas and on_resume("data.worker_decode_share") is not None:
             knobs.append("a lower data.worker_decode_share, so the GPU decodes the rest of the JPEGs")
         if knobs:
             return "a resume accepts " + ", or ".join(knobs)

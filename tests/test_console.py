@@ -50,6 +50,7 @@ def test_data_wait_is_the_time_the_step_waited_for_its_batch_not_the_steps_time(
 @dataclass
 class FakePath:
     decoder: str = "loader"
+    arenas: bool = False
 
     def describe(self) -> str:
         return f"training images decoded by {self.decoder}"

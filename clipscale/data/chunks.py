@@ -204,6 +204,7 @@ class Arrivals:
     def __init__(self):
         self.rows = 0
         self.error: Optional[BaseException] = None
+        self.wait_s = 0.0  # time the step's thread spent bringing pieces in itself (`PulledArrivals`); 0 when a thread gathers
         self.condition = threading.Condition()
 
     def add(self, rows: int) -> None:
@@ -236,7 +237,6 @@ class PulledArrivals(Arrivals):
     def __init__(self, pull: Callable[[], None] | None = None):
         super().__init__()
         self.pull = pull
-        self.wait_s = 0.0  # time spent receiving pieces: the batch's data wait beside its chunks'
 
     def wait_for(self, rows: int) -> None:
         started = time.perf_counter()

@@ -149,7 +149,8 @@ class TrainingBatches:
             raise ConfigError("train.offload needs an image transform whose random crop can be kept with the image bytes "
                               f"(open_clip's RandomResizedCrop pipelines); got {image_transform}")
         self.workers = cfg.data.workers
-        self.arenas = self._arenas(cfg, split, per_rank, piece)
+        pieces_each = -(-(per_rank // piece) // max(1, cfg.data.workers))  # a worker's pieces of a batch, at most
+        self.arenas = self._arenas(cfg, split, pieces_each * piece)
         self.state = StreamState(workers=max(1, cfg.data.workers))
         stream = ShardStream(
             data.train_shards,
@@ -175,7 +176,7 @@ class TrainingBatches:
                                              persistent_workers=cfg.data.workers > 0, worker_init_fn=ignore_stop_signals,
                                              multiprocessing_context=worker_context() if cfg.data.workers else None,
                                              generator=torch.Generator().manual_seed(cfg.run.seed + world.rank),
-                                             **({"prefetch_factor": ARENA_BATCHES * self.arena_pieces} if self.arenas else {}))
+                                             **({"prefetch_factor": ARENA_BATCHES * pieces_each} if self.arenas else {}))
         self.decoder: ImageDecoder | None = None
         if self.path.decoder == "device":
             threads = DECODE_THREADS if cfg.data.decode_workers is None else cfg.data.decode_workers
@@ -193,7 +194,7 @@ class TrainingBatches:
                                   budget=KeepBudget(plan.keep_on_device_bytes),
                                   gather="pulled" if self.arenas else "thread" if cfg.data.workers else "whole")
 
-    def _arenas(self, cfg: Config, split: SplitTransform | None, per_rank: int, piece: int) -> WorkerArenas | None:
+    def _arenas(self, cfg: Config, split: SplitTransform | None, samples_each: int) -> WorkerArenas | None:
         """The workers' arenas, where they write the images they decode for the device
         (`WorkerArenas`), when no thread of the trainer decodes: the workers decode every image
         (share 1), or `data.decode_workers` is 0 (the training thread decodes the GPU's JPEGs). Each
@@ -201,13 +202,12 @@ class TrainingBatches:
         (`REGION_LIMIT` outputs' pixels: a piece's samples may all fall in the workers' share), so a
         batch always fits, and about two batches of img2dataset's images at share 1; None (the
         gathering thread copies the pixels) otherwise, or where the arenas would take more than
-        `ARENA_HOST_FRACTION` of the host."""
+        `ARENA_HOST_FRACTION` of the host. `samples_each`: the most samples a worker gives a batch."""
         if self.path.decoder != "device" or not cfg.data.workers or not (
                 self.path.worker_decode_share >= 1 or cfg.data.decode_workers == 0):
             return None
         height, width = split.only_random_resized_crop().size
-        self.arena_pieces = -(-(per_rank // piece) // cfg.data.workers)  # a worker's pieces of a batch, at most
-        arena_bytes = int(self.arena_pieces * piece * REGION_LIMIT * 3 * height * width)
+        arena_bytes = int(samples_each * REGION_LIMIT * 3 * height * width)
         total = cfg.data.workers * arena_bytes
         shared = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None  # where shared memory lives
         room = min(ARENA_HOST_FRACTION * host_bytes_per_rank(), shared.f_bavail * shared.f_frsize if shared else 0)
@@ -305,7 +305,7 @@ class StreamedBatch:
     def data_wait_s(self) -> float:
         """Time the step waited for this batch's data: its start, then each chunk not yet there (and
         each piece received, when the step's thread receives them: `PulledArrivals`)."""
-        return self.handed_out_after_s + self.images.wait_s + self.texts.wait_s + getattr(self.arrivals, "wait_s", 0.0)
+        return self.handed_out_after_s + self.images.wait_s + self.texts.wait_s + self.arrivals.wait_s
 
     def __len__(self) -> int:
         return len(self.texts)
