@@ -350,6 +350,11 @@ class ChunkSource:
         self.kept: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # pass 1's chunks on the device, and their bytes
         self.ahead: dict[tuple[int, int], tuple[Prepared, int]] = {}  # pass 1's chunks prepared before it asked
         self.asked_until = 0  # pass 1 has asked for rows [0, asked_until): nothing there is prepared ahead
+        self.ahead_until = 0  # rows [0, ahead_until) prepared ahead by `prepare_some_ahead`
+        self.ahead_shape: tuple[int, int] | None = None  # (chunk rows, device bytes a row) for `prepare_some_ahead`
+        # Called between two of pass 2's chunks with how many are still to come, when pass 2 reads
+        # only chunks pass 1 kept: work for the next batch while the device computes (BatchStream).
+        self.between_chunks: Callable[[int], None] | None = None
         self.released = False
         self.lock = threading.Lock()  # the thread preparing ahead and the step both reach `ahead`
         self.wait_s = 0.0  # time the step spent waiting for this column's chunks
@@ -377,9 +382,12 @@ class ChunkSource:
         while the budget has room; pass 2 takes them instead of preparing them again."""
         copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         keep = set(keep) if self.budget is not None and pass_number == 1 else set()
+        between = self.between_chunks if pass_number > 1 and all(bound in self.kept for bound in bounds) else None
+        if between is not None:
+            self.rows.release()  # pass 2 reads only what pass 1 kept: the rows' host pixels can go now
         pending = deque(self._prepare(bound, pass_number) for bound in bounds[:LOOKAHEAD])
         later = iter(bounds[LOOKAHEAD:])
-        for bound in bounds:
+        for k, bound in enumerate(bounds):
             prepared, charged = pending.popleft()
             started = time.perf_counter()
             chunk = prepared.on_device(device, copy_stream)
@@ -392,6 +400,8 @@ class ChunkSource:
             elif charged:
                 self.budget.give_back(charged)  # prepared ahead, not needed again: freed after this use
             yield self.device_transform(chunk)
+            if between is not None:  # the chunk's work is queued: the device computes while this thread works
+                between(len(bounds) - k - 1)
 
     def _prepare(self, bound: tuple[int, int], pass_number: int) -> tuple[Prepared, int]:
         """The chunk's preparation started, and the budget bytes it already holds."""
@@ -435,6 +445,25 @@ class ChunkSource:
             if taken:
                 self.budget.give_back(size)
             start = self.asked_until  # pass 1 prepares what it asked for
+
+    def prepare_some_ahead(self, calls_left: int) -> None:
+        """Prepare, in the calling thread, pass 1's chunks (`ahead_shape`) not yet prepared or asked
+        for: an even share of them over `calls_left` calls, as far as the budget has room. Rows not
+        yet arrived are brought in by the preparation itself (`PulledArrivals`)."""
+        chunk_size, row_bytes = self.ahead_shape
+        start = max(self.ahead_until, self.asked_until)
+        chunks_left = -(-(len(self) - start) // chunk_size)
+        for _ in range(-(-chunks_left // max(1, calls_left))):
+            stop = min(start + chunk_size, len(self))
+            size = (stop - start) * row_bytes
+            if start >= stop or self.released or not self.budget.take(size):
+                return
+            try:
+                self.ahead[(start, stop)] = (self.rows.prepare(start, stop, 1), size)
+            except BaseException:
+                self.budget.give_back(size)
+                raise
+            start = self.ahead_until = stop
 
     def release(self) -> None:
         """The step is done with this column: free what pass 1 kept and pass 2 did not take (a

@@ -226,6 +226,7 @@ class EncodedBatch:
     def __init__(self, arenas: WorkerArenas | None = None):
         self.pieces: list[tuple[int, EncodedImages]] = []  # (first row, the piece's images)
         self.arenas = arenas
+        self.released = False
 
     def add(self, first_row: int, encoded: EncodedImages) -> None:
         """Keep a private copy: a loader worker's tensors sit in shared memory, one file descriptor
@@ -236,14 +237,18 @@ class EncodedBatch:
         self.pieces.append((first_row, encoded.clone(pinned=torch.cuda.is_available(), arenas=self.arenas)))
 
     def release(self) -> None:
-        """Give the workers' arenas back the pieces' pixels (call once no copy from them is pending)."""
+        """Give the workers' arenas back the pieces' pixels (call once no copy from them is pending);
+        once: the batch's rows cannot be read again."""
         for _, encoded in self.pieces:
             if encoded.arena_span is not None:
                 worker, _, stop = encoded.arena_span
                 self.arenas.release(worker, stop)
+        self.released = True
 
     def rows(self, start: int, stop: int) -> list[tuple[EncodedImages, int, int]]:
         """Rows [start, stop) as (piece, first, stop) within each piece that holds some of them."""
+        if self.released:
+            raise RuntimeError(f"rows {start}..{stop} of a batch read after its pixels were given back")
         return [(encoded, max(start, first) - first, min(stop, first + len(encoded)) - first)
                 for first, encoded in self.pieces if first < stop and first + len(encoded) > start]
 
@@ -377,14 +382,19 @@ def decode_parts(split: SplitTransform, parts: list[tuple[EncodedImages, int, in
 
 
 def decoded_column(rows, split: SplitTransform, chunk_size: int | None, arrivals: Arrivals,
-                   device_transform: DeviceTransform | None, budget: KeepBudget | None) -> ChunkSource:
-    """A batch's images column over `rows` the decoder's threads decode; its chunks of
-    `chunk_size` decoded ahead when the budget and the transform allow (a single random resized
-    crop: every image's pixels are the same size)."""
+                   device_transform: DeviceTransform | None, budget: KeepBudget | None, in_a_thread: bool) -> ChunkSource:
+    """A batch's images column over `rows` the decoder decodes; its chunks of `chunk_size` decoded
+    ahead when the budget and the transform allow (a single random resized crop: every image's
+    pixels are the same size): `in_a_thread` by a thread of its own as soon as they arrive, else
+    by the training thread during the previous step's pass 2 (`ChunkSource.prepare_some_ahead`)."""
     images = ChunkSource(rows, device_transform, budget)
     crop = split.only_random_resized_crop()
     if budget is not None and chunk_size is not None and crop is not None:
-        images.prepare_ahead(chunk_size, 3 * crop.size[0] * crop.size[1], arrivals)
+        row_bytes = 3 * crop.size[0] * crop.size[1]
+        if in_a_thread:
+            images.prepare_ahead(chunk_size, row_bytes, arrivals)
+        else:
+            images.ahead_shape = (chunk_size, row_bytes)
     return images
 
 
@@ -426,9 +436,8 @@ class DeviceDecoder:
                budget: KeepBudget | None) -> ChunkSource:
         """A batch's images column, decoded here; its chunks decoded ahead when the budget and the
         transform allow (a single random resized crop: every image's pixels are the same size)."""
-        ahead = self.chunk_size if self.thread is not None else None  # decoded when asked for, in the asking thread
-        return decoded_column(DeviceDecodedRows(batch_size, arrivals, self), self.split, ahead, arrivals,
-                              device_transform, budget)
+        return decoded_column(DeviceDecodedRows(batch_size, arrivals, self), self.split, self.chunk_size, arrivals,
+                              device_transform, budget, in_a_thread=self.thread is not None)
 
     def submit(self, encoded: EncodedBatch, arrivals: Arrivals, start: int, stop: int,
                counted: "DeviceDecodedRows | None" = None) -> "DecodedChunk":
@@ -514,7 +523,7 @@ class DeviceDecodedRows:
     def release(self) -> None:
         """The bytes are this process's, dropped with the batch; pixels in the workers' arenas go
         back to them once the device has read them."""
-        if self.decoder.arenas is not None:
+        if self.decoder.arenas is not None and not self.encoded.released:
             self.decoder.wait_for_copies()
             self.encoded.release()
 

@@ -336,7 +336,11 @@ class BatchStream:
                 step's dropout and Gradient Cache's replays. "pulled": each piece when a chunk
                 asks for its rows, in the asking thread (`PulledArrivals`), when the workers write
                 their pixels into arenas (`WorkerArenas`) and are ahead there: nothing of the
-                data path runs beside the step in the training process.
+                data path runs beside the step in the training process. Where the training
+                thread decodes (`DeviceDecoder` without threads) and pass 2 reads only chunks
+                that pass 1 kept on the device, it begins the next batch between pass 2's chunks,
+                while the device computes them: receives its pieces and decodes a share of its
+                chunks each time (`_work_ahead`), so that its pass 1 finds them on the device.
     """
 
     SLOTS = 2  # the batch in use and the next one
@@ -362,6 +366,8 @@ class BatchStream:
         self.problem_shards: list[str] = []  # shards where the used batches met skipped samples or a cut (for the console)
         self.skips: list[tuple[str, str]] = []  # (where, why) of the first samples the used batches skipped (`take_skips`)
         self.thread = None
+        self.upcoming: StreamedBatch | None = None  # gather="pulled": the next batch, begun by `_work_ahead`
+        self.ahead_error: Exception | None = None  # what beginning it raised: raised by `next`
 
     def start(self) -> None:
         """Start reading: the loader's workers take the stream as it is now (a resumed run's cursors
@@ -378,7 +384,9 @@ class BatchStream:
         if self.loader is None:
             self.start()
         if self.gather == "pulled":
-            batch = self._pulled_batch(self.free.get_nowait())
+            if self.ahead_error is not None:
+                raise self.ahead_error
+            batch, self.upcoming = self.upcoming or self._pulled_batch(self.free.get_nowait()), None
         elif self.thread is None:
             gathered: list = []
             self._gather_batch(self.free.get_nowait(), gathered.append)
@@ -416,6 +424,9 @@ class BatchStream:
         """Stop gathering, release the batches gathered ahead and shut the loader's workers down
         (before the interpreter exits: a thread still inside the loader then aborts the process)."""
         self.stopping.set()
+        if self.upcoming is not None:
+            self.done_with(self.upcoming, used=False)
+            self.upcoming = None
         self.free.put(None)  # wakes the thread if it waits for a slot
         if self.thread is not None:
             self.thread.join(timeout=10)
@@ -465,7 +476,26 @@ class BatchStream:
         batch = self._start_batch(slot, self._next_piece(), arrivals)
         pieces = iter(range(1, self.batch_size // self.piece_size))
         arrivals.pull = lambda: self._put(batch, next(pieces), self._next_piece())
+        if batch.images.ahead_shape is not None:
+            batch.images.between_chunks = self._work_ahead
         return batch
+
+    def _work_ahead(self, calls_left: int) -> None:
+        """Between two of pass 2's chunks of the batch in use, in the training thread, while the
+        device computes the chunk just queued: begin the next batch (its pieces received as its
+        chunks need them) and decode its share of chunks (`ChunkSource.prepare_some_ahead`). The
+        pieces of the batch in use went back to the workers' arenas before pass 2 (it reads only
+        kept chunks), so a worker always has room for the pieces asked for here."""
+        if self.ahead_error is not None:
+            return
+        try:
+            if self.upcoming is None:
+                if self.state.batches + 1 >= self.steps:  # the batch in use is the run's last
+                    return
+                self.upcoming = self._pulled_batch(self.free.get_nowait())
+            self.upcoming.images.prepare_some_ahead(calls_left)
+        except Exception as error:  # noqa: BLE001 - the loader's, raised when the step that needs the batch asks for it
+            self.ahead_error = error
 
     def _next_piece(self) -> dict:
         """The loader's next piece, its worker's error as the thread would give it to `next`."""

@@ -369,6 +369,53 @@ def test_workers_decoding_every_image_write_into_arenas_and_train_on_the_threads
         assert [m["skipped_samples_total"] for m in arenas] == [m["skipped_samples_total"] for m in run]
 
 
+def test_the_training_thread_decodes_the_next_batch_between_pass_twos_chunks_on_the_same_curve(digits_root, tmp_path,
+                                                                                                jpeg_shards, monkeypatch):
+    """data.decode_workers=0 with every chunk kept on the device: between pass 2's chunks the
+    training thread receives the next batch's pieces and decodes its chunks (`BatchStream._work_ahead`),
+    so every step after the first finds all its chunks decoded, and no batch past the run's last is
+    begun; the run equals, loss for loss, the gathering and decoding threads' run. At share 1 with
+    arenas too small to hold two batches, the batch in use gives its pieces back before pass 2
+    works ahead: without that the next batch's pieces never find room (the alarm below)."""
+    import signal
+
+    import clipscale.data.pipeline as pipeline
+
+    ahead_rows: list = []
+    real_prepare = ChunkSource.prepare_some_ahead
+
+    def counting(source, calls_left):
+        before = source.ahead_until
+        real_prepare(source, calls_left)
+        ahead_rows.append(source.ahead_until - before)
+
+    def stuck(signum, frame):
+        raise TimeoutError("the run waited 120 s: a worker found no room in its arena")
+
+    monkeypatch.setattr(ChunkSource, "prepare_some_ahead", counting)
+    threads = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "threads", "data.decoder=device",
+                                   "data.worker_decode_share=0.5")
+    assert not ahead_rows  # the decoding threads decode ahead themselves
+    ahead = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "ahead", "data.decoder=device",
+                                 "data.worker_decode_share=0.5", "data.decode_workers=0", "data.keep_on_device_gib=1")
+    assert sum(ahead_rows) == 5 * 64, "steps 2..6 of 64 samples find every chunk decoded ahead, nothing past step 6 is begun"
+    # Each worker's arena holds 2.3 outputs' pixels a sample of its share of a batch; these crops' regions
+    # average about 1.7 (48-px images, crops of half to all of them, 32-px outputs): not two batches.
+    monkeypatch.setattr(pipeline, "REGION_LIMIT", 2.3)
+    previous = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(120)
+    try:
+        tight = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "tight", "data.decoder=device",
+                                     "data.worker_decode_share=1", "data.keep_on_device_gib=1")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert sum(ahead_rows) == 10 * 64
+    for run in (ahead, tight):  # the CPU decodes a JPEG the same way wherever it runs
+        assert [m["loss"] for m in run] == [m["loss"] for m in threads]
+        assert [m["skipped_samples_total"] for m in run] == [m["skipped_samples_total"] for m in threads]
+
+
 def test_an_arena_wraps_round_and_a_worker_waits_for_room_until_given_back():
     """A worker's pieces go one after another, a piece that does not fit before the end starts at
     the beginning, and a worker whose arena is full waits until the trainer gives pieces back (or
