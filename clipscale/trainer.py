@@ -120,7 +120,7 @@ class Run:
         step = TrainStep(model, loss_fn, optimizer, chunk_size=chunk, precision=train.precision,
                          grad_clip=cfg.optim.grad_clip, max_nonfinite_steps=train.max_nonfinite_steps,
                          text_order=text_order, cuda_graphs=compile_policy.cuda_graphs)
-        batches = TrainingBatches(cfg, plan, world, towers.train_transform, towers.tokenizer, chunk)
+        batches = TrainingBatches(cfg, plan, world, towers.train_transform, towers.tokenizer, chunk, min(flops.values()))
         try:
             window = RecordWindow(cfg.train.batch_size, world.device, world.world_size, flops)
             parts = {"model": ModelAndOptimizer(model.module, optimizer, world, sharded=train.parallel == "fsdp"),

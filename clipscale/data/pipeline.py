@@ -37,6 +37,7 @@ from clipscale.data.transforms import REGION_LIMIT, CaptionTokenizer, SplitTrans
 from clipscale.distributed import World, all_reduce_sum_list
 from clipscale.errors import UserError
 from clipscale.signals import ignore_stop_signals
+from clipscale.utilization import peak_bf16_flops
 from clipscale.worker_server import worker_context
 
 if TYPE_CHECKING:
@@ -79,11 +80,32 @@ AUTO_SHARE_HOST_FRACTION, BATCHES_HELD = 0.25, 3
 ARENA_HOST_FRACTION, ARENA_BATCHES = 0.5, 2
 
 
-def auto_worker_share(workers: int, per_rank_batch: int, image_bytes: int, host_bytes: int) -> tuple[float, str | None]:
-    """data.worker_decode_share=auto for a rank: (the share, a note where the host's memory set it to 0)."""
-    share = AUTO_SHARE * min(1.0, workers / AUTO_SHARE_WORKERS)
+# data.worker_decode_share=auto is 1 (the workers decode every image into their arenas: no data
+# thread in the trainer) where the workers decode faster than the towers train: they decode about
+# WORKER_IMAGES_PER_S each at share 1 (14 workers 4,250 images/s on an H100 host beside the step,
+# results/bench_e2e_h100_b32_32k_arenas.json); the towers train at about TOWERS_MFU of the GPU's
+# peak (their ceilings: ViT-B/16 0.27, ViT-B/32 0.22 on an H200). ViT-B/16 at 32,768 on an H200:
+# 0.977 of its ceiling at share 1, 0.937 at 0.4 (results/bench_e2e_h200_b16_32k_arenas.json,
+# ..._default_same_machine.json); ViT-B/32's towers (about 8,000 samples/s) outrun the workers: 0.4.
+WORKER_IMAGES_PER_S, TOWERS_MFU, KEEP_UP_MARGIN = 300, 0.27, 1.2
+
+
+def towers_samples_per_s(flops_per_sample: int | None, device: torch.device) -> float | None:
+    """About how many samples a second the towers train on `device` (None: no GPU peak known)."""
+    peak = peak_bf16_flops(device) if flops_per_sample else None
+    return peak * TOWERS_MFU / flops_per_sample if peak else None
+
+
+def auto_worker_share(workers: int, per_rank_batch: int, image_bytes: int, host_bytes: int,
+                      towers_per_s: float | None = None) -> tuple[float, str | None]:
+    """data.worker_decode_share=auto for a rank: (the share, a note where the host's memory lowered
+    it). 1 where the workers outpace the towers (`towers_per_s`: this rank's samples a second)."""
+    keeps_up = towers_per_s is not None and workers * WORKER_IMAGES_PER_S >= KEEP_UP_MARGIN * towers_per_s
+    share = 1.0 if keeps_up else AUTO_SHARE * min(1.0, workers / AUTO_SHARE_WORKERS)
     held = BATCHES_HELD * per_rank_batch * share * image_bytes
     if held > AUTO_SHARE_HOST_FRACTION * host_bytes:
+        if keeps_up:
+            return auto_worker_share(workers, per_rank_batch, image_bytes, host_bytes)
         return 0.0, (f"data.worker_decode_share=auto: 0, the GPU decodes every JPEG it can (at {share:.2f} the workers' "
                      f"pixels would hold {held / 2**30:.0f} GiB of the host's {host_bytes / 2**30:.0f} GiB a rank)")
     return share, None
@@ -93,8 +115,10 @@ def host_bytes_per_rank() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.device, per_rank_batch: int) -> DataPath:
-    """data.decoder as this machine can run it."""
+def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.device, per_rank_batch: int,
+                      flops_per_sample: int | None = None) -> DataPath:
+    """data.decoder as this machine can run it; `flops_per_sample` (the towers' training FLOPs of a
+    sample) for data.worker_decode_share=auto."""
     notes = []
     decoder = cfg.data.decoder
     share = cfg.data.worker_decode_share
@@ -120,14 +144,15 @@ def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.d
         # A worker's image is its crop's region (SplitTransform.crop_region): about 1.7 outputs' worth
         # on img2dataset's 256-px images, at most REGION_LIMIT; counted as two.
         height, width = crop.size
-        share, note = auto_worker_share(cfg.data.workers, per_rank_batch, 2 * 3 * height * width, host_bytes_per_rank())
+        share, note = auto_worker_share(cfg.data.workers, per_rank_batch, 2 * 3 * height * width, host_bytes_per_rank(),
+                                        towers_samples_per_s(flops_per_sample, device))
         notes += [note] if note else []
     return DataPath("device", True, notes, share)
 
 
 class TrainingBatches:
     """The data path of a run, built from the configuration and its plan, the world, the model's
-    training transform and tokenizer, and the chunk. A part of the run's checkpoint (`state_dict`), whose
+    training transform and tokenizer, the chunk and the towers' FLOPs a sample. A part of the run's checkpoint (`state_dict`), whose
     state is read when the stream starts: load it before the first `next()`.
 
         with batches.next() as batch:            # at once: its pieces keep arriving
@@ -135,7 +160,8 @@ class TrainingBatches:
         # leaving it marks the batch used: the cursors move past it
     """
 
-    def __init__(self, cfg: Config, plan: RunPlan, world: World, image_transform, tokenizer, chunk: int):
+    def __init__(self, cfg: Config, plan: RunPlan, world: World, image_transform, tokenizer, chunk: int,
+                 flops_per_sample: int | None = None):
         data = prepare_data(cfg.data, world)
         self.world = world
         per_rank = plan.per_rank_batch
@@ -144,7 +170,7 @@ class TrainingBatches:
         if split is None and world.is_main:
             warnings.warn(f"the image transform {image_transform} does not split into uint8 host steps and float "
                           "device steps: loader pieces and the host batch hold float32 images (4x the memory)")
-        self.path = resolve_data_path(cfg, split, world.device, per_rank)
+        self.path = resolve_data_path(cfg, split, world.device, per_rank, flops_per_sample)
         if self.path.offload and split is None:
             raise ConfigError("train.offload needs an image transform whose random crop can be kept with the image bytes "
                               f"(open_clip's RandomResizedCrop pipelines); got {image_transform}")
@@ -300,12 +326,15 @@ class StreamedBatch:
     stream: "BatchStream"
     records: list = field(default_factory=list)  # (cursor, skipped, skips named, shard errors, problem shards) of each piece, in order
     handed_out_after_s: float = 0.0  # how long `BatchStream.next` waited for this batch to start
+    received_ahead_s: float = 0.0  # the previous step's time receiving its pieces, while the device computed
 
     @property
     def data_wait_s(self) -> float:
         """Time the step waited for this batch's data: its start, then each chunk not yet there (and
-        each piece received, when the step's thread receives them: `PulledArrivals`)."""
-        return self.handed_out_after_s + self.images.wait_s + self.texts.wait_s + self.arrivals.wait_s
+        each piece received, when the step's thread receives them: `PulledArrivals`), but for the
+        pieces received during the previous step (`BatchStream._work_ahead`): no step waited for those."""
+        return (self.handed_out_after_s + self.images.wait_s + self.texts.wait_s + self.arrivals.wait_s
+                - self.received_ahead_s)
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -493,7 +522,9 @@ class BatchStream:
                 if self.state.batches + 1 >= self.steps:  # the batch in use is the run's last
                     return
                 self.upcoming = self._pulled_batch(self.free.get_nowait())
+            received = self.upcoming.arrivals.wait_s
             self.upcoming.images.prepare_some_ahead(calls_left)
+            self.upcoming.received_ahead_s += self.upcoming.arrivals.wait_s - received
         except Exception as error:  # noqa: BLE001 - the loader's, raised when the step that needs the batch asks for it
             self.ahead_error = error
 

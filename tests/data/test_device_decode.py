@@ -393,12 +393,26 @@ def test_the_training_thread_decodes_the_next_batch_between_pass_twos_chunks_on_
         raise TimeoutError("the run waited 120 s: a worker found no room in its arena")
 
     monkeypatch.setattr(ChunkSource, "prepare_some_ahead", counting)
+    from clipscale.data.pipeline import BatchStream
+
+    batches: list = []
+    real_done_with = BatchStream.done_with
+
+    def recording(stream, batch, used):
+        batches.append((batch.received_ahead_s, batch.arrivals.wait_s, batch.data_wait_s))
+        real_done_with(stream, batch, used)
+
+    monkeypatch.setattr(BatchStream, "done_with", recording)
     threads = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "threads", "data.decoder=device",
                                    "data.worker_decode_share=0.5")
     assert not ahead_rows  # the decoding threads decode ahead themselves
     ahead = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "ahead", "data.decoder=device",
                                  "data.worker_decode_share=0.5", "data.decode_workers=0", "data.keep_on_device_gib=1")
     assert sum(ahead_rows) == 5 * 64, "steps 2..6 of 64 samples find every chunk decoded ahead, nothing past step 6 is begun"
+    # Their pieces were all received during the step before, which the data wait leaves out.
+    ahead_batches = batches[-5:]
+    assert all(received > 0 and waited == pytest.approx(received, abs=1e-3) and data_wait < 0.05
+               for received, waited, data_wait in ahead_batches), ahead_batches
     # Each worker's arena holds 2.3 outputs' pixels a sample of its share of a batch; these crops' regions
     # average about 1.7 (48-px images, crops of half to all of them, 32-px outputs): not two batches.
     monkeypatch.setattr(pipeline, "REGION_LIMIT", 2.3)
