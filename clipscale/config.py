@@ -165,21 +165,25 @@ class DataConfig:
     # benchmarks.md, "What the step waits for"); which samples is fixed by each sample's seed,
     # so a resumed run, on any shape, decodes each one the same way. The host holds those images as
     # pixels for the whole step (each its crop's region, resized by the GPU: about 250 KB for an
-    # img2dataset image of short side 256, against ~25 KiB of JPEG). "auto": 0.4 with
-    # 14 workers a GPU (measured best, B/32 at 32,768 on an H200), less with fewer workers, 0
-    # where the pixels would take more than a quarter of the host's memory (a million samples).
+    # img2dataset image of short side 256, against ~25 KiB of JPEG). "auto": 1 where the workers
+    # decode faster than the towers train (about 300 images/s a worker against the towers' FLOPs
+    # at 0.27 of the GPU's peak: ViT-B/16 and larger), else 0.4 with 14 workers a GPU (measured
+    # best, B/32 at 32,768 on an H200), less with fewer workers; lower, down to 0, where the
+    # pixels would take more than a quarter of the host's memory (a million samples).
     # 1: the workers decode every image into arenas of page-locked shared memory and nothing of
     # the data path runs beside the step in the training process (no thread: each chunk is one
-    # copy and one resize, issued by the step's own thread); it needs workers fast enough for the
-    # towers (about 4,250 images/s from 14 on a 16-core H100 host: enough for ViT-B/16, not B/32).
+    # copy and one resize, issued by the step's own thread; the next batch's during this step's
+    # pass 2 when pass 1 kept every chunk); it needs workers fast enough for the towers (about
+    # 4,250 images/s from 14 on a 16-core host: ViT-B/16 at 0.977 of its ceiling, not B/32).
     worker_decode_share: float | Literal["auto"] = may_change("auto")
     # GiB of a step's pass-1 chunks (uint8 pixels, tokens) kept on the device for Gradient Cache's
     # pass 2, which then neither decodes nor copies them again; null: a quarter of the GPU's memory.
     keep_on_device_gib: Optional[float] = may_change(None)
     # data.decoder=device: threads of the training process decoding the GPU's JPEGs (null: 2); 0:
-    # none, the training thread decodes each chunk itself when it asks for it, and the loader
-    # workers write the images they decode into arenas of page-locked shared memory (what
-    # worker_decode_share: 1 always does). train.offload with data.decoder=loader: processes per
+    # none, the training thread decodes each chunk itself (the next batch's between this step's
+    # pass-2 chunks, when pass 1 kept every chunk), and the loader workers write the images they
+    # decode into arenas of page-locked shared memory (what worker_decode_share: 1 always does).
+    # Measured slower than the threads at share 0.4 (ViT-B/32: 0.65 against 0.83 of the ceiling). train.offload with data.decoder=loader: processes per
     # rank decoding the kept image bytes again for Gradient Cache's second pass; null = data.workers.
     decode_workers: Optional[int] = may_change(None)
     # An image whose header claims more pixels is skipped and counted before anything is
