@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -68,8 +69,9 @@ def row(result: dict, record: dict, path: Path) -> tuple[tuple, str]:
         decoder += f", --accum-freq {case['accum']}"
     if not clipscale and case.get("local_loss") == "1":
         decoder += ", --local-loss --gather-with-grad"
-    if float(case.get("worker_share", 0)):
-        decoder += f", {float(case['worker_share']):.0%} of its JPEGs by the workers"
+    share = float(case["worker_share"]) if "worker_share" in case else auto_share(result)
+    if share:
+        decoder += f", {share:.0%} of its JPEGs by the workers"
     if int(case.get("offload", 0)):
         decoder += ", train.offload"
     if clipscale and compiled(result):
@@ -132,6 +134,12 @@ def sibling_ceiling(result: dict, record: dict) -> float | None:
     return None
 
 
+def auto_share(result: dict) -> float:
+    """data.worker_decode_share as the run's console said `auto` chose it (0 where it said nothing)."""
+    said = re.search(r"(\d+)% of its JPEGs by the loader workers", " ".join(result.get("console", [])))
+    return int(said.group(1)) / 100 if said else 0.0
+
+
 def decoder_of(result: dict) -> str:
     """The case's data.decoder; where the case left it to the config (auto), what the run said it chose."""
     if "decoder" in result["case"]:
@@ -139,6 +147,10 @@ def decoder_of(result: dict) -> str:
     if "console" not in result:  # recorded before data.decoder had "auto": its default was the loader
         return "loader"
     said = " ".join(result.get("console", []))
+    if "into page-locked shared memory, each chunk resized on the GPU" in said:  # share 1: the workers' arenas (2026-11-28 on)
+        return "auto: the workers (PIL) into arenas, resized on the GPU by the training thread"
+    if "the GPU (nvJPEG) in the training thread" in said:  # data.decode_workers: 0
+        return "auto: GPU, nvJPEG, in the training thread"
     if "the GPU (nvJPEG)" in said:  # the one decoder: torchvision's nvJPEG in the training process (2026-11-27 on)
         return "auto: GPU, nvJPEG, the one chunk decoder"
     if "(nvimgcodec)" in said or "(nvjpeg)" in said:
