@@ -7,7 +7,8 @@ exits with status 2. A Ctrl-C that Python turns into KeyboardInterrupt (before t
 own handler is installed, or a second one while it writes its checkpoint) is one line and
 status 130, as a shell reports a Ctrl-C. A collective that fails because another process of the
 job ended (`distributed.lost_a_peer`) is one line from rank 0 and status 1: the launcher names the
-process that ended. Any other exception is a bug: its traceback stays. Entry points run their
+process that ended. A loader worker process that ended (killed, or out of host memory) is one line
+from the rank whose worker it was, and status 1. Any other exception is a bug: its traceback stays. Entry points run their
 main function through `run_main`:
 
     if __name__ == "__main__":
@@ -70,10 +71,23 @@ def _close_progress_bars() -> None:
         bar.close()
 
 
+def loader_worker_ended(err: BaseException | None) -> BaseException | None:
+    """torch's DataLoader error for a worker process that ended, in `err` or what caused it (its
+    SIGCHLD handler raises it wherever the main thread is; the batch stream wraps it): the first
+    raised, which names the signal where there was one; else None."""
+    found = None
+    while err is not None:
+        if isinstance(err, RuntimeError) and str(err).startswith("DataLoader worker (pid"):
+            found = err
+        err = err.__cause__ or err.__context__
+    return found
+
+
 def run_main(main: Callable[[], object]) -> None:
     """Call `main` and exit with its return value where that is an exit status (an int),
     else 0; a UserError exits 2 on every rank, printed by rank 0 only as `error: ...`; a
-    KeyboardInterrupt exits 130, and a peer's end under a collective 1, each said in one line by rank 0."""
+    KeyboardInterrupt exits 130, and a peer's end under a collective 1, each said in one line by rank 0;
+    a data loader worker's end 1, said by its rank."""
     try:
         status = main()
     except KeyboardInterrupt:
@@ -91,6 +105,13 @@ def run_main(main: Callable[[], object]) -> None:
     except RuntimeError as err:
         from clipscale.distributed import lost_a_peer  # torch: imported once a run has failed
 
+        ended = loader_worker_ended(err)
+        if ended is not None:  # said by the rank whose worker it was: the others see only their peer's end
+            _close_progress_bars()
+            print(f"error: {ended} (a data loader worker process ended: killed by a signal, or by the kernel when the "
+                  "host ran out of memory, which `dmesg` says); the checkpoints written so far stay and the same command "
+                  "resumes from the newest", file=sys.stderr, flush=True)
+            sys.exit(PEER_ENDED_EXIT)
         if not lost_a_peer(err):
             raise
         if reporting_rank():

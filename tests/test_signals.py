@@ -95,11 +95,13 @@ def test_loader_workers_outlive_a_stop_signal_to_the_process_group(signum):
 
 
 def test_without_it_a_process_group_sigterm_kills_the_workers_first():
-    """Why the workers need ignore_stop_signals: PyTorch's own worker handler dies of it."""
+    """Why the workers need ignore_stop_signals: PyTorch's own worker handler dies of it (and the
+    run ends in one line naming the signal, as any loader worker's end does)."""
     process, seen = _start("plain", "stop"), []
     _signal_group_after_batches(process, signal.SIGTERM, seen)
     output = _ended(process, seen)
     assert process.returncode == 1 and "is killed by signal: Terminated" in output, output[-3000:]
+    assert output.count("error:") == 1 and "Traceback" not in output, output[-3000:]
 
 
 @pytest.mark.timeout(120)

@@ -18,6 +18,8 @@ from typing import Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
+from clipscale.errors import UserError
+
 Bounds = Sequence[tuple[int, int]]  # [start, stop) rows of each chunk of a batch, in order
 
 
@@ -224,6 +226,8 @@ class Arrivals:
                 self.raise_if_failed()
 
     def raise_if_failed(self) -> None:
+        if isinstance(self.error, UserError):  # its one line says it all
+            raise self.error
         if self.error is not None:
             raise RuntimeError("the data loader failed while gathering this batch") from self.error
 

@@ -488,13 +488,13 @@ class BatchStream:
 
     def _gather_batch(self, slot: int, publish: Callable[[StreamedBatch], None]) -> None:
         """Gather one batch into `slot`, publishing it as soon as its first piece is there."""
-        batch = self._start_batch(slot, next(self.loader), Arrivals())
+        batch = self._start_batch(slot, self._next_piece(), Arrivals())
         publish(batch)
         try:
             for k in range(1, self.batch_size // self.piece_size):
                 if self.stopping.is_set():
                     raise RuntimeError("the batch stream was closed")
-                self._put(batch, k, next(self.loader))
+                self._put(batch, k, self._next_piece())
         except BaseException as error:
             batch.arrivals.fail(error)
             raise
@@ -529,7 +529,8 @@ class BatchStream:
             self.ahead_error = error
 
     def _next_piece(self) -> dict:
-        """The loader's next piece, its worker's error as the thread would give it to `next`."""
+        """The loader's next piece, its worker's error as one line (`UserError`). (A worker process
+        that ended is torch's RuntimeError, raised wherever the training thread is: errors.run_main.)"""
         try:
             return next(self.loader)
         except UserError as error:

@@ -10,10 +10,14 @@ the GPU runs but for nvJPEG itself (that half is measured in scripts/bench_e2e.p
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
+import signal
 import threading
 import time
 from itertools import islice
+from pathlib import Path
 
 import pytest
 import torch
@@ -428,6 +432,47 @@ def test_the_training_thread_decodes_the_next_batch_between_pass_twos_chunks_on_
     for run in (ahead, tight):  # the CPU decodes a JPEG the same way wherever it runs
         assert [m["loss"] for m in run] == [m["loss"] for m in threads]
         assert [m["skipped_samples_total"] for m in run] == [m["skipped_samples_total"] for m in threads]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("share", ["1", "0.5"], ids=["arenas", "threads"])
+def test_loader_workers_killed_mid_run_end_the_run_in_one_error_line(digits_root, tmp_path, jpeg_shards, share):
+    """train.py through the workers' arenas (share 1, the next batch begun during pass 2) or the
+    gathering and decoding threads, its loader workers killed after its second step: the run ends,
+    neither hanging on a piece that will not come nor waiting for room in an arena, with one
+    `error:` line naming the loader worker and a non-zero status."""
+    import subprocess
+    import sys
+
+    from tests.helpers.tiny_runs import JOB_MARK, TRAIN, job_env, job_processes, tiny_run
+
+    overrides = tiny_run(digits_root, tmp_path, "eval.zeroshot=false", "train.steps=400", "train.chunk_size=16",
+                         "data.kind=webdataset", "data.decoder=device", "data.workers=2", f"data.worker_decode_share={share}",
+                         "data.keep_on_device_gib=1", f"data.train_shards={jpeg_shards[0].replace('train-0', 'train-{0..2}')}")
+    env, log = job_env(), tmp_path / "run.log"
+    with open(log, "w") as output:
+        run = subprocess.Popen([sys.executable, TRAIN, "--config", "configs/digits.yaml", *overrides], cwd=Path(TRAIN).parent,
+                               env=env, stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        metrics, deadline = tmp_path / "tiny" / "metrics.jsonl", time.monotonic() + 120
+        while run.poll() is None and time.monotonic() < deadline and (
+                not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+            time.sleep(0.1)
+        assert run.poll() is None and metrics.exists(), log.read_text()[-3000:]  # two steps done, still running
+        loaders = [pid for pid in job_processes(run.pid, env[JOB_MARK]) if pid != run.pid]
+        assert loaders, "no loader worker found"
+        for pid in loaders:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        run.wait(timeout=120)
+    finally:
+        for pid in job_processes(run.pid, env[JOB_MARK]):  # a hang: nothing left behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    said = log.read_text()
+    errors = [line for line in said.splitlines() if line.startswith("error:")]
+    assert run.returncode != 0 and len(errors) == 1 and "data loader worker" in errors[0], said[-3000:]
+    assert "Traceback" not in said, said[-3000:]
 
 
 def test_an_arena_wraps_round_and_a_worker_waits_for_room_until_given_back():
