@@ -19,7 +19,8 @@ read from the shards into memory first. Decoders:
   nvjpeg_direct_urgent[_pinned]_torch_allocators
                 the same with nvJPEG's device and pinned buffers from PyTorch's caching allocators
 
-For each: images/s over --repeats chunks, the images it returned None for or failed on,
+For each: images/s over --repeats chunks, the calling thread's CPU milliseconds an image
+(`host_cpu_ms_per_image`), the images it returned None for or failed on,
 `python_share`: a pure-Python loop's iterations in the main thread while the decoder runs in a
 second thread, over the same loop's iterations alone (1.0: the decoder never holds the GIL), and
 `beside_matmuls_images_per_s`: its rate while the main thread keeps the GPU's SMs busy with bf16
@@ -301,11 +302,14 @@ def main(argv=None) -> None:
             result["max_abs_diff_vs_torchvision"] = max(
                 (a.int() - b.int()).abs().max().item() for a, b in zip(ours, theirs) if a is not None)
         torch.cuda.synchronize()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         for _ in range(args.repeats):
             decode(usable)
         torch.cuda.synchronize()
         result["images_per_s"] = args.repeats * len(usable) / (time.perf_counter() - started)
+        # The calling thread's CPU time: what a decode takes from the training process's cores (a
+        # host-side Huffman pass, per-image calls), beside the time it waits for the device.
+        result["host_cpu_ms_per_image"] = (time.thread_time() - cpu_started) * 1e3 / (args.repeats * len(usable))
         stopping = threading.Event()
 
         def loop() -> None:
