@@ -240,6 +240,30 @@ def test_device_decoded_chunks_give_gradient_cache_identical_pixels_in_both_pass
     assert relative_error(streamed, held) == 0.0
 
 
+def test_chunks_decoded_ahead_by_the_caller_take_an_even_share_within_the_budget(jpeg_shards):
+    """`prepare_some_ahead` (the training thread, between the previous step's pass-2 chunks): each call
+    decodes an even share of what is left over the calls left, stops where the budget has no room,
+    and pass 1 takes what it decoded and decodes the rest itself: the gradients equal those of the
+    same decoded batch held whole, and the budget ends empty."""
+    piece = next(iter(_stream(jpeg_shards, decode=False, piece_size=12)))
+    whole, _ = decode_rows(SPLIT, piece["encoded"], 0, 12, torch.device("cpu"))
+    model, (_, texts) = tiny_clip(), make_batch(12, seed=1)
+    chunk_bytes = 4 * 3 * 32 * 32
+    budget, arrivals = KeepBudget(2 * chunk_bytes), Arrivals()
+    decoder = DeviceDecoder(SPLIT, torch.device("cpu"), chunk_size=4, threads=0)
+    images = decoder.column(12, arrivals, SPLIT.to_float, budget)
+    images.put(slice(0, 12), piece)
+    arrivals.add(12)
+    images.prepare_some_ahead(calls_left=3)  # three chunks over three calls: one
+    assert sorted(images.ahead) == [(0, 4)] and decoder.images_decoded == 4
+    images.prepare_some_ahead(calls_left=1)  # the two left in one call, but room for one more only
+    assert sorted(images.ahead) == [(0, 4), (4, 8)] and budget.used == budget.limit and decoder.images_decoded == 8
+    _, streamed = gradcache_grads(model, float64_clip_loss, images, ChunkSource.of_tensor(texts), chunk_size=4)
+    assert not images.ahead and budget.used == 0
+    _, held = gradcache_grads(model, float64_clip_loss, SPLIT.to_float(whole), texts, chunk_size=4)
+    assert relative_error(streamed, held) == 0.0
+
+
 def test_what_pass_one_keeps_stays_within_the_budget(jpeg_shards):
     """A budget of two chunks keeps two and the other chunk is decoded again in pass 2."""
     piece = next(iter(_stream(jpeg_shards, decode=False, piece_size=12)))
