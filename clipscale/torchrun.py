@@ -21,8 +21,15 @@ from clipscale.errors import USER_ERROR_EXIT
 from clipscale.launcher import QUIET_LAUNCHER
 
 
+# A worker killed mid-step leaves the semaphores of its loader's queues behind; its multiprocessing
+# resource tracker then warns about them after this launcher's last line (library noise: the
+# launcher's line has said what happened). Inherited by the workers and their trackers.
+QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ[QUIET_LAUNCHER] = "1"  # the workers' error lines need no repeat after this launcher's last line
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"), QUIET_TRACKER)))
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
