@@ -183,8 +183,9 @@ class DataConfig:
     # none, the training thread decodes each chunk itself (the next batch's between this step's
     # pass-2 chunks, when pass 1 kept every chunk), and the loader workers write the images they
     # decode into arenas of page-locked shared memory (what worker_decode_share: 1 always does).
-    # Measured slower than the threads at share 0.4 (ViT-B/32: 0.65 against 0.83 of the ceiling). train.offload with data.decoder=loader: processes per
-    # rank decoding the kept image bytes again for Gradient Cache's second pass; null = data.workers.
+    # Measured slower than the threads at share 0.4 (ViT-B/32: 0.65 against 0.83 of the ceiling).
+    # train.offload with data.decoder=loader: processes per rank decoding the kept image bytes
+    # again for Gradient Cache's second pass; null = data.workers.
     decode_workers: Optional[int] = may_change(None)
     # An image whose header claims more pixels is skipped and counted before anything is
     # allocated for it (image bombs); the default is PIL's bound, Image.MAX_IMAGE_PIXELS.

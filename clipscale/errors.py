@@ -8,8 +8,8 @@ own handler is installed, or a second one while it writes its checkpoint) is one
 status 130, as a shell reports a Ctrl-C. A collective that fails because another process of the
 job ended (`distributed.lost_a_peer`) is one line from rank 0 and status 1: the launcher names the
 process that ended. A loader worker process that ended (killed, or out of host memory) is one line
-from the rank whose worker it was, and status 1. Any other exception is a bug: its traceback stays. Entry points run their
-main function through `run_main`:
+from the rank whose worker it was, and status 1. Any other exception is a bug: its traceback stays.
+Entry points run their main function through `run_main`:
 
     if __name__ == "__main__":
         run_main(main)
