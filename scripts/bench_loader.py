@@ -99,12 +99,15 @@ def run_case(case: dict, shards: str, workers: int) -> dict:
 
 # Where a worker's time goes, by the functions that own it (cumulative time of each, profiled).
 WORKER_PARTS = {
-    "tar reading (webdataset, tarfile)": ("tariterators.py", "group_by_keys"),
+    "tar reading (local_tar, or webdataset's for other shards)": ("local_tar.py", "samples"),
     "image header (PIL open)": ("sources.py", "open_image"),
     "crop draw (RandomResizedCrop.get_params)": ("transforms.py", "draw"),
     "JPEG header (the device check)": ("decoders.py", "jpeg_frame"),
-    # The images the device does not take, and the worker_decode_share: PIL decodes them (its convert
-    # to RGB forces the decode), then the worker cuts the crop's region, which the device resizes.
+    # The worker_decode_share of the JPEGs the device takes: libjpeg-turbo decodes them (simplejpeg),
+    # the worker cuts the crop's region, which the device resizes.
+    "worker's JPEG decode and region (SplitTransform.jpeg_region)": ("transforms.py", "jpeg_region"),
+    # The images the device does not take: PIL decodes them (its convert to RGB forces the decode),
+    # then the worker cuts the crop's region.
     "worker's own decode (PIL's Image.convert)": ("Image.py", "convert"),
     "worker's crop region (SplitTransform.crop_region)": ("transforms.py", "crop_region"),
     "worker's crop and resize (SplitTransform.apply: the loader decoder's)": ("transforms.py", "apply"),

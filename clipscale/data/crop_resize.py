@@ -25,8 +25,8 @@ applies Wy to those, rounds and writes uint8 [n, c, out_h, out_w]. Each program 
 [BLOCK_R, BLOCK_X] tile of one image's channel and loops over the taps, computing each tap's
 weight (float32) as it goes and dividing by their sum at the end: at most 2 * support + 2 taps,
 a handful for the crops a random resized crop draws. The images of a chunk differ in size and
-each lives where the JPEG decoder put it, so they are passed as a per-image table (address,
-height, width, crop box). No atomics: the result is the same on every call, which Gradient
+each lives where its decoder put it, in its own layout (nvJPEG's [3, H, W] planes, a worker's
+[H, W, 3] rows), so they are passed as a per-image table (address, the three strides, crop box). No atomics: the result is the same on every call, which Gradient
 Cache's two passes over the same bytes need.
 
 The host code takes the programs from `clipscale.triton_modes.programs(__name__, ...)`: this module
@@ -47,10 +47,11 @@ from clipscale.triton_modes import interpreting, programs
 INTERPRET = interpreting()  # the mode @triton.jit decorates these programs in, read as it reads it
 BLOCK_R, BLOCK_X = (8, 64) if not INTERPRET else (4, 16)  # a program's tile: rows x output columns
 
-# The per-image table's columns (int64 [n, TABLE]): where the image's uint8 [3, height, width]
-# pixels are, its size, and its crop box.
-ADDRESS, HEIGHT, WIDTH, TOP, LEFT, CROP_H, CROP_W = (tl.constexpr(k) for k in range(7))
-TABLE = tl.constexpr(7)
+# The per-image table's columns (int64 [n, TABLE]): where the image's uint8 pixels are, the
+# strides of its channels, rows and columns (pixel (c, y, x) at address + c * CHANNEL_STRIDE +
+# y * ROW_STRIDE + x * COLUMN_STRIDE), and its crop box.
+ADDRESS, CHANNEL_STRIDE, ROW_STRIDE, COLUMN_STRIDE, TOP, LEFT, CROP_H, CROP_W = (tl.constexpr(k) for k in range(8))
+TABLE = tl.constexpr(8)
 
 FILTER_RADIUS = MappingProxyType({"bilinear": 1, "bicubic": 2})  # half the support at scale 1, in input pixels
 
@@ -60,13 +61,12 @@ def max_taps(largest: int, out_size: int, interpolation: str) -> int:
     return int(2 * FILTER_RADIUS[interpolation] * max(1.0, largest / out_size) + 2)
 
 
-def image_table(images: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The images (uint8 [3, H, W]) made contiguous, where a CPU decoder's are HWC views (keep them
-    alive while the programs run), and their table: int64 [n, 3] on the host, each one's address,
-    height and width."""
-    images = [img if img.is_contiguous() else img.contiguous() for img in images]
-    where = torch.tensor([(img.data_ptr(), img.shape[1], img.shape[2]) for img in images], dtype=torch.int64)
-    return images, where.reshape(-1, 3)
+def image_table(images: list[torch.Tensor]) -> torch.Tensor:
+    """The table of images (uint8 [3, H, W], any strides: a CPU decoder's are views of [H, W, 3]
+    memory): int64 [n, 4] on the host, each one's address and strides. Keep the images alive
+    while the programs run."""
+    where = torch.tensor([(img.data_ptr(), *img.stride()) for img in images], dtype=torch.int64)
+    return where.reshape(-1, 4)
 
 
 def resized_crops(images: list[torch.Tensor], boxes, size: tuple[int, int], interpolation: str) -> torch.Tensor:
@@ -75,14 +75,13 @@ def resized_crops(images: list[torch.Tensor], boxes, size: tuple[int, int], inte
     ("bilinear" or "bicubic"), as torchvision's `resized_crop` on each would give (within one
     grey level: float rounding)."""
     if not images:
-        return resized_crops_at(torch.empty(0, 3, dtype=torch.int64), boxes, size, interpolation, torch.device("cpu"))
-    images, where = image_table(images)
-    return resized_crops_at(where, boxes, size, interpolation, images[0].device)
+        return resized_crops_at(torch.empty(0, 4, dtype=torch.int64), boxes, size, interpolation, torch.device("cpu"))
+    return resized_crops_at(image_table(images), boxes, size, interpolation, images[0].device)
 
 
 def resized_crops_at(where: torch.Tensor, boxes, size: tuple[int, int], interpolation: str, device: torch.device) -> torch.Tensor:
-    """`resized_crops` of the images that `where` (int64 [n, 3] on the host: address, height,
-    width, as `image_table` gives) places on `device`; the caller keeps them alive. The images
+    """`resized_crops` of the images that `where` (int64 [n, 4] on the host: address and strides,
+    as `image_table` gives) places on `device`; the caller keeps them alive. The images
     stay where they are: the programs read each through its address in the table, so a chunk
     costs a few host calls whatever its size, and none of them waits for the device."""
     if interpolation not in FILTER_RADIUS:
@@ -177,9 +176,10 @@ def rows_kernel(table, rows, max_rows, out_w, taps,
     j = tl.program_id(2) * BLOCK_X + tl.arange(0, BLOCK_X)
     entry = table + n * TABLE
     image = tl.load(entry + ADDRESS).to(tl.pointer_type(tl.uint8))
-    height, width = tl.load(entry + HEIGHT), tl.load(entry + WIDTH)
+    row_stride, column_stride = tl.load(entry + ROW_STRIDE), tl.load(entry + COLUMN_STRIDE)
     crop_h, crop_w = tl.load(entry + CROP_H), tl.load(entry + CROP_W)
-    row_start = (c * height + tl.load(entry + TOP) + r) * width + tl.load(entry + LEFT)  # int64
+    row_start = c * tl.load(entry + CHANNEL_STRIDE) + (tl.load(entry + TOP) + r) * row_stride  # int64
+    left = tl.load(entry + LEFT)
     in_rows = r < crop_h
     in_cols = j < out_w
     first, last, center, stretch = taps_of(j, crop_w, out_w, BICUBIC)
@@ -190,7 +190,7 @@ def rows_kernel(table, rows, max_rows, out_w, taps,
         used = in_cols & (column < last)
         weight = tl.where(used, filter_weight((column.to(tl.float32) - center + 0.5) / stretch, BICUBIC), 0.0)
         mask = in_rows[:, None] & used[None, :]
-        pixel = tl.load(image + row_start[:, None] + column[None, :], mask=mask, other=0)
+        pixel = tl.load(image + row_start[:, None] + (left + column[None, :]) * column_stride, mask=mask, other=0)
         acc += pixel.to(tl.float32) * weight[None, :]
         total += weight
     acc = acc / tl.where(total != 0.0, total, 1.0)[None, :]

@@ -109,8 +109,9 @@ class EncodedImages:
     delimiting the samples, and each sample's drawn crop in `params` [n, k]. The images the
     device will not decode (`device_decodes`) come decoded by the worker instead, with no bytes:
     each one's crop region, pixels the device resizes with the JPEGs' crops (the resize cost a
-    worker more than the decode), laid end to end in `pixels` (uint8, flat),
-    each of `pixel_sizes` [m, 2] (height, width) and starting at `pixel_offsets` [m + 1]; their
+    worker more than the decode), laid end to end in `pixels` (uint8, flat), each as the decoders
+    give it, [h, w, 3] rows of RGB (so handing it over copies whole rows), of `pixel_sizes` [m, 2]
+    (h, w) and starting at `pixel_offsets` [m + 1]; their
     rows in `pixel_rows` [m] (ascending). Tensors, so loader workers pass it through shared memory.
     Where the worker wrote the pixels into its arena (`WorkerArenas`), `arena_span` is (worker,
     start, stop) and `pixels` is empty until the trainer's copy puts its view of them there (`clone`).
@@ -144,7 +145,7 @@ class EncodedImages:
         data = torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
         width = len(params[0]) if params else 0
         pixels = sizes = span = None
-        if rows:  # each image copied once, into its place (PIL's come as [3, h, w] views of [h, w, 3] memory)
+        if rows:  # each image copied once, into its place, row by row: the decoders give [3, h, w] views of [h, w, 3] memory
             sizes = torch.tensor([decoded[k].shape[1:] for k in rows], dtype=torch.int64)
             lengths = (3 * sizes.prod(1)).tolist()
             if arena is None:
@@ -157,7 +158,7 @@ class EncodedImages:
                     return None
                 span, places = (worker, placed[0], placed[0] + sum(lengths)), placed[1]
             for k, place in zip(rows, places.split(lengths)):
-                place.view(decoded[k].shape).copy_(decoded[k])
+                place.view(decoded[k].shape[1], decoded[k].shape[2], 3).copy_(decoded[k].permute(1, 2, 0))
         return cls(data, offsets, torch.tensor(params, dtype=torch.int64).reshape(len(blobs), width),
                    pixels, sizes, torch.tensor(rows, dtype=torch.int64) if rows else None, span)
 
@@ -195,9 +196,9 @@ class EncodedImages:
         return self.pixels[int(first) : int(self.pixel_offsets[which.stop])], starts, self.pixel_sizes[which]
 
     def worker_image(self, k: int) -> torch.Tensor:
-        """The worker's image k, uint8 [3, h, w] (a view)."""
+        """The worker's image k, uint8 [3, h, w] (a view of its [h, w, 3] rows)."""
         height, width = self.pixel_sizes[k].tolist()
-        return self.pixels[int(self.pixel_offsets[k]) : int(self.pixel_offsets[k + 1])].view(3, height, width)
+        return self.pixels[int(self.pixel_offsets[k]) : int(self.pixel_offsets[k + 1])].view(height, width, 3).permute(2, 0, 1)
 
     def params_of(self, i: int) -> tuple:
         return tuple(self.params[i].tolist())
@@ -331,7 +332,7 @@ def decode_rows(split: SplitTransform, encoded: EncodedImages, start: int, stop:
 
 class WorkerRegions:
     """The crop regions a worker decoded for rows of a chunk, on the device in one copy: each is
-    uint8 [3, h, w] in `pixels` (flat), cropped to the whole of itself."""
+    uint8 [h, w, 3] rows in `pixels` (flat), cropped to the whole of itself."""
 
     def __init__(self, encoded: EncodedImages, which: slice, device: torch.device):
         span, self.starts, self.sizes = encoded.worker_span(which)
@@ -339,13 +340,16 @@ class WorkerRegions:
         self.boxes = torch.cat([torch.zeros_like(self.sizes), self.sizes], 1)
 
     def table(self) -> torch.Tensor:
-        """int64 [m, 3]: each region's address, height and width (`crop_resize.image_table`'s columns)."""
-        return torch.cat([(self.pixels.data_ptr() + self.starts)[:, None], self.sizes], 1)
+        """int64 [m, 4]: each region's address and strides (`crop_resize.image_table`'s columns): its
+        channels 1 apart, its rows 3 w, its columns 3."""
+        width = self.sizes[:, 1:]
+        return torch.cat([(self.pixels.data_ptr() + self.starts)[:, None], torch.ones_like(width), 3 * width,
+                          torch.full_like(width, 3)], 1)
 
     def images(self) -> list[torch.Tensor]:
         """Each region as a tensor of its own (a view): for the image-by-image resize only."""
         lengths = (3 * self.sizes.prod(1)).tolist()
-        return [image.view(3, h, w) for image, (h, w) in zip(self.pixels.split(lengths), self.sizes.tolist())]
+        return [image.view(h, w, 3).permute(2, 0, 1) for image, (h, w) in zip(self.pixels.split(lengths), self.sizes.tolist())]
 
 
 def resized_crops(split: SplitTransform, images: list[torch.Tensor], boxes: torch.Tensor, device: torch.device,
@@ -363,7 +367,7 @@ def resized_crops(split: SplitTransform, images: list[torch.Tensor], boxes: torc
     if crop is not None and (device.type == "cuda" or interpreting()):
         from clipscale.data import crop_resize
 
-        images, where = crop_resize.image_table(images)
+        where = crop_resize.image_table(images)
         if regions is not None:
             where = torch.cat([where, regions.table()])
         return crop_resize.resized_crops_at(where, boxes, tuple(crop.size), crop.interpolation.value, device)

@@ -21,11 +21,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
-import webdataset as wds
 from PIL import UnidentifiedImageError
 
 from clipscale.caption_length import captions_cut
 from clipscale.errors import UserError
+from clipscale.data import local_tar
 from clipscale.data.chunks import WorkerArenas
 from clipscale.data.decoders import EncodedImages, device_decodes, jpeg_frame, size_only
 from clipscale.data.epoch import SAMPLE_SEEDS, EpochOrder, EpochPlan, ShuffledEpoch, WorkList
@@ -159,7 +159,7 @@ class ShardErrors:
     def read(self, url: str):
         """The samples of one shard, up to the first error."""
         self.current_shard, self.current_shard_failed = str(url), False
-        yield from wds.tarfile_to_samples(handler=self)(iter([{"url": url}]))
+        yield from local_tar.samples(url, self)
 
 
 class UnusableSample(Exception):
@@ -186,7 +186,9 @@ def read_sample(raw: dict, transform: Callable, split: Optional[SplitTransform],
     the device takes (`device_decodes`, judged from its header) is not decoded here: its crop is
     drawn from the header's size and pixels is None; anything else is decoded here, to be judged
     and handed over as pixels: with `device_resizes` (the device decoder's path), its crop region
-    unresized (`SplitTransform.crop_region`). An image whose header claims more than `max_pixels`
+    unresized (`SplitTransform.crop_region`). On that path a JPEG the device takes that the worker
+    decodes all the same (`decode`: its share) is decoded by libjpeg-turbo without PIL
+    (`SplitTransform.jpeg_region`), its crop drawn from the header. An image whose header claims more than `max_pixels`
     pixels (None: PIL's bound) is unusable, judged from the header alone on both paths, before any
     decoding."""
     image_key = first_member(raw, IMAGE_KEYS)
@@ -195,17 +197,21 @@ def read_sample(raw: dict, transform: Callable, split: Optional[SplitTransform],
         raise UnusableSample("no image member (data.image_key)" if image_key is None else "no caption member (data.caption_key)")
     try:
         data = raw[image_key]
-        frame = None if decode else jpeg_frame(data)
-        if frame is not None and device_decodes(frame, data):
+        frame = jpeg_frame(data) if device_resizes or not decode else None
+        jpeg, pixels = frame is not None and device_decodes(frame, data), None
+        if jpeg:
             check_pixel_bound(frame.width, frame.height, max_pixels)
-            params, pixels = split.draw(size_only(frame.height, frame.width)), None
-        else:
+            params = split.draw(size_only(frame.height, frame.width))
+            if decode:  # the worker's share; None for a large region or bytes libjpeg-turbo refuses: PIL's, below
+                pixels = split.jpeg_region(data, params)
+        if not jpeg or (decode and pixels is None):
             with open_image(data, max_pixels) as img:
                 img = img.convert("RGB")  # PIL decodes lazily; this forces it, so bad bytes fail here
                 if split is None:
                     params, pixels = (), transform(img)
                 else:
-                    params = split.draw(img)
+                    if not jpeg:  # a JPEG's crop is drawn from its header's size, the same as PIL's
+                        params = split.draw(img)
                     pixels = split.crop_region(img, params) if device_resizes else split.apply(img, params)
         caption = decode_text(raw[text_key])
     except DATA_ERRORS as err:  # undecodable or oversized: skipped and counted; any other error is a bug and stops the run

@@ -171,6 +171,40 @@ def test_the_device_path_skips_the_same_samples_and_draws_the_same_crops(jpeg_sh
     assert by_worker_pixels >= 4  # the PNG and the one with trailing bytes, in each of two epochs
 
 
+def test_the_workers_share_of_jpegs_is_decoded_without_pil_into_pils_very_pixels(tmp_path):
+    """A worker decodes its share of the JPEGs the device takes with libjpeg-turbo directly
+    (`SplitTransform.jpeg_region`): baseline, progressive, grayscale, each chroma subsampling, the
+    crop's region equal to PIL's decode, bit for bit; damaged entropy data and a region the worker
+    must resize are left to PIL (None), and through the stream PIL's region is what arrives."""
+    import webdataset as wds
+
+    picture = seeded_noise((52, 44), 60, seed=3)
+    kinds = {"baseline": _encoded(picture, format="JPEG"), "progressive": _encoded(picture, format="JPEG", progressive=True),
+             "gray": _encoded(picture.convert("L"), format="JPEG"), "444": _encoded(picture, format="JPEG", subsampling=0),
+             "422": _encoded(picture, format="JPEG", subsampling=1, quality=50)}
+    box = (3, 5, 30, 40)
+    for name, data in kinds.items():
+        with Image.open(io.BytesIO(data)) as img:
+            assert torch.equal(SPLIT.jpeg_region(data, box), SPLIT.crop_region(img.convert("RGB"), box)), name
+    baseline = bytearray(kinds["baseline"])
+    baseline[len(baseline) // 2 : len(baseline) // 2 + 40] = bytes(range(40))  # damaged entropy-coded data, whole headers
+    assert device_decodes(jpeg_frame(bytes(baseline)), bytes(baseline)) and SPLIT.jpeg_region(bytes(baseline), box) is None
+    large = _encoded(seeded_noise((200, 150), 60, seed=4), format="JPEG")
+    assert SPLIT.jpeg_region(large, (0, 0, 150, 200)) is None  # more than REGION_LIMIT outputs: PIL resizes it
+    url = str(tmp_path / "kinds.tar")
+    with wds.TarWriter(url) as sink:
+        for name, data in {**kinds, "damaged": bytes(baseline)}.items():
+            sink.write({"__key__": name, "jpg": data, "txt": f"a {name} image"})
+    piece = next(iter(ShardStream([url], piece_size=6, rank=0, world_size=1, num_workers=1, seed=1, image_transform=TRAIN,
+                                  tokenizer=lambda captions: torch.tensor([len(c) for c in captions]), shuffle_buffer=1,
+                                  split=SPLIT, keep_encoded=True, decode=False, worker_decode_share=1.0, keep_keys=True)))
+    encoded, names = piece["encoded"], [key for _, key in piece["sample_keys"]]
+    assert encoded.all_by_worker() and sorted(names) == sorted([*kinds, "damaged"])
+    for k, row in enumerate(encoded.pixel_rows.tolist()):
+        with Image.open(io.BytesIO(kinds.get(names[row], bytes(baseline)))) as img:
+            assert torch.equal(encoded.worker_image(k), SPLIT.crop_region(img.convert("RGB"), encoded.params_of(row))), names[row]
+
+
 def test_the_workers_decode_their_share_of_the_gpus_jpegs_the_same_way_on_every_shape(jpeg_shards):
     """data.worker_decode_share: the workers decode that share of the JPEGs the device takes
     (as pixels, their bytes dropped), each sample's lot fixed by its seed: the same samples
