@@ -148,7 +148,8 @@ def decoder_of(result: dict) -> str:
         return "loader"
     said = " ".join(result.get("console", []))
     if "into page-locked shared memory, each chunk resized on the GPU" in said:  # share 1: the workers' arenas (2026-11-28 on)
-        return "auto: the workers (PIL) into arenas, resized on the GPU by the training thread"
+        who = "libjpeg-turbo" if "(libjpeg-turbo)" in said else "PIL"
+        return f"auto: the workers ({who}) into arenas, resized on the GPU by the training thread"
     if "the GPU (nvJPEG) in the training thread" in said:  # data.decode_workers: 0
         return "auto: GPU, nvJPEG, in the training thread"
     if "the GPU (nvJPEG)" in said:  # the one decoder: torchvision's nvJPEG in the training process (2026-11-27 on)

@@ -191,8 +191,8 @@ MUTATIONS = [
              ("tests/data/test_host_memory.py",)),
     Mutation("arena_pieces_given_back_early", "a batch's pixels in the workers' arenas given back as they arrive, before pass 2 reads them",
              "clipscale/data/decoders.py",
-             "        self.pieces.append((first_row, encoded.clone(pinned=torch.cuda.is_available(), arenas=self.arenas)))\n",
-             "        self.pieces.append((first_row, encoded.clone(pinned=torch.cuda.is_available(), arenas=self.arenas)))\n"
+             "        self.pieces.append((first_row, encoded.clone(pinned=torch.cuda.is_available())))\n",
+             "        self.pieces.append((first_row, encoded.clone(pinned=torch.cuda.is_available())))\n"
              "        self.release()\n",
              ("tests/data/test_device_decode.py::test_workers_decoding_every_image_write_into_arenas_and_train_on_the_threads_curve",)),
     Mutation("arena_skipped_tail_held", "the tail a wrapped piece skipped counts as held until the next piece is given back",

@@ -10,10 +10,12 @@ preparing chunks before their pass asks (`prepare_ahead`), and the time the step
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import weakref
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
@@ -131,13 +133,31 @@ def page_lock(tensor: torch.Tensor) -> bool:
 
 
 ARENA_WAIT_S = 0.0005  # how often a worker whose arena is full looks again
+ALIGN = 8  # every tensor of a piece starts at a multiple of this in its arena: any dtype can view it
+
+
+@dataclass(frozen=True)
+class InArena:
+    """Where a worker wrote a piece's tensors in its arena (`WorkerArenas.carry`): what the loader's
+    queue carries instead of them. `layout`: (name, dtype, shape, byte offset) of each."""
+
+    worker: int
+    start: int
+    stop: int
+    layout: tuple
 
 
 class WorkerArenas:
-    """Host memory the loader's workers write their pieces' images into, one circular arena a
-    worker, shared with the training process and page-locked there: a chunk goes to the GPU in one
-    copy from where its worker wrote it, with nothing copied on the host and no thread in the
-    training process (`data.worker_decode_share: 1`, docs/architecture.md).
+    """Host memory the loader's workers write their pieces into (pixels, token ids, the images'
+    tables), one circular arena a worker, shared with the training process and page-locked there:
+    a chunk goes to the GPU in one copy from where its worker wrote it, with nothing copied on the
+    host and no thread in the training process (`data.worker_decode_share: 1`, docs/architecture.md).
+
+    Nothing but a small `InArena` goes through the loader's queue. A tensor sent through it makes
+    the trainer fetch the tensor's file descriptor from the worker's process, a round trip that
+    waits until that busy worker's interpreter lock is free: 20-30 ms a piece of six tensors on a
+    16-core GPU host whose workers never rest, about 1.5 s of a ViT-B/32 step of 32,768 (64
+    pieces), all of it in the training thread.
 
     A worker writes its pieces one after another, wrapping round (a piece never straddles the end:
     the tail it does not fit in stays unused, holding no data); the trainer gives each piece's bytes
@@ -149,13 +169,14 @@ class WorkerArenas:
     positions (`next_start`, `held`) by that worker alone, so no lock is needed. Its last entry
     says the trainer is closing: a waiting worker then gives up.
 
-    In the trainer:  arenas = WorkerArenas(workers, arena_bytes)   # pickled to the workers with the dataset
-    In worker w:     start, place = arenas.place(w, nbytes)      # place: a uint8 view to fill
-    In the trainer:  arenas.view(w, start, stop) ... arenas.release(w, stop)
+    In the trainer:  arenas = WorkerArenas(workers, arena_bytes, sample_bytes)   # pickled to the workers
+    In worker w:     carried = arenas.carry(w, {"texts": texts, ...})   # an InArena, for the queue
+    In the trainer:  tensors = arenas.take(carried) ... arenas.release(w, carried.stop)
     """
 
-    def __init__(self, workers: int, arena_bytes: int):
+    def __init__(self, workers: int, arena_bytes: int, sample_bytes: int = 0):
         self.workers, self.arena_bytes = workers, arena_bytes
+        self.sample_bytes = sample_bytes  # the room a sample of a piece has: more goes through the queue (`takes`)
         storage = torch.UntypedStorage._new_shared(workers * arena_bytes)  # shared memory, mapped by each worker
         self.memory = torch.empty(0, dtype=torch.uint8).set_(storage)
         self.released = torch.zeros(workers + 1, dtype=torch.int64).share_memory_()
@@ -184,6 +205,41 @@ class WorkerArenas:
         held.append((start, stop))
         self.next_start[worker] = stop
         return start, self.view(worker, start, stop)
+
+    def takes(self, tensors: dict[str, torch.Tensor], samples: int) -> bool:
+        """Whether a piece of `samples` samples made of `tensors` stays within their room (the
+        arena holds a batch of pieces that do)."""
+        return sum(-(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN for tensor in tensors.values()) \
+            <= samples * self.sample_bytes
+
+    def carry(self, worker: int, tensors: dict[str, torch.Tensor]) -> InArena | None:
+        """`tensors` copied one after another into worker `worker`'s arena, once it has room; None
+        when the trainer is closing. (Pieces carried this way start at multiples of ALIGN, as the
+        arena's size must be.)"""
+        if self.arena_bytes % ALIGN:
+            raise ValueError(f"an arena of {self.arena_bytes} bytes, not a multiple of {ALIGN}, cannot carry tensors")
+        layout, nbytes = [], 0
+        for name, tensor in tensors.items():
+            layout.append((name, tensor.dtype, tuple(tensor.shape), nbytes))
+            nbytes += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN  # each where its dtype may be viewed
+        placed = self.place(worker, nbytes)
+        if placed is None:
+            return None
+        start, place = placed
+        carried = InArena(worker, start, start + nbytes, tuple(layout))
+        for tensor, view in zip(tensors.values(), self._views(place, carried.layout)):
+            view.copy_(tensor)
+        return carried
+
+    def take(self, carried: InArena) -> dict[str, torch.Tensor]:
+        """In the trainer: the tensors `carry` wrote, as views of the arena (valid until released)."""
+        views = self._views(self.view(carried.worker, carried.start, carried.stop), carried.layout)
+        return {name: view for (name, *_), view in zip(carried.layout, views)}
+
+    @staticmethod
+    def _views(place: torch.Tensor, layout: tuple) -> list[torch.Tensor]:
+        sizes = [(dtype, shape, offset, math.prod(shape) * dtype.itemsize) for _, dtype, shape, offset in layout]
+        return [place[offset : offset + nbytes].view(dtype).view(shape) for dtype, shape, offset, nbytes in sizes]
 
     def view(self, worker: int, start: int, stop: int) -> torch.Tensor:
         """Bytes [start, stop) of worker `worker`'s pieces (positions as `place` gave them)."""

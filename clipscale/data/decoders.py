@@ -42,7 +42,7 @@ import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from clipscale.caption_length import to_device_async  # a copy that never waits for the step's queued work
-from clipscale.data.chunks import Arrivals, ChunkSource, DeviceTransform, HostChunk, KeepBudget, WorkerArenas
+from clipscale.data.chunks import Arrivals, ChunkSource, DeviceTransform, HostChunk, InArena, KeepBudget, WorkerArenas
 from clipscale.data.transforms import SplitTransform
 
 JPEG_START, JPEG_END = b"\xff\xd8", b"\xff\xd9"
@@ -112,9 +112,9 @@ class EncodedImages:
     worker more than the decode), laid end to end in `pixels` (uint8, flat), each as the decoders
     give it, [h, w, 3] rows of RGB (so handing it over copies whole rows), of `pixel_sizes` [m, 2]
     (h, w) and starting at `pixel_offsets` [m + 1]; their
-    rows in `pixel_rows` [m] (ascending). Tensors, so loader workers pass it through shared memory.
-    Where the worker wrote the pixels into its arena (`WorkerArenas`), `arena_span` is (worker,
-    start, stop) and `pixels` is empty until the trainer's copy puts its view of them there (`clone`).
+    rows in `pixel_rows` [m] (ascending). Tensors, so loader workers pass it through shared memory,
+    or write them into their arena (`WorkerArenas.carry`): then each is a view of the arena in the
+    trainer and `arena_span` is (worker, start, stop) of what the worker wrote.
 
     `self[i]` is (bytes, params tuple), what `SplitTransform.decode` takes."""
 
@@ -131,11 +131,9 @@ class EncodedImages:
 
     @classmethod
     def from_samples(cls, blobs: tuple[bytes, ...], params: tuple[tuple, ...],
-                     decoded: tuple[torch.Tensor | None, ...] | None = None,
-                     arena: tuple[WorkerArenas, int] | None = None) -> "EncodedImages | None":
+                     decoded: tuple[torch.Tensor | None, ...] | None = None) -> "EncodedImages":
         """`decoded`: per sample, its uint8 [3, h, w] pixels where the worker decoded it (its
-        bytes are then not kept); written into `arena` ((arenas, this worker)) where given. None
-        when the trainer closes while the worker waits for room in its arena."""
+        bytes are then not kept)."""
         rows = [k for k, pixels in enumerate(decoded or ()) if pixels is not None]
         if rows:
             blobs = tuple(b"" if pixels is not None else blob for blob, pixels in zip(blobs, decoded))
@@ -144,23 +142,25 @@ class EncodedImages:
         joined = b"".join(blobs)  # empty where the worker decoded every image (torch.frombuffer refuses nothing)
         data = torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
         width = len(params[0]) if params else 0
-        pixels = sizes = span = None
+        pixels = sizes = None
         if rows:  # each image copied once, into its place, row by row: the decoders give [3, h, w] views of [h, w, 3] memory
             sizes = torch.tensor([decoded[k].shape[1:] for k in rows], dtype=torch.int64)
             lengths = (3 * sizes.prod(1)).tolist()
-            if arena is None:
-                pixels = torch.empty(sum(lengths), dtype=torch.uint8)
-                places = pixels
-            else:
-                arenas, worker = arena
-                placed = arenas.place(worker, sum(lengths))
-                if placed is None:
-                    return None
-                span, places = (worker, placed[0], placed[0] + sum(lengths)), placed[1]
-            for k, place in zip(rows, places.split(lengths)):
+            pixels = torch.empty(sum(lengths), dtype=torch.uint8)
+            for k, place in zip(rows, pixels.split(lengths)):
                 place.view(decoded[k].shape[1], decoded[k].shape[2], 3).copy_(decoded[k].permute(1, 2, 0))
         return cls(data, offsets, torch.tensor(params, dtype=torch.int64).reshape(len(blobs), width),
-                   pixels, sizes, torch.tensor(rows, dtype=torch.int64) if rows else None, span)
+                   pixels, sizes, torch.tensor(rows, dtype=torch.int64) if rows else None)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What it is made of, by name (`WorkerArenas.carry` writes them into a worker's arena)."""
+        return {"data": self.data, "offsets": self.offsets, "params": self.params, "pixels": self.pixels,
+                "pixel_sizes": self.pixel_sizes, "pixel_rows": self.pixel_rows}
+
+    @classmethod
+    def in_arena(cls, tensors: dict[str, torch.Tensor], carried: InArena) -> "EncodedImages":
+        """Made of views of a worker's arena (`WorkerArenas.take`), held until `carried.stop` is released."""
+        return cls(**tensors, arena_span=(carried.worker, carried.start, carried.stop))
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -203,16 +203,15 @@ class EncodedImages:
     def params_of(self, i: int) -> tuple:
         return tuple(self.params[i].tolist())
 
-    def clone(self, pinned: bool = False, arenas: WorkerArenas | None = None) -> "EncodedImages":
+    def clone(self, pinned: bool = False) -> "EncodedImages":
         """A private copy; `pinned`: the worker's pixels page-locked, so that a chunk's rows of them
-        go to the device in one asynchronous copy, from a view (`worker_span`). Pixels in a worker's
-        arena are not copied: the copy's pixels are the trainer's view of them (`arenas`)."""
+        go to the device in one asynchronous copy, from a view (`worker_span`). Images in a worker's
+        arena are not copied: they are page-locked views already, until given back."""
         if self.arena_span is not None:
-            pixels = arenas.view(*self.arena_span)
-        else:
-            pixels = self.pixels.pin_memory() if pinned and self.pixels.numel() else self.pixels.clone()
+            return self
+        pixels = self.pixels.pin_memory() if pinned and self.pixels.numel() else self.pixels.clone()
         return EncodedImages(self.data.clone(), self.offsets.clone(), self.params.clone(), pixels, self.pixel_sizes.clone(),
-                             self.pixel_rows.clone(), self.arena_span)
+                             self.pixel_rows.clone())
 
     @property
     def nbytes(self) -> int:
@@ -235,10 +234,10 @@ class EncodedBatch:
         worker's pixels are copied into page-locked memory here, in the gathering thread, not by
         the decoding thread (the data path's limit) when it sends them to the device; pixels in a
         worker's arena are page-locked where they are, and stay there."""
-        self.pieces.append((first_row, encoded.clone(pinned=torch.cuda.is_available(), arenas=self.arenas)))
+        self.pieces.append((first_row, encoded.clone(pinned=torch.cuda.is_available())))
 
     def release(self) -> None:
-        """Give the workers' arenas back the pieces' pixels (call once no copy from them is pending);
+        """Give the workers' arenas back the pieces (call once no copy from them is pending);
         once: the batch's rows cannot be read again."""
         for _, encoded in self.pieces:
             if encoded.arena_span is not None:

@@ -28,7 +28,7 @@ import torch
 
 from clipscale.config import Config, ConfigError
 from clipscale.data import prepare_data
-from clipscale.data.chunks import (Arrivals, ChunkSource, DeviceTransform, KeepBudget, PinnedRows, PulledArrivals, WorkerArenas,
+from clipscale.data.chunks import (ALIGN, Arrivals, ChunkSource, DeviceTransform, KeepBudget, PinnedRows, PulledArrivals, WorkerArenas,
                                    on_the_callers_device, page_lock)
 from clipscale.data.decoders import DECODE_THREADS, DecodePool, DeviceDecoder
 from clipscale.data.epoch import WorkList
@@ -55,12 +55,12 @@ class DataPath:
 
     def describe(self) -> str:
         if self.arenas and self.worker_decode_share >= 1:
-            return ("training images decoded by the loader workers (PIL) into page-locked shared memory, each chunk "
+            return ("training images decoded by the loader workers (libjpeg-turbo) into page-locked shared memory, each chunk "
                     "resized on the GPU by the training thread")
         who = "the GPU (nvJPEG)" if self.decoder == "device" else "the loader workers (PIL)"
         who += " in the training thread" if self.arenas else ""
         if self.worker_decode_share:
-            who += f", {self.worker_decode_share:.0%} of its JPEGs by the loader workers (PIL)"
+            who += f", {self.worker_decode_share:.0%} of its JPEGs by the loader workers (libjpeg-turbo)"
             who += " into page-locked shared memory" if self.arenas else ""
         return f"training images decoded by {who}" + ("; the batch offloaded to the host as JPEG bytes" if self.offload else "")
 
@@ -77,6 +77,7 @@ AUTO_SHARE, AUTO_SHARE_WORKERS = 0.4, 14
 AUTO_SHARE_HOST_FRACTION, BATCHES_HELD = 0.25, 3
 # The workers' arenas (share 1): at most this fraction of the host's memory a rank; the loader may
 # run this many of a worker's batch shares ahead (they wait for room in their arena anyway).
+ARENA_TOKENS_BYTES = 8192  # an arena's room a sample for its token ids and table rows (1,000 int64 tokens)
 ARENA_HOST_FRACTION, ARENA_BATCHES = 0.5, 2
 
 
@@ -218,22 +219,26 @@ class TrainingBatches:
         self.stream = BatchStream(loader, batch_size=per_rank, piece_size=piece, state=self.state, steps=cfg.train.steps,
                                   device_transform=split.to_float if split is not None else None, decoder=self.decoder,
                                   budget=KeepBudget(plan.keep_on_device_bytes),
-                                  gather="pulled" if self.arenas else "thread" if cfg.data.workers else "whole")
+                                  gather="pulled" if self.arenas else "thread" if cfg.data.workers else "whole",
+                                  arenas=self.arenas)
 
     def _arenas(self, cfg: Config, split: SplitTransform | None, samples_each: int) -> WorkerArenas | None:
         """The workers' arenas, where they write the images they decode for the device
         (`WorkerArenas`), when no thread of the trainer decodes: the workers decode every image
         (share 1), or `data.decode_workers` is 0 (the training thread decodes the GPU's JPEGs). Each
         holds its worker's pieces of a batch with every sample's crop region at its largest
-        (`REGION_LIMIT` outputs' pixels: a piece's samples may all fall in the workers' share), so a
-        batch always fits, and about two batches of img2dataset's images at share 1; None (the
+        (`REGION_LIMIT` outputs' pixels: a piece's samples may all fall in the workers' share) and
+        its tokens, so a batch always fits, and about two batches of img2dataset's images at share 1
+        (a piece larger than that allowance, large JPEGs the GPU decodes, goes through the loader's
+        queue as tensors); None (the
         gathering thread copies the pixels) otherwise, or where the arenas would take more than
         `ARENA_HOST_FRACTION` of the host. `samples_each`: the most samples a worker gives a batch."""
         if self.path.decoder != "device" or not cfg.data.workers or not (
                 self.path.worker_decode_share >= 1 or cfg.data.decode_workers == 0):
             return None
         height, width = split.only_random_resized_crop().size
-        arena_bytes = int(samples_each * REGION_LIMIT * 3 * height * width)
+        sample_bytes = int(REGION_LIMIT * 3 * height * width) + ARENA_TOKENS_BYTES
+        arena_bytes = -(-samples_each * sample_bytes // ALIGN) * ALIGN
         total = cfg.data.workers * arena_bytes
         shared = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None  # where shared memory lives
         room = min(ARENA_HOST_FRACTION * host_bytes_per_rank(), shared.f_bavail * shared.f_frsize if shared else 0)
@@ -243,7 +248,7 @@ class TrainingBatches:
                                    "what /dev/shm has free")
             return None
         self.path.arenas = True
-        return WorkerArenas(cfg.data.workers, arena_bytes)
+        return WorkerArenas(cfg.data.workers, arena_bytes, sample_bytes)
 
     def next(self) -> StreamedBatch:
         return self.stream.next()
@@ -376,7 +381,7 @@ class BatchStream:
 
     def __init__(self, loader: Iterable[dict], *, batch_size: int, piece_size: int, state: StreamState, steps: int,
                  device_transform: DeviceTransform | None = None, decoder: ImageDecoder | None = None,
-                 budget: KeepBudget | None = None, gather: str = "thread"):
+                 budget: KeepBudget | None = None, gather: str = "thread", arenas: WorkerArenas | None = None):
         if batch_size % piece_size:
             raise ValueError(f"batch_size {batch_size} is not a multiple of piece_size {piece_size}")
         self.loader_iterable, self.loader = loader, None  # iterated (its workers started) by the first `next()`
@@ -386,6 +391,7 @@ class BatchStream:
         self.device_transform = device_transform
         self.decoder = decoder
         self.budget = budget
+        self.arenas = arenas  # where the workers write their pieces' tensors (`ShardStream.taken_from`)
         self.buffers: list[dict] = [{} for _ in range(self.SLOTS)]  # per slot: column name -> pinned tensor
         self.free: queue.Queue = queue.Queue()
         for slot in range(self.SLOTS):
@@ -532,7 +538,8 @@ class BatchStream:
         """The loader's next piece, its worker's error as one line (`UserError`). (A worker process
         that ended is torch's RuntimeError, raised wherever the training thread is: errors.run_main.)"""
         try:
-            return next(self.loader)
+            piece = next(self.loader)
+            return piece if self.arenas is None else ShardStream.taken_from(self.arenas, piece)
         except UserError as error:
             raise type(error)(last_line(str(error))) from None
 

@@ -326,10 +326,24 @@ class ShardStream(torch.utils.data.IterableDataset):
         if self.decode:
             piece["images"] = torch.stack(pixels)
         if self.keep_encoded:  # without `decode`, the images the device will not decode come as pixels
-            arena = (self.arenas, loader_worker) if self.arenas is not None and not self.decode else None
-            piece["encoded"] = EncodedImages.from_samples(*zip(*encoded), None if self.decode else pixels, arena)
-            if piece["encoded"] is None:
-                return None
+            piece["encoded"] = EncodedImages.from_samples(*zip(*encoded), None if self.decode else pixels)
+            tensors = {"texts": texts, **piece["encoded"].tensors()}
+            if self.arenas is not None and not self.decode and self.arenas.takes(tensors, len(samples)):
+                piece["in_arena"] = self.arenas.carry(loader_worker, tensors)  # the queue carries where they are
+                del piece["texts"], piece["encoded"]
+                if piece["in_arena"] is None:
+                    return None
+        return piece
+
+    @staticmethod
+    def taken_from(arenas: WorkerArenas, piece: dict) -> dict:
+        """In the trainer: a piece whose tensors a worker wrote into its arena (`_piece`) with them
+        as views of it again, "texts" and "encoded" as a piece without arenas has them."""
+        if "in_arena" in piece:
+            carried = piece.pop("in_arena")
+            tensors = arenas.take(carried)
+            piece["texts"] = tensors.pop("texts")
+            piece["encoded"] = EncodedImages.in_arena(tensors, carried)
         return piece
 
     def __iter__(self):

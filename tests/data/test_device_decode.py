@@ -475,9 +475,11 @@ def test_the_training_thread_decodes_the_next_batch_between_pass_twos_chunks_on_
     ahead_batches = batches[-5:]
     assert all(received > 0 and waited == pytest.approx(received, abs=1e-3) and data_wait < 0.05
                for received, waited, data_wait in ahead_batches), ahead_batches
-    # Each worker's arena holds 2.3 outputs' pixels a sample of its share of a batch; these crops' regions
-    # average about 1.7 (48-px images, crops of half to all of them, 32-px outputs): not two batches.
+    # Each worker's arena holds 2.3 outputs' pixels a sample of its share of a batch, and its 77 tokens and
+    # table rows; these crops' regions average about 1.7 (48-px images, crops of half to all of them, 32-px
+    # outputs): not two batches.
     monkeypatch.setattr(pipeline, "REGION_LIMIT", 2.3)
+    monkeypatch.setattr(pipeline, "ARENA_TOKENS_BYTES", 77 * 8 + 64)
     previous = signal.signal(signal.SIGALRM, stuck)
     signal.alarm(120)
     try:
@@ -531,6 +533,42 @@ def test_loader_workers_killed_mid_run_end_the_run_in_one_error_line(digits_root
     errors = [line for line in said.splitlines() if line.startswith("error:")]
     assert run.returncode != 0 and len(errors) == 1 and "data loader worker" in errors[0], said[-3000:]
     assert "Traceback" not in said, said[-3000:]
+
+
+def test_a_piece_crosses_the_loaders_queue_as_a_few_numbers_its_tensors_in_the_arena(jpeg_shards):
+    """On the arenas' path a worker writes a piece's tensors (token ids, bytes, crops, pixels, tables)
+    into its arena and the loader's queue carries where they are: no tensor, whose file descriptor
+    the trainer would fetch from the busy worker, a round trip a tensor. The trainer's views equal
+    the piece as it is made without arenas; a piece over its samples' room travels as tensors."""
+    import pickle
+
+    from clipscale.data.chunks import WorkerArenas
+    from clipscale.data.shards import ShardStream
+
+    def first_piece(arenas, share=1.0):
+        stream = _stream(jpeg_shards, decode=False, worker_decode_share=share)
+        stream.arenas = arenas
+        return next(iter(stream))
+
+    def tensors_in(value) -> int:
+        if isinstance(value, torch.Tensor):
+            return 1
+        if isinstance(value, dict):
+            value = list(value.values())
+        return sum(tensors_in(v) for v in value) if isinstance(value, (list, tuple)) else 0
+
+    for share in (1.0, 0.5):
+        plain = first_piece(None, share)
+        arenas = WorkerArenas(workers=1, arena_bytes=4 * 2**20, sample_bytes=2**15)
+        carried = first_piece(arenas, share)
+        assert "in_arena" in carried and tensors_in(carried) == 0 and len(pickle.dumps(carried)) < 4096
+        taken = ShardStream.taken_from(arenas, carried)
+        assert torch.equal(taken["texts"], plain["texts"]) and taken["encoded"].arena_span is not None
+        for name, tensor in plain["encoded"].tensors().items():
+            assert torch.equal(taken["encoded"].tensors()[name], tensor), name
+        assert taken["encoded"].tensors()["pixels"].untyped_storage().data_ptr() == arenas.memory.untyped_storage().data_ptr()
+    crowded = first_piece(WorkerArenas(workers=1, arena_bytes=4 * 2**20, sample_bytes=64))
+    assert "in_arena" not in crowded and torch.equal(crowded["texts"], plain["texts"])
 
 
 def test_an_arena_wraps_round_and_a_worker_waits_for_room_until_given_back():

@@ -66,7 +66,7 @@ def test_the_auto_share_gives_the_workers_every_image_where_they_outpace_the_tow
     assert auto_worker_share(14, 32768, pixels, host, None) == (0.4, None)  # no GPU peak known
     path = pipeline.resolve_data_path(load_config("configs/vit_b16_infcl.yaml", ["data.workers=14"]), SPLIT,
                                       torch.device("cuda"), 32768, flops_per_sample=int(111e9))
-    assert path.worker_decode_share == 1.0 and "by the loader workers (PIL)" in path.describe()
+    assert path.worker_decode_share == 1.0 and "by the loader workers (libjpeg-turbo)" in path.describe()
 
 
 def test_a_transform_the_device_cannot_run_stays_in_the_loader_saying_so():
