@@ -75,20 +75,21 @@ AUTO_SHARE, AUTO_SHARE_WORKERS = 0.4, 14
 # workers handed over final 224-px pixels); auto keeps them under this fraction of the host's
 # memory a rank.
 AUTO_SHARE_HOST_FRACTION, BATCHES_HELD = 0.25, 3
+ARENA_TOKENS_BYTES = 8192  # an arena's room a sample for its token ids and table rows (1,000 int64 tokens)
 # The workers' arenas (share 1): at most this fraction of the host's memory a rank; the loader may
 # run this many of a worker's batch shares ahead (they wait for room in their arena anyway).
-ARENA_TOKENS_BYTES = 8192  # an arena's room a sample for its token ids and table rows (1,000 int64 tokens)
 ARENA_HOST_FRACTION, ARENA_BATCHES = 0.5, 2
 
 
 # data.worker_decode_share=auto is 1 (the workers decode every image into their arenas: no data
 # thread in the trainer) where the workers decode faster than the towers train: they decode about
-# WORKER_IMAGES_PER_S each at share 1 (14 workers 4,250 images/s on an H100 host beside the step,
-# results/bench_e2e_h100_b32_32k_arenas.json); the towers train at about TOWERS_MFU of the GPU's
-# peak (their ceilings: ViT-B/16 0.27, ViT-B/32 0.22 on an H200). ViT-B/16 at 32,768 on an H200:
-# 0.977 of its ceiling at share 1, 0.937 at 0.4 (results/bench_e2e_h200_b16_32k_arenas.json,
-# ..._default_same_machine.json); ViT-B/32's towers (about 8,000 samples/s) outrun the workers: 0.4.
-WORKER_IMAGES_PER_S, TOWERS_MFU, KEEP_UP_MARGIN = 300, 0.27, 1.2
+# WORKER_IMAGES_PER_S each at share 1 (14 workers 10,949 images/s on a 16-core H200 host, libjpeg-turbo,
+# the trainer's copy and resize of each chunk included: results/bench_loader_h200_workers_simplejpeg.json);
+# the towers train at about TOWERS_MFU of the GPU's peak (their ceilings: ViT-B/16 0.27, ViT-B/32 0.22
+# on an H200). At 32,768 on an H200: ViT-B/16 0.977 of its ceiling at share 1, 0.937 at 0.4
+# (results/bench_e2e_h200_b16_32k_arenas.json, ..._default_same_machine.json); ViT-B/32 0.894 at share 1
+# (results/bench_e2e_h200_b32_32k_arenas_carry_pieces.json), 0.833 at 0.4 (..._work_ahead.json).
+WORKER_IMAGES_PER_S, TOWERS_MFU, KEEP_UP_MARGIN = 780, 0.27, 1.2
 
 
 def towers_samples_per_s(flops_per_sample: int | None, device: torch.device) -> float | None:

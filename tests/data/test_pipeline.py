@@ -49,9 +49,10 @@ def test_the_auto_share_follows_the_workers_and_stays_off_where_the_pixels_would
 
 
 def test_the_auto_share_gives_the_workers_every_image_where_they_outpace_the_towers(monkeypatch):
-    """Share 1 (the workers' arenas) where 14 workers decode faster than the towers train: ViT-B/16's
-    111 GFLOP a sample on an H100 (about 2,400 samples/s), not ViT-B/32's 33 (about 8,100), nor
-    with too few workers; where share 1's pixels would not fit the host, the measured share."""
+    """Share 1 (the workers' arenas) where the workers decode faster than the towers train: 14 of
+    them for ViT-B/16's 111 GFLOP a sample on an H100 (about 2,400 samples/s) and ViT-B/32's 33
+    (about 8,100), not 12 for ViT-B/32 nor 3 for ViT-B/16; where share 1's pixels would not fit
+    the host, the measured share."""
     import clipscale.data.pipeline as pipeline
 
     pixels, host = 2 * 3 * 224 * 224, 128 * 2**30
@@ -60,8 +61,9 @@ def test_the_auto_share_gives_the_workers_every_image_where_they_outpace_the_tow
     b16, b32 = (pipeline.towers_samples_per_s(flops, torch.device("cuda")) for flops in (111e9, 33e9))
     assert 2300 < b16 < 2500 and 8000 < b32 < 8200
     assert auto_worker_share(14, 32768, pixels, host, b16) == (1.0, None)
-    assert auto_worker_share(14, 32768, pixels, host, b32) == (0.4, None)
-    assert auto_worker_share(7, 32768, pixels, host, b16) == (0.2, None)  # 2,100 images/s: not enough
+    assert auto_worker_share(14, 32768, pixels, host, b32) == (1.0, None)
+    assert auto_worker_share(12, 32768, pixels, host, b32)[0] == pytest.approx(0.4 * 12 / 14)  # 9,360 images/s: not enough
+    assert auto_worker_share(3, 32768, pixels, host, b16)[0] == pytest.approx(0.4 * 3 / 14)  # 2,340 images/s
     assert auto_worker_share(14, 65536, pixels, host, b16) == (0.4, None)  # 1 would hold 55 GiB of pixels
     assert auto_worker_share(14, 32768, pixels, host, None) == (0.4, None)  # no GPU peak known
     path = pipeline.resolve_data_path(load_config("configs/vit_b16_infcl.yaml", ["data.workers=14"]), SPLIT,
