@@ -160,21 +160,21 @@ class DataConfig:
     # The decoders give the same samples and crops, their pixels within rounding.
     decoder: Literal["auto", "loader", "device"] = may_change("auto")
     # data.decoder=device: the share of the JPEGs the GPU takes that the loader workers decode
-    # instead (PIL, as for the images the GPU does not take). Beside a training step the GPU's
+    # instead (libjpeg-turbo; PIL for the images the GPU does not take). Beside a training step the GPU's
     # decoder is the slowest part of the data path while the workers wait for room (docs/
     # benchmarks.md, "What the step waits for"); which samples is fixed by each sample's seed,
     # so a resumed run, on any shape, decodes each one the same way. The host holds those images as
     # pixels for the whole step (each its crop's region, resized by the GPU: about 250 KB for an
     # img2dataset image of short side 256, against ~25 KiB of JPEG). "auto": 1 where the workers
-    # decode faster than the towers train (about 300 images/s a worker against the towers' FLOPs
-    # at 0.27 of the GPU's peak: ViT-B/16 and larger), else 0.4 with 14 workers a GPU (measured
+    # decode faster than the towers train (about 780 images/s a worker against the towers' FLOPs
+    # at 0.27 of the GPU's peak: ViT-B/32 and larger with 14 workers), else 0.4 with 14 workers a GPU (measured
     # best, B/32 at 32,768 on an H200), less with fewer workers; lower, down to 0, where the
     # pixels would take more than a quarter of the host's memory (a million samples).
     # 1: the workers decode every image into arenas of page-locked shared memory and nothing of
     # the data path runs beside the step in the training process (no thread: each chunk is one
     # copy and one resize, issued by the step's own thread; the next batch's during this step's
     # pass 2 when pass 1 kept every chunk); it needs workers fast enough for the towers (about
-    # 4,250 images/s from 14 on a 16-core host: ViT-B/16 at 0.977 of its ceiling, not B/32).
+    # 10,900 images/s from 14 on a 16-core H200 host: ViT-B/16 at 0.977 of its ceiling, B/32 0.894).
     worker_decode_share: float | Literal["auto"] = may_change("auto")
     # GiB of a step's pass-1 chunks (uint8 pixels, tokens) kept on the device for Gradient Cache's
     # pass 2, which then neither decodes nor copies them again; null: a quarter of the GPU's memory.
