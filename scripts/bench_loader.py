@@ -99,7 +99,7 @@ def run_case(case: dict, shards: str, workers: int) -> dict:
 
 # Where a worker's time goes, by the functions that own it (cumulative time of each, profiled).
 WORKER_PARTS = {
-    "tar reading (local_tar, or webdataset's for other shards)": ("local_tar.py", "samples"),
+    "tar reading (sources.tar_samples: local shards, webdataset's for others)": ("sources.py", "tar_samples"),
     "image header (PIL open)": ("sources.py", "open_image"),
     "crop draw (RandomResizedCrop.get_params)": ("transforms.py", "draw"),
     "JPEG header (the device check)": ("decoders.py", "jpeg_frame"),

@@ -25,12 +25,11 @@ from PIL import UnidentifiedImageError
 
 from clipscale.caption_length import captions_cut
 from clipscale.errors import UserError
-from clipscale.data import local_tar
 from clipscale.data.chunks import WorkerArenas
 from clipscale.data.decoders import EncodedImages, device_decodes, jpeg_frame, size_only
 from clipscale.data.epoch import SAMPLE_SEEDS, EpochOrder, EpochPlan, ShuffledEpoch, WorkList
 from clipscale.data.sources import (DATA_ERRORS, IMAGE_KEYS, TEXT_KEYS, ShardSource, check_pixel_bound, decode_text,
-                                    first_member, open_image)
+                                    first_member, open_image, tar_samples)
 from clipscale.data.transforms import SplitTransform
 
 EPOCHS_COUNTED = 4  # how many of the latest epochs `StreamState.drawn` keeps
@@ -159,7 +158,7 @@ class ShardErrors:
     def read(self, url: str):
         """The samples of one shard, up to the first error."""
         self.current_shard, self.current_shard_failed = str(url), False
-        yield from local_tar.samples(url, self)
+        yield from tar_samples(url, self)
 
 
 class UnusableSample(Exception):

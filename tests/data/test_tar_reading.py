@@ -1,4 +1,4 @@
-"""The local tar reader (clipscale/data/local_tar.py) against webdataset's own `tarfile_to_samples`,
+"""The local tar reader (`clipscale.data.sources.tar_samples`) against webdataset's own `tarfile_to_samples`,
 on shards written by webdataset's writer and by Python's tarfile in its three formats, with the
 members webdataset leaves out, and on damaged shards: the same samples, in the same order, and the
 error handler told on the same shards."""
@@ -12,7 +12,7 @@ import tarfile
 import pytest
 import webdataset as wds
 
-from clipscale.data import local_tar
+from clipscale.data.sources import is_local_tar, tar_members, tar_samples
 
 
 def webdataset_samples(path: str) -> tuple[list[dict], int]:
@@ -22,7 +22,7 @@ def webdataset_samples(path: str) -> tuple[list[dict], int]:
 
 def our_samples(path: str) -> tuple[list[dict], int]:
     errors = []
-    return list(local_tar.samples(path, lambda e: errors.append(e) or True)), len(errors)
+    return list(tar_samples(path, lambda e: errors.append(e) or True)), len(errors)
 
 
 def write_tar(path, members: list[tuple[str, bytes]], format=tarfile.PAX_FORMAT, kinds: dict | None = None) -> str:
@@ -52,7 +52,7 @@ def test_webdatasets_own_shards_read_alike(tmp_path):
             sink.write({"__key__": f"sample{k:05d}", "jpg": bytes(range(256)) * (k + 1), "txt": f"a dog {k}".encode(), "cls": b"3"})
     theirs, our = webdataset_samples(path), our_samples(path)
     assert len(theirs[0]) == 9 and our == theirs
-    members, _ = local_tar.member_table(open(path, "rb").read())
+    members, _ = tar_members(open(path, "rb").read())
     assert members is not None  # read here, not handed back to webdataset
 
 
@@ -68,7 +68,7 @@ def test_odd_members_are_left_out_or_named_as_webdataset_does(tmp_path, format):
     theirs, our = webdataset_samples(path), our_samples(path)
     assert our == theirs and theirs[1] == 0
     assert any(sample["__key__"] == f"{long_folder}/deep" and "jpg" in sample for sample in theirs[0])
-    assert local_tar.member_table(open(path, "rb").read())[0] is not None
+    assert tar_members(open(path, "rb").read())[0] is not None
 
 
 def test_a_duplicate_member_is_dropped_and_reported(tmp_path):
@@ -104,9 +104,9 @@ def test_a_global_pax_header_and_compressed_shards_go_to_webdataset(tmp_path):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    assert local_tar.member_table(path.read_bytes()) == (None, None)
+    assert tar_members(path.read_bytes()) == (None, None)
     assert our_samples(str(path)) == webdataset_samples(str(path))
     packed = tmp_path / "packed.tar.gz"
     packed.write_bytes(gzip.compress(open(write_tar(tmp_path / "plain.tar", ordinary(3)), "rb").read()))
-    assert not local_tar.is_local_tar(str(packed))
+    assert not is_local_tar(str(packed))
     assert our_samples(str(packed)) == webdataset_samples(str(packed)) and len(our_samples(str(packed))[0]) == 3
