@@ -136,6 +136,11 @@ ARENA_WAIT_S = 0.0005  # how often a worker whose arena is full looks again
 ALIGN = 8  # every tensor of a piece starts at a multiple of this in its arena: any dtype can view it
 
 
+def aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to a multiple of ALIGN."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 @dataclass(frozen=True)
 class InArena:
     """Where a worker wrote a piece's tensors in its arena (`WorkerArenas.carry`): what the loader's
@@ -209,8 +214,17 @@ class WorkerArenas:
     def takes(self, tensors: dict[str, torch.Tensor], samples: int) -> bool:
         """Whether a piece of `samples` samples made of `tensors` stays within their room (the
         arena holds a batch of pieces that do)."""
-        return sum(-(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN for tensor in tensors.values()) \
-            <= samples * self.sample_bytes
+        return self._layout(tensors)[1] <= samples * self.sample_bytes
+
+    @staticmethod
+    def _layout(tensors: dict[str, torch.Tensor]) -> tuple[tuple, int]:
+        """(name, dtype, shape, byte offset) of each of `tensors` laid one after another, each where
+        its dtype may be viewed, and the bytes they take."""
+        layout, nbytes = [], 0
+        for name, tensor in tensors.items():
+            layout.append((name, tensor.dtype, tuple(tensor.shape), nbytes))
+            nbytes += aligned(tensor.numel() * tensor.element_size())
+        return tuple(layout), nbytes
 
     def carry(self, worker: int, tensors: dict[str, torch.Tensor]) -> InArena | None:
         """`tensors` copied one after another into worker `worker`'s arena, once it has room; None
@@ -218,15 +232,12 @@ class WorkerArenas:
         arena's size must be.)"""
         if self.arena_bytes % ALIGN:
             raise ValueError(f"an arena of {self.arena_bytes} bytes, not a multiple of {ALIGN}, cannot carry tensors")
-        layout, nbytes = [], 0
-        for name, tensor in tensors.items():
-            layout.append((name, tensor.dtype, tuple(tensor.shape), nbytes))
-            nbytes += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN  # each where its dtype may be viewed
+        layout, nbytes = self._layout(tensors)
         placed = self.place(worker, nbytes)
         if placed is None:
             return None
         start, place = placed
-        carried = InArena(worker, start, start + nbytes, tuple(layout))
+        carried = InArena(worker, start, start + nbytes, layout)
         for tensor, view in zip(tensors.values(), self._views(place, carried.layout)):
             view.copy_(tensor)
         return carried

@@ -26,8 +26,9 @@ applies Wy to those, rounds and writes uint8 [n, c, out_h, out_w]. Each program 
 weight (float32) as it goes and dividing by their sum at the end: at most 2 * support + 2 taps,
 a handful for the crops a random resized crop draws. The images of a chunk differ in size and
 each lives where its decoder put it, in its own layout (nvJPEG's [3, H, W] planes, a worker's
-[H, W, 3] rows), so they are passed as a per-image table (address, the three strides, crop box). No atomics: the result is the same on every call, which Gradient
-Cache's two passes over the same bytes need.
+[H, W, 3] rows), so they are passed as a per-image table (address, the three strides, crop box).
+No atomics: the result is the same on every call, which Gradient Cache's two passes over the same
+bytes need.
 
 The host code takes the programs from `clipscale.triton_modes.programs(__name__, ...)`: this module
 as decorated for each call's mode, compiled for the GPU or run in Triton's interpreter on CPU tensors.

@@ -28,8 +28,8 @@ import torch
 
 from clipscale.config import Config, ConfigError
 from clipscale.data import prepare_data
-from clipscale.data.chunks import (ALIGN, Arrivals, ChunkSource, DeviceTransform, KeepBudget, PinnedRows, PulledArrivals, WorkerArenas,
-                                   on_the_callers_device, page_lock)
+from clipscale.data.chunks import (Arrivals, ChunkSource, DeviceTransform, KeepBudget, PinnedRows, PulledArrivals, WorkerArenas,
+                                   aligned, on_the_callers_device, page_lock)
 from clipscale.data.decoders import DECODE_THREADS, DecodePool, DeviceDecoder
 from clipscale.data.epoch import WorkList
 from clipscale.data.shards import SKIPS_NAMED, ShardStream, StreamState
@@ -239,7 +239,7 @@ class TrainingBatches:
             return None
         height, width = split.only_random_resized_crop().size
         sample_bytes = int(REGION_LIMIT * 3 * height * width) + ARENA_TOKENS_BYTES
-        arena_bytes = -(-samples_each * sample_bytes // ALIGN) * ALIGN
+        arena_bytes = aligned(samples_each * sample_bytes)
         total = cfg.data.workers * arena_bytes
         shared = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None  # where shared memory lives
         room = min(ARENA_HOST_FRACTION * host_bytes_per_rank(), shared.f_bavail * shared.f_frsize if shared else 0)

@@ -103,10 +103,9 @@ class SplitTransform:
         within rounding (the resize cost a worker more than the decode). A region of more
         than `REGION_LIMIT` times the output's pixels (a large photo) is resized here, so that a
         worker never hands over more than that."""
-        top, left, height, width = params
-        out_h, out_w = self.only_random_resized_crop().size
-        if height * width > REGION_LIMIT * out_h * out_w:
+        if self.worker_resizes(params):
             return self.apply(img, params)
+        top, left, height, width = params
         return TF.pil_to_tensor(img.crop((left, top, left + width, top + height)))
 
     def jpeg_region(self, data: bytes, params: tuple) -> Optional[torch.Tensor]:
@@ -115,15 +114,21 @@ class SplitTransform:
         settings), at half its cost in a worker (PIL's decoder objects, its RGB conversion and a
         copy to a tensor came to as much as the decode). None where simplejpeg refuses the bytes
         (damaged entropy data: PIL judges those) or the region is one `crop_region` resizes."""
-        top, left, height, width = params
-        out_h, out_w = self.only_random_resized_crop().size
-        if height * width > REGION_LIMIT * out_h * out_w:
+        if self.worker_resizes(params):
             return None
         try:
             rows = simplejpeg.decode_jpeg(data, colorspace="RGB")
         except ValueError:
             return None
+        top, left, height, width = params
         return torch.from_numpy(rows[top : top + height, left : left + width]).permute(2, 0, 1)
+
+    def worker_resizes(self, params: tuple) -> bool:
+        """Whether a crop's region is more than `REGION_LIMIT` outputs' pixels: a worker then resizes
+        it (PIL) rather than hand it over for the device to resize."""
+        _, _, height, width = params
+        out_h, out_w = self.only_random_resized_crop().size
+        return height * width > REGION_LIMIT * out_h * out_w
 
     def apply_to_tensor(self, img: torch.Tensor, params: tuple) -> torch.Tensor:
         """`apply` on a decoded uint8 [3, H, W] tensor, on its device (the GPU decoder's path):
