@@ -13,6 +13,7 @@ needs one, a group of one process in memory).
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ def init_distributed(device: str = "auto", group_of_one: bool = False) -> World:
         torch_device = torch.device("cuda", torch.cuda.current_device())
     else:
         torch_device = torch.device("cpu")
+    host_threads_for(torch_device)
     if world_size == 1 and group_of_one and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
                                 device_id=torch_device if use_cuda else None)
@@ -81,6 +83,16 @@ def init_distributed(device: str = "auto", group_of_one: bool = False) -> World:
             device_id=torch_device if use_cuda else None,
         )
     return World(rank, world_size, local_rank, torch_device)
+
+
+def host_threads_for(device: torch.device) -> None:
+    """One intra-op thread for a process that computes on a GPU, as torchrun gives each of its
+    processes, unless OMP_NUM_THREADS says otherwise. Its CPU ops are small (a chunk's crop table, a
+    batch's token order); split over every core, as torch does by default, each waits for threads
+    that the loader's workers keep busy: a 20 us `max` of a crop table took 5-30 ms, about 0.6 s of a
+    ViT-B/32 step of 32,768 on a 16-core H200 host (results/bench_e2e_h200_b32_32k_share1_profiled.json)."""
+    if device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
 
 
 NAMESPACE_KEY = "clipscale/namespace"

@@ -275,3 +275,25 @@ def test_a_tower_of_one_block_is_a_list_of_blocks_to_shard():
     blocks = dict(tower_blocks(model))
     assert len(blocks["text"]) == cfg.model.custom["text_cfg"]["layers"] == 1
     assert blocks["text"] is model.transformer.resblocks and blocks["image"] is model.visual.transformer.resblocks
+
+
+def test_a_process_on_a_gpu_runs_its_host_ops_in_one_thread_unless_omp_num_threads_says(monkeypatch):
+    """On a GPU the training process's own CPU ops are small and the loader's workers hold the cores:
+    one intra-op thread (as torchrun gives its processes), unless the user set OMP_NUM_THREADS; on a
+    CPU device the model computes there, so torch keeps its threads."""
+    from clipscale.distributed import host_threads_for
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        host_threads_for(torch.device("cpu"))
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        host_threads_for(torch.device("cuda"))
+        assert torch.get_num_threads() == 2
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        host_threads_for(torch.device("cuda"))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -382,8 +382,12 @@ class Rows(Protocol):
     def release(self) -> None:
         """The step is done with the batch: what its rows hold outside this process can go."""
 
+    def on_device_before(self, row: int) -> None:
+        """Rows before `row` stay on the device for as long as the step needs them: what they hold
+        on the host will not be read again."""
 
-class PinnedRows:
+
+class PinnedRows(Rows):
     """A column held whole in one pinned host tensor (uint8 images, token ids), filled from the
     loader pieces' `key` as they arrive (`arrivals`; None: the tensor is whole already)."""
 
@@ -535,6 +539,9 @@ class ChunkSource:
                 self.budget.give_back(size)
                 raise
             start = self.ahead_until = stop
+            # Held in the budget, the chunk stays on the device until pass 1 has used it, then for
+            # pass 2 (kept with the bytes it holds) or for no one: its host rows are not read again.
+            self.rows.on_device_before(stop)
 
     def release(self) -> None:
         """The step is done with this column: free what pass 1 kept and pass 2 did not take (a

@@ -33,16 +33,17 @@ import queue
 import threading
 import time
 import warnings
+from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from clipscale.caption_length import to_device_async  # a copy that never waits for the step's queued work
-from clipscale.data.chunks import Arrivals, ChunkSource, DeviceTransform, HostChunk, InArena, KeepBudget, WorkerArenas
+from clipscale.data.chunks import Arrivals, ChunkSource, DeviceTransform, HostChunk, InArena, KeepBudget, Rows, WorkerArenas
 from clipscale.data.transforms import SplitTransform
 
 JPEG_START, JPEG_END = b"\xff\xd8", b"\xff\xd9"
@@ -227,6 +228,9 @@ class EncodedBatch:
         self.pieces: list[tuple[int, EncodedImages]] = []  # (first row, the piece's images)
         self.arenas = arenas
         self.released = False
+        self.given_back = 0  # pieces [0, given_back), rows [0, given_back_rows), are not read again (`give_back_before`)
+        self.given_back_rows = 0
+        self.copying: deque[tuple[torch.cuda.Event | None, list[EncodedImages]]] = deque()  # given back once copied
 
     def add(self, first_row: int, encoded: EncodedImages) -> None:
         """Keep a private copy: a loader worker's tensors sit in shared memory, one file descriptor
@@ -239,15 +243,35 @@ class EncodedBatch:
     def release(self) -> None:
         """Give the workers' arenas back the pieces (call once no copy from them is pending);
         once: the batch's rows cannot be read again."""
-        for _, encoded in self.pieces:
+        self.copying.clear()
+        self._give_back(encoded for _, encoded in self.pieces)
+        self.released = True
+
+    def give_back_before(self, row: int, copied: torch.cuda.Event | None) -> None:
+        """Rows before `row` are not read again: the pieces wholly before it go back to the workers'
+        arenas once the device has run `copied` (an event after their copies), so that the workers
+        write the next batch there while this one trains. Pieces go back in row order, as each
+        worker wrote them."""
+        first = self.given_back
+        while self.given_back < len(self.pieces):
+            start, encoded = self.pieces[self.given_back]
+            if start + len(encoded) > row:
+                break
+            self.given_back, self.given_back_rows = self.given_back + 1, start + len(encoded)
+        if self.given_back > first:
+            self.copying.append((copied, [encoded for _, encoded in self.pieces[first : self.given_back]]))
+        while self.copying and (self.copying[0][0] is None or self.copying[0][0].query()):
+            self._give_back(self.copying.popleft()[1])
+
+    def _give_back(self, pieces: Iterable[EncodedImages]) -> None:
+        for encoded in pieces:
             if encoded.arena_span is not None:
                 worker, _, stop = encoded.arena_span
                 self.arenas.release(worker, stop)
-        self.released = True
 
     def rows(self, start: int, stop: int) -> list[tuple[EncodedImages, int, int]]:
         """Rows [start, stop) as (piece, first, stop) within each piece that holds some of them."""
-        if self.released:
+        if self.released or start < self.given_back_rows:
             raise RuntimeError(f"rows {start}..{stop} of a batch read after its pixels were given back")
         return [(encoded, max(start, first) - first, min(stop, first + len(encoded)) - first)
                 for first, encoded in self.pieces if first < stop and first + len(encoded) > start]
@@ -471,6 +495,12 @@ class DeviceDecoder:
             self.decode_s += time.perf_counter() - started
         return pixels, (stream.record_event() if stream is not None else None)
 
+    def issued(self) -> torch.cuda.Event | None:
+        """An event after every copy and resize the calling thread has issued (None where it has not
+        issued any on a CUDA stream)."""
+        stream = getattr(self.own, "stream", None)
+        return stream.record_event() if stream is not None else None
+
     def wait_for_copies(self) -> None:
         """Until every copy and resize issued so far has run (the arenas' pixels they read may be
         written again after)."""
@@ -504,7 +534,7 @@ class DecodedChunk:
         self.future.cancel()
 
 
-class DeviceDecodedRows:
+class DeviceDecodedRows(Rows):
     """The images of a batch that the device decodes: the host holds the pieces' JPEG bytes and
     crops (`EncodedBatch`, about a tenth of their uint8 pixels); every pass decodes what it asks
     for that was not kept."""
@@ -522,6 +552,13 @@ class DeviceDecodedRows:
 
     def prepare(self, start: int, stop: int, pass_number: int) -> DecodedChunk:
         return self.decoder.submit(self.encoded, self.arrivals, start, stop, counted=self if pass_number == 1 else None)
+
+    def on_device_before(self, row: int) -> None:
+        """Rows before `row` are on the device for as long as the step needs them (chunks prepared
+        ahead, `ChunkSource.prepare_some_ahead`, in the calling thread): their pieces go back to the
+        workers' arenas once the device has copied them, while the batch is still to train."""
+        if self.decoder.arenas is not None and self.decoder.thread is None:
+            self.encoded.give_back_before(row, self.decoder.issued())
 
     def release(self) -> None:
         """The bytes are this process's, dropped with the batch; pixels in the workers' arenas go
@@ -619,7 +656,7 @@ class DecodedInPool(HostChunk):
             future.cancel()
 
 
-class OffloadedRows:
+class OffloadedRows(Rows):
     """The images of an offloaded batch. Pass 1 takes the loader's pixels off a queue of at most
     the pool's `window` pieces, so the pixels of only a few pieces are ever held on the host; a
     later pass (for the chunks pass 1 could not keep on the device) decodes the kept bytes again."""

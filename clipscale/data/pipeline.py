@@ -332,15 +332,18 @@ class StreamedBatch:
     stream: "BatchStream"
     records: list = field(default_factory=list)  # (cursor, skipped, skips named, shard errors, problem shards) of each piece, in order
     handed_out_after_s: float = 0.0  # how long `BatchStream.next` waited for this batch to start
-    received_ahead_s: float = 0.0  # the previous step's time receiving its pieces, while the device computed
+    received_ahead_s: float = 0.0  # the previous step's time receiving its pieces (counted in that step's wait)
+    receiving_next_s: float = 0.0  # this step's time receiving the next batch's pieces (`BatchStream._work_ahead`)
 
     @property
     def data_wait_s(self) -> float:
-        """Time the step waited for this batch's data: its start, then each chunk not yet there (and
-        each piece received, when the step's thread receives them: `PulledArrivals`), but for the
-        pieces received during the previous step (`BatchStream._work_ahead`): no step waited for those."""
+        """Time the step waited for data: this batch's start, then each chunk not yet there (and each
+        piece received, when the step's thread receives them: `PulledArrivals`), the pieces of the
+        next batch the step's thread received between its chunks included, those of this batch it
+        received during the previous step left out (they were that step's). Receiving blocks the
+        thread that launches the step's kernels: the device runs only what was queued before."""
         return (self.handed_out_after_s + self.images.wait_s + self.texts.wait_s + self.arrivals.wait_s
-                - self.received_ahead_s)
+                - self.received_ahead_s + self.receiving_next_s)
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -513,25 +516,30 @@ class BatchStream:
         pieces = iter(range(1, self.batch_size // self.piece_size))
         arrivals.pull = lambda: self._put(batch, next(pieces), self._next_piece())
         if batch.images.ahead_shape is not None:
-            batch.images.between_chunks = self._work_ahead
+            batch.images.between_chunks = lambda calls_left: self._work_ahead(batch, calls_left)
         return batch
 
-    def _work_ahead(self, calls_left: int) -> None:
+    def _work_ahead(self, in_use: StreamedBatch, calls_left: int) -> None:
         """Between two of pass 2's chunks of the batch in use, in the training thread, while the
         device computes the chunk just queued: begin the next batch (its pieces received as its
         chunks need them) and decode its share of chunks (`ChunkSource.prepare_some_ahead`). The
         pieces of the batch in use went back to the workers' arenas before pass 2 (it reads only
-        kept chunks), so a worker always has room for the pieces asked for here."""
+        kept chunks), so a worker always has room for the pieces asked for here; each of those goes
+        back too once its chunk is on the device, for the batch after. The time receiving them is
+        the step's data wait (`StreamedBatch.receiving_next_s`)."""
         if self.ahead_error is not None:
             return
         try:
+            started = time.perf_counter()
             if self.upcoming is None:
                 if self.state.batches + 1 >= self.steps:  # the batch in use is the run's last
                     return
-                self.upcoming = self._pulled_batch(self.free.get_nowait())
+                self.upcoming = self._pulled_batch(self.free.get_nowait())  # its first piece received
+                in_use.receiving_next_s += time.perf_counter() - started
             received = self.upcoming.arrivals.wait_s
             self.upcoming.images.prepare_some_ahead(calls_left)
             self.upcoming.received_ahead_s += self.upcoming.arrivals.wait_s - received
+            in_use.receiving_next_s += self.upcoming.arrivals.wait_s - received
         except Exception as error:  # noqa: BLE001 - the loader's, raised when the step that needs the batch asks for it
             self.ahead_error = error
 

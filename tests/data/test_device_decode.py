@@ -298,6 +298,43 @@ def test_chunks_decoded_ahead_by_the_caller_take_an_even_share_within_the_budget
     assert relative_error(streamed, held) == 0.0
 
 
+def test_pieces_of_a_chunk_decoded_ahead_go_back_to_their_arena_before_the_batch_trains(jpeg_shards):
+    """Pieces in a worker's arena whose chunk the training thread decoded ahead (held in the budget:
+    on the device until pass 2 is done with it) go back to the worker at once, in order, while the
+    batch is still to train, so the worker writes the batch after there; pieces of chunks not
+    decoded ahead stay. The step trains on the same pixels as the batch held whole, and a row
+    given back is never read again."""
+    from clipscale.data.chunks import WorkerArenas
+
+    cpu = torch.device("cpu")
+    arenas = WorkerArenas(workers=1, arena_bytes=4 * 2**20, sample_bytes=2**15)
+    stream = _stream(jpeg_shards, decode=False, piece_size=4, worker_decode_share=1.0)
+    stream.arenas = arenas
+    pieces = [ShardStream.taken_from(arenas, carried) for carried in islice(stream, 3)]
+    ends = [piece["encoded"].arena_span[2] for piece in pieces]
+    whole = torch.cat([decode_rows(SPLIT, piece["encoded"], 0, 4, cpu)[0] for piece in pieces])
+    model, (_, texts) = tiny_clip(), make_batch(12, seed=1)
+    decoder = DeviceDecoder(SPLIT, cpu, chunk_size=4, threads=0, arenas=arenas)
+    budget, arrivals = KeepBudget(2 * 4 * 3 * 32 * 32), Arrivals()
+    images = decoder.column(12, arrivals, SPLIT.to_float, budget)
+    for k, piece in enumerate(pieces):
+        images.put(slice(4 * k, 4 * k + 4), piece)
+    arrivals.add(12)
+    assert int(arenas.released[0]) == 0
+    images.prepare_some_ahead(calls_left=3)
+    assert int(arenas.released[0]) == ends[0]
+    images.prepare_some_ahead(calls_left=1)  # room in the budget for one more chunk only
+    assert int(arenas.released[0]) == ends[1]
+    with pytest.raises(RuntimeError, match="given back"):
+        images.rows.encoded.rows(4, 8)
+    _, streamed = gradcache_grads(model, float64_clip_loss, images, ChunkSource.of_tensor(texts), chunk_size=4)
+    assert int(arenas.released[0]) == ends[1], "the last chunk's piece, decoded in pass 1 and again in pass 2, held"
+    _, held = gradcache_grads(model, float64_clip_loss, SPLIT.to_float(whole), texts, chunk_size=4)
+    assert relative_error(streamed, held) == 0.0
+    images.release()
+    assert int(arenas.released[0]) == ends[2]
+
+
 def test_what_pass_one_keeps_stays_within_the_budget(jpeg_shards):
     """A budget of two chunks keeps two and the other chunk is decoded again in pass 2."""
     piece = next(iter(_stream(jpeg_shards, decode=False, piece_size=12)))
@@ -461,7 +498,7 @@ def test_the_training_thread_decodes_the_next_batch_between_pass_twos_chunks_on_
     real_done_with = BatchStream.done_with
 
     def recording(stream, batch, used):
-        batches.append((batch.received_ahead_s, batch.arrivals.wait_s, batch.data_wait_s))
+        batches.append((batch.received_ahead_s, batch.arrivals.wait_s, batch.data_wait_s, batch.receiving_next_s))
         real_done_with(stream, batch, used)
 
     monkeypatch.setattr(BatchStream, "done_with", recording)
@@ -471,10 +508,14 @@ def test_the_training_thread_decodes_the_next_batch_between_pass_twos_chunks_on_
     ahead = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "ahead", "data.decoder=device",
                                  "data.worker_decode_share=0.5", "data.decode_workers=0", "data.keep_on_device_gib=1")
     assert sum(ahead_rows) == 5 * 64, "steps 2..6 of 64 samples find every chunk decoded ahead, nothing past step 6 is begun"
-    # Their pieces were all received during the step before, which the data wait leaves out.
-    ahead_batches = batches[-5:]
-    assert all(received > 0 and waited == pytest.approx(received, abs=1e-3) and data_wait < 0.05
-               for received, waited, data_wait in ahead_batches), ahead_batches
+    # Their pieces were all received during the step before: that step's data wait, not theirs
+    # (the training thread, blocked receiving, launched nothing meanwhile).
+    steps = batches[-6:]
+    for before, after in zip(steps, steps[1:]):
+        (_, _, data_wait, receiving_next), (received, waited, _, _) = before, after
+        assert received > 0 and waited == pytest.approx(received, abs=1e-3), steps
+        assert receiving_next >= received and data_wait >= receiving_next - 1e-3, steps
+    assert steps[-1][3] == 0 and steps[-1][2] < 0.05, steps  # the last step begins no batch
     # Each worker's arena holds 2.3 outputs' pixels a sample of its share of a batch, and its 77 tokens and
     # table rows; these crops' regions average about 1.7 (48-px images, crops of half to all of them, 32-px
     # outputs): not two batches.
