@@ -88,7 +88,8 @@ ARENA_HOST_FRACTION, ARENA_BATCHES = 0.5, 2
 # the towers train at about TOWERS_MFU of the GPU's peak (their ceilings: ViT-B/16 0.27, ViT-B/32 0.22
 # on an H200). At 32,768 on an H200: ViT-B/16 0.977 of its ceiling at share 1, 0.937 at 0.4
 # (results/bench_e2e_h200_b16_32k_arenas.json, ..._default_same_machine.json); ViT-B/32 0.894 at share 1
-# (results/bench_e2e_h200_b32_32k_arenas_carry_pieces.json), 0.833 at 0.4 (..._work_ahead.json).
+# (results/bench_e2e_h200_b32_32k_arenas_carry_pieces.json), 0.833 at 0.4 (..._work_ahead.json); at
+# 65,536, 0.967 at share 1 (results/bench_e2e_h200_b32_65k_give_back.json).
 WORKER_IMAGES_PER_S, TOWERS_MFU, KEEP_UP_MARGIN = 780, 0.27, 1.2
 
 
