@@ -58,7 +58,7 @@ from clipscale.compile import CompilePolicy, compile_enabled  # noqa: E402
 from clipscale.config import load_config  # noqa: E402
 from clipscale.data.chunks import chunk_bounds  # noqa: E402
 from clipscale.data.pipeline import TrainingBatches  # noqa: E402
-from clipscale.distributed import World  # noqa: E402
+from clipscale.distributed import World, host_threads_for  # noqa: E402
 from clipscale.losses import build_loss  # noqa: E402
 from clipscale.models import build_model  # noqa: E402
 from clipscale.optim import build_optimizer  # noqa: E402
@@ -224,6 +224,7 @@ def main(argv=None) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     world = World(device=device)
+    host_threads_for(device)  # the training process's host threads, as train.py sets them
     plan = plan_run(cfg, world)
 
     towers = build_model(cfg.model, compiled=compile_enabled(cfg.model.compile, device))

@@ -72,6 +72,7 @@ from clipscale.caption_length import TextChunks, caption_lengths, cut_padding, l
 from clipscale.compile import CompilePolicy, compile_enabled
 from clipscale.config import load_config
 from clipscale.data.chunks import chunk_bounds
+from clipscale.distributed import host_threads_for
 from clipscale.gradcache import trainable_towers
 from clipscale.losses import build_loss
 from clipscale.models import build_model, open_clip_model_config
@@ -359,6 +360,7 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
     """The towers' ceiling for `case` (see the module docstring), one JSON line per step in `out`."""
     cfg = load_config(str(CONFIG), config_overrides(case, shards, 1, out.parent, extra))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    host_threads_for(device)  # the training process's host threads, as train.py sets them
     towers = build_model(cfg.model, compiled=compile_enabled(cfg.model.compile, device))
     model = towers.model.to(device).train()
     batch = int(case["batch"])

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 from clipscale.checks import plan_run  # noqa: E402
 from clipscale.config import load_config  # noqa: E402
-from clipscale.distributed import World  # noqa: E402
+from clipscale.distributed import World, host_threads_for  # noqa: E402
 from clipscale.models import build_model  # noqa: E402
 from clipscale.data.chunks import chunk_bounds  # noqa: E402
 from clipscale.data.pipeline import TrainingBatches  # noqa: E402
@@ -72,6 +72,7 @@ def run_case(case: dict, shards: str, workers: int) -> dict:
     world = World(device=torch.device("cuda", 0)) if on_gpu else World()
     if on_gpu:
         torch.cuda.set_device(world.device)
+    host_threads_for(world.device)  # the training process's host threads, as train.py sets them
     started = time.perf_counter()
     towers = build_model(cfg.model)
     stream = TrainingBatches(cfg, plan_run(cfg, world), world, towers.train_transform, towers.tokenizer, chunk)
