@@ -174,7 +174,8 @@ class DataConfig:
     # the data path runs beside the step in the training process (no thread: each chunk is one
     # copy and one resize, issued by the step's own thread; the next batch's during this step's
     # pass 2 when pass 1 kept every chunk); it needs workers fast enough for the towers (about
-    # 10,900 images/s from 14 on a 16-core H200 host: ViT-B/16 at 0.977 of its ceiling, B/32 0.894).
+    # 10,900 images/s from 14 on a 16-core H200 host: ViT-B/16 at 0.977 of its ceiling at 32,768, B/32
+    # 0.967 at 65,536).
     worker_decode_share: float | Literal["auto"] = may_change("auto")
     # GiB of a step's pass-1 chunks (uint8 pixels, tokens) kept on the device for Gradient Cache's
     # pass 2, which then neither decodes nor copies them again; null: a quarter of the GPU's memory.

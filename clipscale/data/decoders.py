@@ -228,8 +228,7 @@ class EncodedBatch:
         self.pieces: list[tuple[int, EncodedImages]] = []  # (first row, the piece's images)
         self.arenas = arenas
         self.released = False
-        self.given_back = 0  # pieces [0, given_back), rows [0, given_back_rows), are not read again (`give_back_before`)
-        self.given_back_rows = 0
+        self.given_back = 0  # pieces [0, given_back) are not read again (`give_back_before`)
         self.copying: deque[tuple[torch.cuda.Event | None, list[EncodedImages]]] = deque()  # given back once copied
 
     def add(self, first_row: int, encoded: EncodedImages) -> None:
@@ -257,11 +256,19 @@ class EncodedBatch:
             start, encoded = self.pieces[self.given_back]
             if start + len(encoded) > row:
                 break
-            self.given_back, self.given_back_rows = self.given_back + 1, start + len(encoded)
+            self.given_back += 1
         if self.given_back > first:
             self.copying.append((copied, [encoded for _, encoded in self.pieces[first : self.given_back]]))
         while self.copying and (self.copying[0][0] is None or self.copying[0][0].query()):
             self._give_back(self.copying.popleft()[1])
+
+    @property
+    def given_back_rows(self) -> int:
+        """Rows [0, given_back_rows) are not read again."""
+        if not self.given_back:
+            return 0
+        start, encoded = self.pieces[self.given_back - 1]
+        return start + len(encoded)
 
     def _give_back(self, pieces: Iterable[EncodedImages]) -> None:
         for encoded in pieces:

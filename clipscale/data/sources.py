@@ -359,12 +359,12 @@ def checksum_holds(block: bytes, field: bytes) -> bool:
 
 
 def grouped_members(shard, members: list[tuple[str, int, int]], url: str, handler: Callable[[Exception], bool],
-            error: Optional[Exception]) -> Iterator[dict]:
+                    error: Optional[Exception]) -> Iterator[dict]:
     """The members grouped into samples by key, as webdataset's `group_by_keys` groups them; the
     handler told of `error` where webdataset meets it: before the last sample, which it cut."""
     current = None
     for name, start, length in members:
-        if "/" not in name and name.startswith("__") and name.endswith("__") or TAR_META.match(name):
+        if TAR_META.match(name):
             continue
         key, suffix = wds.tariterators.base_plus_ext(name)
         if key is None:
