@@ -76,10 +76,13 @@ def run_case(case: dict, shards: str, workers: int) -> dict:
     started = time.perf_counter()
     towers = build_model(cfg.model)
     stream = TrainingBatches(cfg, plan_run(cfg, world), world, towers.train_transform, towers.tokenizer, chunk)
+    built = time.perf_counter() - started
     arrived, cpu = [], []  # seconds since the start when each batch was in (decoded, with decode=1); CPU seconds then
+    first_piece = None
     try:
         for _ in range(batches):
             with stream.next() as got:  # used at once: the next batch is gathered flat out
+                first_piece = first_piece or time.perf_counter() - started
                 if on_gpu:
                     bounds = chunk_bounds(len(got), chunk)
                     for _ in got.images.chunks(bounds, world.device, 1):
@@ -93,7 +96,16 @@ def run_case(case: dict, shards: str, workers: int) -> dict:
     finally:
         stream.close()
     later = [b - a for a, b in zip(arrived, arrived[1:])]
-    return {"case": case, "first_batch_s": arrived[0], "later_batch_s": later,
+    locking = stream.arenas.page_locking if stream.arenas is not None else None
+    # Where the first batch's time went: the data path built (the model's transform, the workers'
+    # arenas allocated), its first piece received (the workers started), the arenas page-locked
+    # (in threads beside the workers' start: BackgroundPageLock).
+    first = {"built_s": built, "first_piece_s": first_piece,
+             "arenas_gib": stream.arenas.memory.numel() / 2**30 if stream.arenas is not None else None,
+             "page_lock_s": locking.seconds if locking else None,
+             "page_lock_parts_s": {"populate_max": max(p for p, _ in locking.parts_s),
+                                   "register_max": max(r for _, r in locking.parts_s)} if locking and locking.parts_s else None}
+    return {"case": case, "first_batch_s": arrived[0], "first_batch": first, "later_batch_s": later,
             "samples_per_s": batch * len(later) / sum(later) if later else None,
             "cores_busy": (cpu[-1] - cpu[0]) / (arrived[-1] - arrived[0]) if later else None}
 

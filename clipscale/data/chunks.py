@@ -10,7 +10,10 @@ preparing chunks before their pass asks (`prepare_ahead`), and the time the step
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
+import sys
 import threading
 import time
 import weakref
@@ -132,6 +135,56 @@ def page_lock(tensor: torch.Tensor) -> bool:
     return True
 
 
+def populate(tensor: torch.Tensor) -> bool:
+    """Fault in every page of a host tensor's memory now (Linux's MADV_POPULATE_WRITE): the
+    zero-filled pages paid for in the calling thread rather than inside `page_lock`, which CUDA may
+    run one registration at a time. False where the kernel lacks it (`page_lock` faults them then)."""
+    page = mmap.PAGESIZE
+    first = -(-tensor.data_ptr() // page) * page
+    length = (tensor.data_ptr() + tensor.numel() * tensor.element_size() - first) // page * page
+    if length <= 0 or sys.platform != "linux":
+        return False
+    return ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), MADV_POPULATE_WRITE) == 0
+
+
+MADV_POPULATE_WRITE = 23  # linux/mman.h, since Linux 5.14
+
+
+class BackgroundPageLock:
+    """Page-locks parts of a host tensor where CUDA is, each in a thread of its own, while the
+    caller goes on: the workers' arenas are tens of gigabytes at a batch of 65,536, and pinning is
+    mostly the kernel zero-filling pages, work that threads share. `wait()` before the first copy
+    from the memory; `seconds` then says how long it took, `parts_s` (populate, register) each part's."""
+
+    def __init__(self, parts: list[torch.Tensor]):
+        self.started = time.perf_counter()
+        self.seconds: float | None = None
+        self.locked: list[bool] = []
+        self.parts_s: list[tuple[float, float]] = []
+        self.threads = []
+        if torch.cuda.is_available():
+            torch.cuda.init()  # the threads register with this device's context (on_the_callers_device)
+            self.threads = [threading.Thread(target=on_the_callers_device(self._lock), args=(part,),
+                                             name="clipscale-page-lock", daemon=True) for part in parts]
+        for thread in self.threads:
+            thread.start()
+
+    def _lock(self, part: torch.Tensor) -> None:
+        began = time.perf_counter()
+        populate(part)
+        populated = time.perf_counter()
+        self.locked.append(page_lock(part))  # list.append is atomic
+        self.parts_s.append((populated - began, time.perf_counter() - populated))
+
+    def wait(self) -> bool:
+        """Once every part is page-locked (or CUDA refused): whether all of them are."""
+        if self.seconds is None:
+            for thread in self.threads:
+                thread.join()
+            self.seconds = time.perf_counter() - self.started
+        return bool(self.locked) and all(self.locked)
+
+
 ARENA_WAIT_S = 0.0005  # how often a worker whose arena is full looks again
 ALIGN = 8  # every tensor of a piece starts at a multiple of this in its arena: any dtype can view it
 
@@ -187,7 +240,12 @@ class WorkerArenas:
         self.released = torch.zeros(workers + 1, dtype=torch.int64).share_memory_()
         self.next_start = [0] * workers  # where each worker's next piece goes (each worker's process keeps its own)
         self.held: list[deque] = [deque() for _ in range(workers)]  # each worker's pieces (start, stop) not known given back
-        self.page_locked = page_lock(self.memory)  # the trainer's mapping; a worker never touches CUDA
+        # The trainer's mapping, a worker's arena a thread (a worker never touches CUDA): done while
+        # the workers start, waited for before the first piece is taken.
+        self.page_locking = BackgroundPageLock([self.view(w, 0, arena_bytes) for w in range(workers)])
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "page_locking": None}  # the trainer's own
 
     def place(self, worker: int, nbytes: int) -> tuple[int, torch.Tensor] | None:
         """Where worker `worker`'s next piece of `nbytes` goes, once the trainer has given back room
@@ -244,6 +302,7 @@ class WorkerArenas:
 
     def take(self, carried: InArena) -> dict[str, torch.Tensor]:
         """In the trainer: the tensors `carry` wrote, as views of the arena (valid until released)."""
+        self.page_locking.wait()  # before any copy from it
         views = self._views(self.view(carried.worker, carried.start, carried.stop), carried.layout)
         return {name: view for (name, *_), view in zip(carried.layout, views)}
 
