@@ -98,13 +98,11 @@ def run_case(case: dict, shards: str, workers: int) -> dict:
     later = [b - a for a, b in zip(arrived, arrived[1:])]
     locking = stream.arenas.page_locking if stream.arenas is not None else None
     # Where the first batch's time went: the data path built (the model's transform, the workers'
-    # arenas allocated), its first piece received (the workers started), the arenas page-locked
-    # (in threads beside the workers' start: BackgroundPageLock).
+    # arenas allocated), its first piece received (the workers started); the arenas' page-locking,
+    # which runs in a thread from the workers' start (BackgroundPageLock), took page_lock_s.
     first = {"built_s": built, "first_piece_s": first_piece,
              "arenas_gib": stream.arenas.memory.numel() / 2**30 if stream.arenas is not None else None,
-             "page_lock_s": locking.seconds if locking else None,
-             "page_lock_parts_s": {"populate_max": max(p for p, _ in locking.parts_s),
-                                   "register_max": max(r for _, r in locking.parts_s)} if locking and locking.parts_s else None}
+             "page_locked": locking.wait() if locking else None, "page_lock_s": locking.seconds if locking else None}
     return {"case": case, "first_batch_s": arrived[0], "first_batch": first, "later_batch_s": later,
             "samples_per_s": batch * len(later) / sum(later) if later else None,
             "cores_busy": (cpu[-1] - cpu[0]) / (arrived[-1] - arrived[0]) if later else None}

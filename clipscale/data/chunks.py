@@ -10,10 +10,7 @@ preparing chunks before their pass asks (`prepare_ahead`), and the time the step
 
 from __future__ import annotations
 
-import ctypes
 import math
-import mmap
-import sys
 import threading
 import time
 import weakref
@@ -135,53 +132,36 @@ def page_lock(tensor: torch.Tensor) -> bool:
     return True
 
 
-def populate(tensor: torch.Tensor) -> bool:
-    """Fault in every page of a host tensor's memory now (Linux's MADV_POPULATE_WRITE): the
-    zero-filled pages paid for in the calling thread rather than inside `page_lock`, which CUDA may
-    run one registration at a time. False where the kernel lacks it (`page_lock` faults them then)."""
-    page = mmap.PAGESIZE
-    first = -(-tensor.data_ptr() // page) * page
-    length = (tensor.data_ptr() + tensor.numel() * tensor.element_size() - first) // page * page
-    if length <= 0 or sys.platform != "linux":
-        return False
-    return ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), MADV_POPULATE_WRITE) == 0
-
-
-MADV_POPULATE_WRITE = 23  # linux/mman.h, since Linux 5.14
-
-
 class BackgroundPageLock:
-    """Page-locks parts of a host tensor where CUDA is, each in a thread of its own, while the
-    caller goes on: the workers' arenas are tens of gigabytes at a batch of 65,536, and pinning is
-    mostly the kernel zero-filling pages, work that threads share. `wait()` before the first copy
-    from the memory; `seconds` then says how long it took, `parts_s` (populate, register) each part's."""
+    """Page-locks parts of a host tensor where CUDA is, one after another in a thread of its own,
+    while the caller goes on. The workers' arenas are 41 GB at a batch of 65,536 and registering
+    them took about 10 s on an H200 host, one registration at a time however many threads asked
+    (the last of 14 parallel ones waited 9.4 s), and the trainer's other CUDA calls queued behind
+    them: the first batch came 29 s after the start
+    (results/bench_loader_h200_first_batch_65k_threads_at_construction.json). A copy from a part
+    not yet page-locked is staged by CUDA: synchronous, as correct, slower. `seconds`: how long
+    the registrations took."""
 
     def __init__(self, parts: list[torch.Tensor]):
-        self.started = time.perf_counter()
         self.seconds: float | None = None
         self.locked: list[bool] = []
-        self.parts_s: list[tuple[float, float]] = []
-        self.threads = []
+        self.thread = None
         if torch.cuda.is_available():
-            torch.cuda.init()  # the threads register with this device's context (on_the_callers_device)
-            self.threads = [threading.Thread(target=on_the_callers_device(self._lock), args=(part,),
-                                             name="clipscale-page-lock", daemon=True) for part in parts]
-        for thread in self.threads:
-            thread.start()
+            torch.cuda.init()  # the thread registers with this device's context (on_the_callers_device)
+            self.thread = threading.Thread(target=on_the_callers_device(self._lock), args=(parts,),
+                                           name="clipscale-page-lock", daemon=True)
+            self.thread.start()
 
-    def _lock(self, part: torch.Tensor) -> None:
-        began = time.perf_counter()
-        populate(part)
-        populated = time.perf_counter()
-        self.locked.append(page_lock(part))  # list.append is atomic
-        self.parts_s.append((populated - began, time.perf_counter() - populated))
+    def _lock(self, parts: list[torch.Tensor]) -> None:
+        started = time.perf_counter()
+        for part in parts:
+            self.locked.append(page_lock(part))
+        self.seconds = time.perf_counter() - started
 
     def wait(self) -> bool:
         """Once every part is page-locked (or CUDA refused): whether all of them are."""
-        if self.seconds is None:
-            for thread in self.threads:
-                thread.join()
-            self.seconds = time.perf_counter() - self.started
+        if self.thread is not None:
+            self.thread.join()
         return bool(self.locked) and all(self.locked)
 
 
@@ -240,12 +220,15 @@ class WorkerArenas:
         self.released = torch.zeros(workers + 1, dtype=torch.int64).share_memory_()
         self.next_start = [0] * workers  # where each worker's next piece goes (each worker's process keeps its own)
         self.held: list[deque] = [deque() for _ in range(workers)]  # each worker's pieces (start, stop) not known given back
-        # The trainer's mapping, a worker's arena a thread (a worker never touches CUDA): done while
-        # the workers start, waited for before the first piece is taken.
-        self.page_locking = BackgroundPageLock([self.view(w, 0, arena_bytes) for w in range(workers)])
+        self.page_locking: BackgroundPageLock | None = None  # the trainer's mapping, once the workers start
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "page_locking": None}  # the trainer's own
+        return {**self.__dict__, "page_locking": None}  # the trainer's own (a worker never touches CUDA)
+
+    def page_lock_in_background(self) -> None:
+        """In the trainer, as the workers start: page-lock the arenas (`BackgroundPageLock`), after
+        the trainer's other CUDA set-up, which would otherwise queue behind the registrations."""
+        self.page_locking = BackgroundPageLock([self.view(w, 0, self.arena_bytes) for w in range(self.workers)])
 
     def place(self, worker: int, nbytes: int) -> tuple[int, torch.Tensor] | None:
         """Where worker `worker`'s next piece of `nbytes` goes, once the trainer has given back room
@@ -302,7 +285,6 @@ class WorkerArenas:
 
     def take(self, carried: InArena) -> dict[str, torch.Tensor]:
         """In the trainer: the tensors `carry` wrote, as views of the arena (valid until released)."""
-        self.page_locking.wait()  # before any copy from it
         views = self._views(self.view(carried.worker, carried.start, carried.stop), carried.layout)
         return {name: view for (name, *_), view in zip(carried.layout, views)}
 
@@ -322,8 +304,11 @@ class WorkerArenas:
         self.released[worker] = max(int(self.released[worker]), stop)
 
     def close(self) -> None:
-        """The trainer stops reading: workers waiting for room give up."""
+        """The trainer stops reading: workers waiting for room give up. Returns once the arenas'
+        page-locking is over (a registration still running as the interpreter exits may crash it)."""
         self.released[-1] = 1
+        if self.page_locking is not None:
+            self.page_locking.wait()
 
 
 class Arrivals:

@@ -413,6 +413,8 @@ class BatchStream:
         """Start reading: the loader's workers take the stream as it is now (a resumed run's cursors
         are in it by then, whenever they were restored), and the gathering thread starts."""
         self.loader = iter(self.loader_iterable)
+        if self.arenas is not None:
+            self.arenas.page_lock_in_background()
         if self.gather == "thread":
             self.thread = threading.Thread(target=on_the_callers_device(self._gather), args=(self.steps - self.state.batches,),
                                            name="clipscale-batches", daemon=True)
