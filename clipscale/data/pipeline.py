@@ -82,15 +82,19 @@ ARENA_HOST_FRACTION, ARENA_BATCHES = 0.5, 2
 
 
 # data.worker_decode_share=auto is 1 (the workers decode every image into their arenas: no data
-# thread in the trainer) where the workers decode faster than the towers train: they decode about
-# WORKER_IMAGES_PER_S each at share 1 (14 workers 10,949 images/s on a 16-core H200 host, libjpeg-turbo,
-# the trainer's copy and resize of each chunk included: results/bench_loader_h200_workers_simplejpeg.json);
-# the towers train at about TOWERS_MFU of the GPU's peak (their ceilings: ViT-B/16 0.27, ViT-B/32 0.22
-# on an H200). At 32,768 on an H200: ViT-B/16 0.977 of its ceiling at share 1, 0.937 at 0.4
+# thread in the trainer) where the workers decode faster than the towers train and their arenas fit
+# the host: they decode about WORKER_IMAGES_PER_S each at share 1 (14 workers 10,949 images/s on a
+# 16-core H200 host, libjpeg-turbo, the trainer's copy and resize of each chunk included:
+# results/bench_loader_h200_workers_simplejpeg.json); the towers train at about TOWERS_MFU of the
+# GPU's peak, counting the FLOPs the trainer hands over: those of a sample in the shortest text
+# bucket, so the estimate runs ahead of the towers (ViT-B/32's ceiling on an H200: 6,431 samples/s
+# against 7,770 estimated; at 0.27, ViT-B/16's ceiling mfu, ViT-B/32's 9,540 left it at 0.4 with
+# 14 workers, which trained at 0.833 of its ceiling where share 1 gave 0.967). At 32,768 on an
+# H200: ViT-B/16 0.977 of its ceiling at share 1, 0.937 at 0.4
 # (results/bench_e2e_h200_b16_32k_arenas.json, ..._default_same_machine.json); ViT-B/32 0.894 at share 1
 # (results/bench_e2e_h200_b32_32k_arenas_carry_pieces.json), 0.833 at 0.4 (..._work_ahead.json); at
 # 65,536, 0.967 at share 1 (results/bench_e2e_h200_b32_65k_give_back.json).
-WORKER_IMAGES_PER_S, TOWERS_MFU, KEEP_UP_MARGIN = 780, 0.27, 1.2
+WORKER_IMAGES_PER_S, TOWERS_MFU, KEEP_UP_MARGIN = 780, 0.22, 1.2
 
 
 def towers_samples_per_s(flops_per_sample: int | None, device: torch.device) -> float | None:
@@ -100,18 +104,34 @@ def towers_samples_per_s(flops_per_sample: int | None, device: torch.device) -> 
 
 
 def auto_worker_share(workers: int, per_rank_batch: int, image_bytes: int, host_bytes: int,
-                      towers_per_s: float | None = None) -> tuple[float, str | None]:
+                      towers_per_s: float | None = None, arenas_bytes: int = 0,
+                      arenas_room: float = 0.0) -> tuple[float, str | None]:
     """data.worker_decode_share=auto for a rank: (the share, a note where the host's memory lowered
-    it). 1 where the workers outpace the towers (`towers_per_s`: this rank's samples a second)."""
+    it). 1 where the workers outpace the towers (`towers_per_s`: this rank's samples a second) and
+    the arenas share 1 writes into (`arenas_bytes`) fit their room (`arenas_room`); else the
+    measured share, 0 where its pixels would not fit the host."""
     keeps_up = towers_per_s is not None and workers * WORKER_IMAGES_PER_S >= KEEP_UP_MARGIN * towers_per_s
-    share = 1.0 if keeps_up else AUTO_SHARE * min(1.0, workers / AUTO_SHARE_WORKERS)
+    if keeps_up and arenas_bytes <= arenas_room:
+        return 1.0, None
+    share = AUTO_SHARE * min(1.0, workers / AUTO_SHARE_WORKERS)
     held = BATCHES_HELD * per_rank_batch * share * image_bytes
     if held > AUTO_SHARE_HOST_FRACTION * host_bytes:
-        if keeps_up:
-            return auto_worker_share(workers, per_rank_batch, image_bytes, host_bytes)
         return 0.0, (f"data.worker_decode_share=auto: 0, the GPU decodes every JPEG it can (at {share:.2f} the workers' "
                      f"pixels would hold {held / 2**30:.0f} GiB of the host's {host_bytes / 2**30:.0f} GiB a rank)")
     return share, None
+
+
+def arena_sample_bytes(height: int, width: int) -> int:
+    """The room a sample takes in the workers' arenas: its crop's region at its largest
+    (`REGION_LIMIT` outputs' pixels: a piece's samples may all be large) and its tokens."""
+    return int(REGION_LIMIT * 3 * height * width) + ARENA_TOKENS_BYTES
+
+
+def arenas_room() -> float:
+    """The most the workers' arenas of a rank may take: `ARENA_HOST_FRACTION` of its host's memory,
+    and no more than /dev/shm, where shared memory lives, has free."""
+    shared = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
+    return min(ARENA_HOST_FRACTION * host_bytes_per_rank(), shared.f_bavail * shared.f_frsize if shared else 0)
 
 
 def host_bytes_per_rank() -> int:
@@ -148,7 +168,8 @@ def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.d
         # on img2dataset's 256-px images, at most REGION_LIMIT; counted as two.
         height, width = crop.size
         share, note = auto_worker_share(cfg.data.workers, per_rank_batch, 2 * 3 * height * width, host_bytes_per_rank(),
-                                        towers_samples_per_s(flops_per_sample, device))
+                                        towers_samples_per_s(flops_per_sample, device),
+                                        per_rank_batch * arena_sample_bytes(height, width), arenas_room())
         notes += [note] if note else []
     return DataPath("device", True, notes, share)
 
@@ -238,13 +259,10 @@ class TrainingBatches:
         if self.path.decoder != "device" or not cfg.data.workers or not (
                 self.path.worker_decode_share >= 1 or cfg.data.decode_workers == 0):
             return None
-        height, width = split.only_random_resized_crop().size
-        sample_bytes = int(REGION_LIMIT * 3 * height * width) + ARENA_TOKENS_BYTES
+        sample_bytes = arena_sample_bytes(*split.only_random_resized_crop().size)
         arena_bytes = aligned(samples_each * sample_bytes)
         total = cfg.data.workers * arena_bytes
-        shared = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None  # where shared memory lives
-        room = min(ARENA_HOST_FRACTION * host_bytes_per_rank(), shared.f_bavail * shared.f_frsize if shared else 0)
-        if total > room:
+        if total > arenas_room():
             self.path.notes.append(f"the loader workers' pixels are copied by a thread of the trainer: their arenas would take "
                                    f"{total / 2**30:.1f} GiB, over {ARENA_HOST_FRACTION:.0%} of the host's memory a rank or "
                                    "what /dev/shm has free")
