@@ -134,13 +134,14 @@ def page_lock(tensor: torch.Tensor) -> bool:
 
 class BackgroundPageLock:
     """Page-locks parts of a host tensor where CUDA is, one after another in a thread of its own,
-    while the caller goes on. The workers' arenas are 41 GB at a batch of 65,536 and registering
-    them took about 10 s on an H200 host, one registration at a time however many threads asked
-    (the last of 14 parallel ones waited 9.4 s), and the trainer's other CUDA calls queued behind
-    them: the first batch came 29 s after the start
-    (results/bench_loader_h200_first_batch_65k_threads_at_construction.json). A copy from a part
-    not yet page-locked is staged by CUDA: synchronous, as correct, slower. `seconds`: how long
-    the registrations took."""
+    while the caller goes on. CUDA takes registrations one at a time (of 14 threads registering the
+    arenas at 65,536 at once, the last waited 9.4 s) and queues the process's other CUDA calls behind
+    them: the workers' arenas are 41 GiB there and took 16 s on an H200 host. Started once the
+    trainer's own CUDA set-up is done and the workers are starting, they no longer hold the data
+    path's building back (8.6 s instead of 21), but the first batch's chunk copies still wait for
+    them (28.8 s to the first batch; results/bench_loader_h200_first_batch_65k.json). A copy from a
+    part not yet page-locked is staged by CUDA: synchronous, as correct. `seconds`: how long the
+    registrations took."""
 
     def __init__(self, parts: list[torch.Tensor]):
         self.seconds: float | None = None
