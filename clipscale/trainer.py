@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from clipscale.caption_length import text_lengths_computed, text_lengths_for_run
+from clipscale.caption_length import text_lengths_for_run
 from clipscale.checkpoint import CHECKPOINTS
 from clipscale.checkpoint_manager import CheckpointManager, GlobalGenerators, ModelAndOptimizer
 from clipscale.checks import RunPlan, plan_run
@@ -24,7 +24,6 @@ from clipscale.console import Console, figures, library_noise_kept_off, weights_
 from clipscale.data.pipeline import TrainingBatches
 from clipscale.distributed import World, barrier, init_distributed, shutdown_distributed
 from clipscale.eval.during_training import Evaluator
-from clipscale.gradcache import trainable_towers
 from clipscale.losses import build_loss
 from clipscale.memory import chunk_size
 from clipscale.metrics import DataProblems, MetricsLogger, RecordWindow, StepReport
@@ -35,7 +34,7 @@ from clipscale.profiling import profiled_step
 from clipscale.run_dir import RunFolder, open_run_folder
 from clipscale.signals import StopRequest
 from clipscale.step import StepResult, TrainStep
-from clipscale.utilization import train_flops_per_sample
+from clipscale.utilization import train_flops_by_text_length
 from clipscale.worker_server import start_worker_server
 
 
@@ -110,9 +109,7 @@ class Run:
         model = parallelize(towers.model, world, parallel=train.parallel, precision=train.precision,
                             reduce=train.fsdp_reduce, offload=train.fsdp_offload)
         with gathered(model.module):
-            flops = {length: train_flops_per_sample(model.module, plan.image_size, length, world.device,
-                                                    *trainable_towers(model.module))
-                     for length in text_lengths_computed(text_order, model.module.context_length)}
+            flops = train_flops_by_text_length(model.module, plan.image_size, text_order, world.device)
         loss_fn = loss_fn if loss_fn is not None else build_loss(cfg.loss.name, **cfg.loss.options)
         optimizer = build_optimizer(model.module, cfg.optim, fused=world.device.type == "cuda" and not train.fsdp_offload)
         chunk = chunk_size(plan, model, loss_fn, world, console)

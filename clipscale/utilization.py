@@ -13,6 +13,9 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from clipscale.caption_length import LengthSortedTexts, text_lengths_computed
+from clipscale.gradcache import trainable_towers
+
 # Dense bf16 tensor-core peaks (TFLOP/s), from the vendors' data sheets; the first match by name wins.
 PEAK_BF16_TFLOPS = (("H100", 989.0), ("H200", 989.0), ("GH200", 989.0), ("B200", 2250.0), ("A100", 312.0),
                     ("L40S", 362.0), ("A10", 125.0))
@@ -50,3 +53,13 @@ def train_flops_per_sample(model: torch.nn.Module, image_size: int, context_leng
     """Model FLOPs of one training sample: 3 forwards for a trained tower, 1 for a locked one."""
     image, text = forward_flops(model, image_size, context_length, device)
     return (3 if train_image else 1) * image + (3 if train_text else 1) * text
+
+
+def train_flops_by_text_length(model: torch.nn.Module, image_size: int, text_order: LengthSortedTexts | None,
+                               device: torch.device) -> dict[int, int]:
+    """A training sample's model FLOPs at each text length the run computes (its text buckets, or
+    the context length): what the metrics' mfu counts, and the least of them, what the data path's
+    worker_decode_share=auto reads."""
+    towers = trainable_towers(model)
+    return {length: train_flops_per_sample(model, image_size, length, device, *towers)
+            for length in text_lengths_computed(text_order, model.context_length)}

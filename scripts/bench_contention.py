@@ -52,20 +52,19 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from bench_e2e import CONFIG, RepeatedChunk, config_overrides, shard_captions  # noqa: E402
 
-from clipscale.caption_length import text_lengths_computed, text_lengths_for_run  # noqa: E402
+from clipscale.caption_length import text_lengths_for_run  # noqa: E402
 from clipscale.checks import plan_run  # noqa: E402
 from clipscale.compile import CompilePolicy, compile_enabled  # noqa: E402
 from clipscale.config import load_config  # noqa: E402
 from clipscale.data.chunks import chunk_bounds  # noqa: E402
 from clipscale.data.pipeline import TrainingBatches  # noqa: E402
 from clipscale.distributed import World, host_threads_for  # noqa: E402
-from clipscale.gradcache import trainable_towers  # noqa: E402
 from clipscale.losses import build_loss  # noqa: E402
 from clipscale.models import build_model  # noqa: E402
 from clipscale.optim import build_optimizer  # noqa: E402
 from clipscale.provenance import provenance  # noqa: E402
 from clipscale.step import TrainStep  # noqa: E402
-from clipscale.utilization import train_flops_per_sample  # noqa: E402
+from clipscale.utilization import train_flops_by_text_length  # noqa: E402
 
 
 class Background:
@@ -233,8 +232,7 @@ def main(argv=None) -> None:
     text_order, notes = text_lengths_for_run(towers.model, cfg.model.cut_text_padding, cfg.model.causal_text_attention)
     model = towers.model.to(device).train()
     # The towers' FLOPs a sample, as train.py hands them to the data path: its worker_decode_share=auto reads them.
-    flops_per_sample = min(train_flops_per_sample(model, plan.image_size, length, device, *trainable_towers(model))
-                           for length in text_lengths_computed(text_order, model.context_length))
+    flops_per_sample = min(train_flops_by_text_length(model, plan.image_size, text_order, device).values())
     policy = CompilePolicy.of(cfg.model, device, cfg.train.parallel, chunks=-(-args.batch // args.chunk))  # as train.py's
     policy.apply(model, work_dir / "compile_cache")
     step = TrainStep(model, build_loss(cfg.loss.name, **cfg.loss.options), build_optimizer(model, cfg.optim, fused=device.type == "cuda"),

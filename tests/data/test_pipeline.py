@@ -76,20 +76,18 @@ def test_the_auto_share_gives_the_workers_every_image_where_they_outpace_the_tow
 
 def test_vit_b32_on_an_h200_host_with_14_workers_takes_share_one_at_the_shipped_defaults(monkeypatch):
     """The FLOPs the trainer hands the data path (a sample in the shortest text bucket, counted on
-    the real towers as trainer.py counts them) give ViT-B/32 share 1 at 32,768 and 65,536 a GPU on
+    the real towers by the function trainer.py calls) give ViT-B/32 share 1 at 32,768 and 65,536 a GPU on
     a 128 GiB host, where it was measured best (0.967 of its ceiling against 0.833 at 0.4): an
     estimate of the towers' speed at ViT-B/16's mfu left it at 0.4."""
     import clipscale.data.pipeline as pipeline
-    from clipscale.caption_length import text_lengths_computed, text_lengths_for_run
-    from clipscale.gradcache import trainable_towers
+    from clipscale.caption_length import text_lengths_for_run
     from clipscale.models import build_model
-    from clipscale.utilization import train_flops_per_sample
+    from clipscale.utilization import train_flops_by_text_length
 
     cfg = load_config("configs/vit_b16_infcl.yaml", ["model.name=ViT-B-32", "data.workers=14"])
     towers = build_model(cfg.model, compiled=False)
     text_order, _ = text_lengths_for_run(towers.model, cfg.model.cut_text_padding, cfg.model.causal_text_attention)
-    flops = min(train_flops_per_sample(towers.model, 224, length, torch.device("cpu"), *trainable_towers(towers.model))
-                for length in text_lengths_computed(text_order, towers.model.context_length))
+    flops = min(train_flops_by_text_length(towers.model, 224, text_order, torch.device("cpu")).values())
     monkeypatch.setattr(pipeline, "peak_bf16_flops", lambda device: 989e12)  # an H200's
     monkeypatch.setattr(pipeline, "host_bytes_per_rank", lambda: 128 * 2**30)
     monkeypatch.setattr(pipeline, "arenas_room", lambda: 64 * 2**30)
