@@ -213,9 +213,13 @@ class WorkerArenas:
     In the trainer:  tensors = arenas.take(carried) ... arenas.release(w, carried.stop)
     """
 
-    def __init__(self, workers: int, arena_bytes: int, sample_bytes: int = 0):
+    def __init__(self, workers: int, arena_bytes: int, sample_bytes: int = 0, holds_a_batch: bool = True):
         self.workers, self.arena_bytes = workers, arena_bytes
         self.sample_bytes = sample_bytes  # the room a sample of a piece has: more goes through the queue (`takes`)
+        # False: an arena holds only some of its worker's pieces of a batch, and pass 1 hands each
+        # chunk's pieces back as it goes (`ChunkSource.hands_back_rows`), or the workers would wait
+        # for room that only the step's end gives back.
+        self.holds_a_batch = holds_a_batch
         storage = torch.UntypedStorage._new_shared(workers * arena_bytes)  # shared memory, mapped by each worker
         self.memory = torch.empty(0, dtype=torch.uint8).set_(storage)
         self.released = torch.zeros(workers + 1, dtype=torch.int64).share_memory_()
@@ -414,6 +418,34 @@ class OnDevice:
         """Nothing is running for it."""
 
 
+class OnHost:
+    """A chunk of pass 1 that pass 2 asks for again and the `KeepBudget` could not keep on the
+    device: copied to pinned host memory (on `copy_stream`, after the compute stream's work so far),
+    and back for pass 2, once that copy has run. Where the workers' arenas hold less than a batch,
+    pass 1 hands every chunk's rows back to them as it goes (`ChunkSource.hands_back_rows`): what it
+    could not keep waits here, as final uint8 pixels, instead of in the arenas."""
+
+    def __init__(self, chunk: torch.Tensor, copy_stream):
+        self.host = torch.empty(chunk.shape, dtype=chunk.dtype, pin_memory=copy_stream is not None)
+        self.copied = None
+        if copy_stream is None:
+            self.host.copy_(chunk)
+            return
+        copy_stream.wait_stream(torch.cuda.current_stream(chunk.device))
+        with torch.cuda.stream(copy_stream):
+            self.host.copy_(chunk, non_blocking=True)
+            self.copied = copy_stream.record_event()
+        chunk.record_stream(copy_stream)  # its device memory is not reused before the copy has run
+
+    def on_device(self, device: torch.device, copy_stream) -> torch.Tensor:
+        if copy_stream is not None:
+            copy_stream.wait_event(self.copied)
+        return copy_to_device(self.host, device, copy_stream)
+
+    def cancel(self) -> None:
+        """Nothing is running for it."""
+
+
 class Rows(Protocol):
     """How a column's rows become ready: `put` takes each loader piece, `prepare` starts making
     rows [start, stop) ready for a pass."""
@@ -475,6 +507,11 @@ class ChunkSource:
         # Called between two of pass 2's chunks with how many are still to come, when pass 2 reads
         # only chunks pass 1 kept: work for the next batch while the device computes (BatchStream).
         self.between_chunks: Callable[[int], None] | None = None
+        # Pass 1 hands each chunk's rows back (`Rows.on_device_before`) once the chunk is on the
+        # device, keeping it there or on the host (`OnHost`) where pass 2 asks for it again: the
+        # workers' arenas hold less than a batch (`WorkerArenas.holds_a_batch`).
+        self.hands_back_rows = False
+        self.on_host: dict[tuple[int, int], OnHost] = {}  # pass 1's chunks for pass 2 that the budget could not keep
         self.released = False
         self.lock = threading.Lock()  # the thread preparing ahead and the step both reach `ahead`
         self.wait_s = 0.0  # time the step spent waiting for this column's chunks
@@ -501,7 +538,8 @@ class ChunkSource:
         previous one. In pass 1 the chunks in `keep` (those pass 2 will ask for) stay on the device
         while the budget has room; pass 2 takes them instead of preparing them again."""
         copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        keep = set(keep) if self.budget is not None and pass_number == 1 else set()
+        asked_again = set(keep) if pass_number == 1 else set()
+        keep = asked_again if self.budget is not None else set()
         between = self.between_chunks if pass_number > 1 and all(bound in self.kept for bound in bounds) else None
         if between is not None:
             self.rows.release()  # pass 2 reads only what pass 1 kept: the rows' host pixels can go now
@@ -519,6 +557,10 @@ class ChunkSource:
                 self.kept[bound] = (chunk, charged or nbytes(chunk))
             elif charged:
                 self.budget.give_back(charged)  # prepared ahead, not needed again: freed after this use
+            if self.hands_back_rows and pass_number == 1:
+                if bound in asked_again and bound not in self.kept:
+                    self.on_host[bound] = OnHost(chunk, copy_stream)
+                self.rows.on_device_before(bound[1])
             yield self.device_transform(chunk)
             if between is not None:  # the chunk's work is queued: the device computes while this thread works
                 between(len(bounds) - k - 1)
@@ -538,6 +580,9 @@ class ChunkSource:
             tensor, size = kept
             self.budget.give_back(size)  # freed once this chunk has been used
             return OnDevice(tensor), 0
+        on_host = self.on_host.pop(bound, None) if pass_number > 1 else None
+        if on_host is not None:
+            return on_host, 0
         return self.rows.prepare(*bound, pass_number), 0
 
     def prepare_ahead(self, chunk_size: int, row_bytes: int, arrivals: Arrivals) -> None:
@@ -600,6 +645,7 @@ class ChunkSource:
         for _, size in self.kept.values():
             self.budget.give_back(size)
         self.kept.clear()
+        self.on_host.clear()
         self.rows.release()
         if self.budget is not None:
             self.budget.wake()

@@ -470,8 +470,10 @@ class DeviceDecoder:
                budget: KeepBudget | None) -> ChunkSource:
         """A batch's images column, decoded here; its chunks decoded ahead when the budget and the
         transform allow (a single random resized crop: every image's pixels are the same size)."""
-        return decoded_column(DeviceDecodedRows(batch_size, arrivals, self), self.split, self.chunk_size, arrivals,
-                              device_transform, budget, in_a_thread=self.thread is not None)
+        images = decoded_column(DeviceDecodedRows(batch_size, arrivals, self), self.split, self.chunk_size, arrivals,
+                                device_transform, budget, in_a_thread=self.thread is not None)
+        images.hands_back_rows = self.arenas is not None and self.thread is None and not self.arenas.holds_a_batch
+        return images
 
     def submit(self, encoded: EncodedBatch, arrivals: Arrivals, start: int, stop: int,
                counted: "DeviceDecodedRows | None" = None) -> "DecodedChunk":

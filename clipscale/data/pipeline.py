@@ -28,8 +28,8 @@ import torch
 
 from clipscale.config import Config, ConfigError
 from clipscale.data import prepare_data
-from clipscale.data.chunks import (Arrivals, ChunkSource, DeviceTransform, KeepBudget, PinnedRows, PulledArrivals, WorkerArenas,
-                                   aligned, on_the_callers_device, page_lock)
+from clipscale.data.chunks import (ALIGN, LOOKAHEAD, Arrivals, ChunkSource, DeviceTransform, KeepBudget, PinnedRows,
+                                   PulledArrivals, WorkerArenas, aligned, on_the_callers_device, page_lock)
 from clipscale.data.decoders import DECODE_THREADS, DecodePool, DeviceDecoder
 from clipscale.data.epoch import WorkList
 from clipscale.data.shards import SKIPS_NAMED, ShardStream, StreamState
@@ -79,6 +79,14 @@ ARENA_TOKENS_BYTES = 8192  # an arena's room a sample for its token ids and tabl
 # The workers' arenas (share 1): at most this fraction of the host's memory a rank; the loader may
 # run this many of a worker's batch shares ahead (they wait for room in their arena anyway).
 ARENA_HOST_FRACTION, ARENA_BATCHES = 0.5, 2
+# A rank's batch larger than its arenas can hold whole (every region at its largest) still takes
+# share 1: the arenas hold a window of it, and pass 1 hands each chunk back to them as it goes
+# (`WorkerArenas.holds_a_batch`). Pass 2's pixels then wait on the GPU (data.keep_on_device_gib) and,
+# beyond it, on the host as final uint8 (`OnHost`): at most this fraction of the host a rank.
+# A worker's window must hold its pieces that the trainer has taken and not yet handed back, those of
+# HANDED_BACK_CHUNKS chunks (LOOKAHEAD being prepared, the one in use, two whose copies may still run;
+# the loader hands the workers' pieces out in turn), and the next it writes, twice over.
+HANDED_BACK_HOST_FRACTION, HANDED_BACK_CHUNKS, HANDED_BACK_SPARE = 0.25, LOOKAHEAD + 3, 2
 
 
 # data.worker_decode_share=auto is 1 (the workers decode every image into their arenas: no data
@@ -104,14 +112,13 @@ def towers_samples_per_s(flops_per_sample: int | None, device: torch.device) -> 
 
 
 def auto_worker_share(workers: int, per_rank_batch: int, image_bytes: int, host_bytes: int,
-                      towers_per_s: float | None = None, arenas_bytes: int = 0,
-                      arenas_room: float = 0.0) -> tuple[float, str | None]:
+                      towers_per_s: float | None = None, arenas_fit: bool = False) -> tuple[float, str | None]:
     """data.worker_decode_share=auto for a rank: (the share, a note where the host's memory lowered
     it). 1 where the workers outpace the towers (`towers_per_s`: this rank's samples a second) and
-    the arenas share 1 writes into (`arenas_bytes`) fit their room (`arenas_room`); else the
-    measured share, 0 where its pixels would not fit the host."""
+    the arenas share 1 writes into fit (`arenas_fit`, `arena_window`); else the measured share, 0
+    where its pixels would not fit the host."""
     keeps_up = towers_per_s is not None and workers * WORKER_IMAGES_PER_S >= KEEP_UP_MARGIN * towers_per_s
-    if keeps_up and arenas_bytes <= arenas_room:
+    if keeps_up and arenas_fit:
         return 1.0, None
     share = AUTO_SHARE * min(1.0, workers / AUTO_SHARE_WORKERS)
     held = BATCHES_HELD * per_rank_batch * share * image_bytes
@@ -127,6 +134,27 @@ def arena_sample_bytes(height: int, width: int) -> int:
     return int(REGION_LIMIT * 3 * height * width) + ARENA_TOKENS_BYTES
 
 
+def arena_window(workers: int, per_rank_batch: int, piece: int, chunk: int, height: int, width: int,
+                 keep_bytes: int, room: float, host_bytes: int) -> tuple[int, bool] | None:
+    """Each worker's arena at share 1, and whether it holds the worker's pieces of a whole batch:
+    (bytes, True) where the batch fits `room` with every region at its largest; else a window of
+    the batch, while pass 1 hands its chunks back (bytes, False), where the pixels pass 2 needs
+    beyond `keep_bytes` on the device fit `HANDED_BACK_HOST_FRACTION` of the host and the window
+    holds the chunks in flight; None where neither fits."""
+    sample_bytes = arena_sample_bytes(height, width)
+    pieces_each = -(-(per_rank_batch // piece) // max(1, workers))  # a worker's pieces of a batch, at most
+    whole = aligned(pieces_each * piece * sample_bytes)
+    if workers * whole <= room:
+        return whole, True
+    on_host = max(0, per_rank_batch * 3 * height * width - keep_bytes)
+    taken = -(-HANDED_BACK_CHUNKS * -(-chunk // piece) // max(1, workers)) + 1  # a worker's pieces in flight, at most
+    least = HANDED_BACK_SPARE * (taken + 1) * piece * sample_bytes
+    window = int(room / max(1, workers)) // ALIGN * ALIGN
+    if on_host > HANDED_BACK_HOST_FRACTION * host_bytes or window < least:
+        return None
+    return window, False
+
+
 def arenas_room() -> float:
     """The most the workers' arenas of a rank may take: `ARENA_HOST_FRACTION` of its host's memory,
     and no more than /dev/shm, where shared memory lives, has free."""
@@ -139,9 +167,10 @@ def host_bytes_per_rank() -> int:
 
 
 def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.device, per_rank_batch: int,
-                      flops_per_sample: int | None = None) -> DataPath:
+                      flops_per_sample: int | None = None, chunk: int | None = None, keep_bytes: int = 0) -> DataPath:
     """data.decoder as this machine can run it; `flops_per_sample` (the towers' training FLOPs of a
-    sample) for data.worker_decode_share=auto."""
+    sample), the chunk and what the device keeps for pass 2 (`keep_bytes`) for
+    data.worker_decode_share=auto."""
     notes = []
     decoder = cfg.data.decoder
     share = cfg.data.worker_decode_share
@@ -167,9 +196,11 @@ def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.d
         # A worker's image is its crop's region (SplitTransform.crop_region): about 1.7 outputs' worth
         # on img2dataset's 256-px images, at most REGION_LIMIT; counted as two.
         height, width = crop.size
+        chunk = chunk or min(MAX_PIECE, per_rank_batch)
+        window = arena_window(cfg.data.workers, per_rank_batch, piece_size_for(per_rank_batch, chunk), chunk, height,
+                              width, keep_bytes, arenas_room(), host_bytes_per_rank())
         share, note = auto_worker_share(cfg.data.workers, per_rank_batch, 2 * 3 * height * width, host_bytes_per_rank(),
-                                        towers_samples_per_s(flops_per_sample, device),
-                                        per_rank_batch * arena_sample_bytes(height, width), arenas_room())
+                                        towers_samples_per_s(flops_per_sample, device), window is not None)
         notes += [note] if note else []
     return DataPath("device", True, notes, share)
 
@@ -194,13 +225,13 @@ class TrainingBatches:
         if split is None and world.is_main:
             warnings.warn(f"the image transform {image_transform} does not split into uint8 host steps and float "
                           "device steps: loader pieces and the host batch hold float32 images (4x the memory)")
-        self.path = resolve_data_path(cfg, split, world.device, per_rank, flops_per_sample)
+        self.path = resolve_data_path(cfg, split, world.device, per_rank, flops_per_sample, chunk, plan.keep_on_device_bytes)
         if self.path.offload and split is None:
             raise ConfigError("train.offload needs an image transform whose random crop can be kept with the image bytes "
                               f"(open_clip's RandomResizedCrop pipelines); got {image_transform}")
         self.workers = cfg.data.workers
         pieces_each = -(-(per_rank // piece) // max(1, cfg.data.workers))  # a worker's pieces of a batch, at most
-        self.arenas = self._arenas(cfg, split, pieces_each * piece)
+        self.arenas = self._arenas(cfg, split, per_rank, piece, chunk, plan.keep_on_device_bytes)
         self.state = StreamState(workers=max(1, cfg.data.workers))
         stream = ShardStream(
             data.train_shards,
@@ -245,7 +276,8 @@ class TrainingBatches:
                                   gather="pulled" if self.arenas else "thread" if cfg.data.workers else "whole",
                                   arenas=self.arenas)
 
-    def _arenas(self, cfg: Config, split: SplitTransform | None, samples_each: int) -> WorkerArenas | None:
+    def _arenas(self, cfg: Config, split: SplitTransform | None, per_rank: int, piece: int, chunk: int,
+                keep_bytes: int) -> WorkerArenas | None:
         """The workers' arenas, where they write the images they decode for the device
         (`WorkerArenas`), when no thread of the trainer decodes: the workers decode every image
         (share 1), or `data.decode_workers` is 0 (the training thread decodes the GPU's JPEGs). Each
@@ -253,22 +285,30 @@ class TrainingBatches:
         (`REGION_LIMIT` outputs' pixels: a piece's samples may all fall in the workers' share) and
         its tokens, so a batch always fits, and about two batches of img2dataset's images at share 1
         (a piece larger than that allowance, large JPEGs the GPU decodes, goes through the loader's
-        queue as tensors); None (the
-        gathering thread copies the pixels) otherwise, or where the arenas would take more than
-        `ARENA_HOST_FRACTION` of the host. `samples_each`: the most samples a worker gives a batch."""
+        queue as tensors); or, for a batch too large for that, a window of it that pass 1 hands back
+        chunk by chunk (`arena_window`). None (the gathering thread copies the pixels) otherwise, or
+        where even a window would take more than `ARENA_HOST_FRACTION` of the host."""
         if self.path.decoder != "device" or not cfg.data.workers or not (
                 self.path.worker_decode_share >= 1 or cfg.data.decode_workers == 0):
             return None
-        sample_bytes = arena_sample_bytes(*split.only_random_resized_crop().size)
-        arena_bytes = aligned(samples_each * sample_bytes)
-        total = cfg.data.workers * arena_bytes
-        if total > arenas_room():
+        height, width = split.only_random_resized_crop().size
+        window = arena_window(cfg.data.workers, per_rank, piece, chunk, height, width, keep_bytes, arenas_room(),
+                              host_bytes_per_rank())
+        if window is None:
+            whole = per_rank * arena_sample_bytes(height, width)
             self.path.notes.append(f"the loader workers' pixels are copied by a thread of the trainer: their arenas would take "
-                                   f"{total / 2**30:.1f} GiB, over {ARENA_HOST_FRACTION:.0%} of the host's memory a rank or "
-                                   "what /dev/shm has free")
+                                   f"{whole / 2**30:.1f} GiB, over {ARENA_HOST_FRACTION:.0%} of the host's memory a rank or "
+                                   "what /dev/shm has free, and the pixels pass 2 needs beyond data.keep_on_device_gib "
+                                   f"over {HANDED_BACK_HOST_FRACTION:.0%} of it")
             return None
+        arena_bytes, holds_a_batch = window
+        if not holds_a_batch:
+            self.path.notes.append(
+                f"the loader workers' arenas hold a window of the batch ({cfg.data.workers * arena_bytes / 2**30:.1f} GiB): "
+                "pass 1 hands each chunk back to them as it goes; what pass 2 needs again stays on the GPU "
+                "(data.keep_on_device_gib) and beyond it on the host")
         self.path.arenas = True
-        return WorkerArenas(cfg.data.workers, arena_bytes, sample_bytes)
+        return WorkerArenas(cfg.data.workers, arena_bytes, arena_sample_bytes(height, width), holds_a_batch)
 
     def next(self) -> StreamedBatch:
         return self.stream.next()

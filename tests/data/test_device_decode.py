@@ -32,7 +32,7 @@ from clipscale.data.transforms import SplitTransform
 from clipscale.step import TrainStep
 
 from tests.helpers.gradients import float64_clip_loss, gradcache_grads, make_batch, relative_error, tiny_clip
-from tests.helpers.jpeg_shards import jpeg, train_on_jpeg_shards
+from tests.helpers.jpeg_shards import jpeg, through_window_arenas, train_on_jpeg_shards
 from tests.helpers.user_data import seeded_noise
 
 # Shards of 48-px JPEGs (so the crop is resized down, through the antialiasing kernels) cropped to 32.
@@ -466,6 +466,42 @@ def test_workers_decoding_every_image_write_into_arenas_and_train_on_the_threads
     for run in (copied, both):
         assert [m["loss"] for m in arenas] == [m["loss"] for m in run]
         assert [m["skipped_samples_total"] for m in arenas] == [m["skipped_samples_total"] for m in run]
+
+
+def test_a_batch_larger_than_the_arenas_streams_through_them_on_the_same_curve(digits_root, tmp_path, jpeg_shards,
+                                                                                monkeypatch):
+    """Share 1 with arenas that hold about half of a worker's pieces of a batch (`arena_window`): pass 1
+    hands each chunk's pieces back to the arenas once the chunk is on the device, and what pass 2
+    needs again and the budget could not keep (here nothing is kept: data.keep_on_device_gib=0)
+    waits on the host (`OnHost`), so the workers write the rest of the batch meanwhile. The run
+    equals, loss for loss, the same share through the gathering thread's copies; a pass 1 that
+    kept the pieces until the step's end would wait for room forever (the alarm below)."""
+    import clipscale.data.pipeline as pipeline
+
+    def stuck(signum, frame):
+        raise TimeoutError("the run waited 120 s: a worker found no room in its arena")
+
+    batch, chunk, workers = 384, 8, 2
+    windows, from_host = through_window_arenas(monkeypatch, batch, chunk, workers)
+    sizes = (f"train.batch_size={batch}", f"train.chunk_size={chunk}", f"data.workers={workers}")
+    previous = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(120)
+    try:
+        streamed = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "streamed", "data.decoder=device",
+                                        "data.worker_decode_share=1", *sizes)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert windows and all(window is not None and not window[1] for window in windows), windows
+    assert sum(from_host) == 6 * (batch - chunk), "pass 2 reads every chunk but the last (reused) from the host"
+    monkeypatch.setattr(pipeline, "ARENA_HOST_FRACTION", 0.0)
+    monkeypatch.setattr(pipeline, "arenas_room", lambda: 0.0)
+    from_host.clear()
+    copied = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "copied", "data.decoder=device",
+                                  "data.worker_decode_share=1", *sizes)
+    assert windows[-1] is None and from_host == []
+    assert [m["loss"] for m in streamed] == [m["loss"] for m in copied]
+    assert [m["skipped_samples_total"] for m in streamed] == [m["skipped_samples_total"] for m in copied]
 
 
 def test_the_training_thread_decodes_the_next_batch_between_pass_twos_chunks_on_the_same_curve(digits_root, tmp_path,

@@ -37,7 +37,7 @@ from clipscale.data.decoders import decode_jpegs, decode_rows
 from clipscale.data.shards import ShardStream
 from clipscale.data.transforms import SplitTransform
 
-from tests.helpers.jpeg_shards import train_on_jpeg_shards
+from tests.helpers.jpeg_shards import through_window_arenas, train_on_jpeg_shards
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -181,3 +181,19 @@ def test_the_trainer_on_the_gpu_through_the_workers_arenas_on_the_loaders_curve(
     for run in (arenas, half):
         assert [m["loss"] for m in run] == pytest.approx([m["loss"] for m in loader], rel=2e-3)
         assert [m["skipped_samples_total"] for m in run] == [m["skipped_samples_total"] for m in loader]
+
+
+@pytest.mark.gpu
+def test_the_trainer_on_the_gpu_through_a_window_of_the_arenas_on_their_curve(digits_root, tmp_path, jpeg_shards, monkeypatch):
+    """Arenas that hold half a batch on the GPU: pass 1 hands each chunk back to them once its copy
+    has run and copies what pass 2 needs to page-locked host memory on a CUDA stream (`OnHost`),
+    pass 2 copies it back on another; the run follows the whole arenas' curve."""
+    sizes = ("train.batch_size=384", "train.chunk_size=8", "data.workers=2", "run.device=cuda", "data.decoder=device",
+             "model.compile=false", "data.worker_decode_share=1")
+    whole = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "whole", *sizes)
+    windows, from_host = through_window_arenas(monkeypatch, 384, 8, 2)
+    window = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "window", *sizes)
+    assert windows and not windows[-1][1] and sum(from_host) == 6 * (384 - 8)
+    assert [m["loss"] for m in window] == pytest.approx([m["loss"] for m in whole], rel=1e-4)
+    assert [m["skipped_samples_total"] for m in window] == [m["skipped_samples_total"] for m in whole]
+

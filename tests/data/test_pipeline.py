@@ -57,21 +57,46 @@ def test_the_auto_share_gives_the_workers_every_image_where_they_outpace_the_tow
 
     pixels, host = 2 * 3 * 224 * 224, 128 * 2**30
     room = 0.5 * host  # ARENA_HOST_FRACTION of the host, /dev/shm as large
-    arenas = pipeline.arena_sample_bytes(224, 224)  # a sample's room in them: 4 outputs' pixels and its tokens
+    kept = 35 * 2**30  # a quarter of an H200
     monkeypatch.setattr(pipeline, "peak_bf16_flops", lambda device: 989e12)
     b16, b32 = (pipeline.towers_samples_per_s(flops, torch.device("cuda")) for flops in (103e9, 28e9))
     assert 2000 < b16 < 2200 and 7700 < b32 < 7900
 
     def share(workers, batch, towers):
-        return auto_worker_share(workers, batch, pixels, host, towers, batch * arenas, room)
+        window = pipeline.arena_window(workers, batch, 512, 512, 224, 224, kept, room, host)
+        return auto_worker_share(workers, batch, pixels, host, towers, window is not None)
 
     assert share(14, 32768, b16) == (1.0, None)
     assert share(14, 32768, b32) == (1.0, None)
     assert share(11, 32768, b32)[0] == pytest.approx(0.4 * 11 / 14)  # 8,580 images/s: not enough
     assert share(3, 32768, b16)[0] == pytest.approx(0.4 * 3 / 14)  # 2,340 images/s
     assert share(14, 65536, b32) == (1.0, None)  # the arenas take 40 GiB of the 64 they may
-    assert share(14, 131072, b32)[0] == 0.0  # arenas of 80 GiB; at 0.4, 44 GiB of pixels: over a quarter of the host
+    assert share(14, 262144, b32) == (1.0, None)  # a window of the batch; 2 GiB of pass 2's pixels beyond the GPU's 35
+    assert share(14, 1048576, b32)[0] == 0.0  # 112 GiB beyond the GPU: over a quarter of the host; at 0.4 too
     assert share(14, 32768, None) == (0.4, None)  # no GPU peak known
+
+
+def test_a_batch_larger_than_its_arenas_takes_a_window_of_them_while_pass_twos_pixels_fit():
+    """Share 1's arenas (`arena_window`) on a 128 GiB host a GPU, a quarter of an H200 kept for pass 2:
+    whole up to the 64 GiB they may take (ViT-B/32's 65,536: 40 GiB); a window of 64 GiB beyond
+    (131,072 and 262,144 a GPU, where the pixels pass 2 needs beyond the GPU's 35 GiB fit a quarter
+    of the host); none at a million (112 GiB beyond the GPU), nor where the room is too small for a
+    worker's pieces in flight, nor where a quarter of the host is not enough."""
+    from clipscale.data.pipeline import arena_sample_bytes, arena_window
+
+    gib, sample = 2**30, arena_sample_bytes(224, 224)
+    host, room, kept = 128 * gib, 64 * gib, 35 * gib
+    arena, whole = arena_window(14, 65536, 512, 512, 224, 224, kept, room, host)
+    assert whole and arena == 10 * 512 * sample and 14 * arena < 41 * gib  # 128 pieces: at most 10 a worker
+    for batch in (131072, 262144):
+        arena, whole = arena_window(14, batch, 512, 512, 224, 224, kept, room, host)
+        assert not whole and 14 * arena == pytest.approx(room, rel=1e-6)
+    assert arena_window(14, 1048576, 512, 512, 224, 224, kept, room, host) is None
+    assert arena_window(14, 262144, 512, 512, 224, 224, kept, room, 4 * gib) is None  # 2 GiB over a quarter of 4
+    # A worker's window holds twice its pieces in flight (6 chunks' pieces over 14 workers, one more) and its next
+    least = 2 * ((1 + 1) + 1) * 512 * sample
+    assert arena_window(14, 262144, 512, 512, 224, 224, kept, 14 * least, host) == (14 * least // 14 // 8 * 8, False)
+    assert arena_window(14, 262144, 512, 512, 224, 224, kept, 14 * least - 14 * 8, host) is None
 
 
 def test_vit_b32_on_an_h200_host_with_14_workers_takes_share_one_at_the_shipped_defaults(monkeypatch):

@@ -74,3 +74,24 @@ def train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, name, *extra, monke
                          f"data.train_shards={shards}", *extra)
     trainer.train(load_config(DIGITS_YAML, overrides))
     return read_metrics(tmp_path / name / "metrics.jsonl")
+
+
+def through_window_arenas(monkeypatch, batch: int, chunk: int, workers: int) -> tuple[list, list]:
+    """Runs after this take share 1's arenas as a window of about half a worker's pieces of a batch
+    (`arena_window`): ([what arena_window gave each run], [the rows of each chunk pass 2 took from
+    the host, `OnHost`]). Each arena's room counts a sample at about its real size (2.3 outputs'
+    pixels against these 48-px crops' 1.7 or so, its tokens and table rows), so that the window
+    cannot hold a batch."""
+    import clipscale.data.pipeline as pipeline
+    from clipscale.data.chunks import OnHost
+
+    monkeypatch.setattr(pipeline, "REGION_LIMIT", 2.3)
+    monkeypatch.setattr(pipeline, "ARENA_TOKENS_BYTES", 77 * 8 + 64)
+    whole = workers * pipeline.arena_window(workers, batch, chunk, chunk, 32, 32, 0, 2**40, 2**40)[0]
+    monkeypatch.setattr(pipeline, "arenas_room", lambda: 0.55 * whole)
+    windows, from_host = [], []
+    real_window, real_on_device = pipeline.arena_window, OnHost.on_device
+    monkeypatch.setattr(pipeline, "arena_window", lambda *args: windows.append(real_window(*args)) or windows[-1])
+    monkeypatch.setattr(OnHost, "on_device", lambda chunk, *args: from_host.append(len(chunk.host)) or real_on_device(chunk, *args))
+    return windows, from_host
+
