@@ -472,9 +472,10 @@ def test_a_batch_larger_than_the_arenas_streams_through_them_on_the_same_curve(d
                                                                                 monkeypatch):
     """Share 1 with arenas that hold about half of a worker's pieces of a batch (`arena_window`): pass 1
     hands each chunk's pieces back to the arenas once the chunk is on the device, and what pass 2
-    needs again and the budget could not keep (here nothing is kept: data.keep_on_device_gib=0)
-    waits on the host (`OnHost`), so the workers write the rest of the batch meanwhile. The run
-    equals, loss for loss, the same share through the gathering thread's copies; a pass 1 that
+    needs again and the budget could not keep waits on the host (`OnHost`), so the workers write
+    the rest of the batch meanwhile. With nothing kept on the device, with some of it and with all
+    of it (then pass 2 begins the next batch between its chunks, `BatchStream._work_ahead`), the
+    run equals, loss for loss, the same share through the gathering thread's copies; a pass 1 that
     kept the pieces until the step's end would wait for room forever (the alarm below)."""
     import clipscale.data.pipeline as pipeline
 
@@ -482,26 +483,28 @@ def test_a_batch_larger_than_the_arenas_streams_through_them_on_the_same_curve(d
         raise TimeoutError("the run waited 120 s: a worker found no room in its arena")
 
     batch, chunk, workers = 384, 8, 2
-    windows, from_host = through_window_arenas(monkeypatch, batch, chunk, workers)
-    sizes = (f"train.batch_size={batch}", f"train.chunk_size={chunk}", f"data.workers={workers}")
-    previous = signal.signal(signal.SIGALRM, stuck)
-    signal.alarm(120)
-    try:
-        streamed = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "streamed", "data.decoder=device",
-                                        "data.worker_decode_share=1", *sizes)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-    assert windows and all(window is not None and not window[1] for window in windows), windows
-    assert sum(from_host) == 6 * (batch - chunk), "pass 2 reads every chunk but the last (reused) from the host"
-    monkeypatch.setattr(pipeline, "ARENA_HOST_FRACTION", 0.0)
+    sizes = (f"train.batch_size={batch}", f"train.chunk_size={chunk}", f"data.workers={workers}",
+             "data.decoder=device", "data.worker_decode_share=1")
     monkeypatch.setattr(pipeline, "arenas_room", lambda: 0.0)
-    from_host.clear()
-    copied = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "copied", "data.decoder=device",
-                                  "data.worker_decode_share=1", *sizes)
-    assert windows[-1] is None and from_host == []
-    assert [m["loss"] for m in streamed] == [m["loss"] for m in copied]
-    assert [m["skipped_samples_total"] for m in streamed] == [m["skipped_samples_total"] for m in copied]
+    copied = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "copied", *sizes)
+    windows, from_host = through_window_arenas(monkeypatch, batch, chunk, workers)
+    reread = 6 * (batch - chunk)  # pass 2's rows a run: every chunk but the last (its graph reused)
+    chunk_bytes = chunk * 3 * 32 * 32
+    for kept_chunks, on_host in ((0, lambda rows: rows == reread), (20, lambda rows: 0 < rows < reread),
+                                 (10**4, lambda rows: rows == 0)):
+        from_host.clear()
+        previous = signal.signal(signal.SIGALRM, stuck)
+        signal.alarm(120)
+        try:
+            streamed = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, f"streamed{kept_chunks}", *sizes,
+                                            f"data.keep_on_device_gib={kept_chunks * chunk_bytes / 2**30}")
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+        assert windows[-1] is not None and not windows[-1][1], windows
+        assert on_host(sum(from_host)), (kept_chunks, sum(from_host))
+        assert [m["loss"] for m in streamed] == [m["loss"] for m in copied], kept_chunks
+        assert [m["skipped_samples_total"] for m in streamed] == [m["skipped_samples_total"] for m in copied]
 
 
 def test_the_training_thread_decodes_the_next_batch_between_pass_twos_chunks_on_the_same_curve(digits_root, tmp_path,
