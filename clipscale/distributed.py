@@ -166,6 +166,16 @@ def all_reduce_sum_list(values: list[int], device: torch.device) -> list[int]:
     return tensor.tolist()
 
 
+def all_gather_floats(value: float, device: torch.device) -> list[float]:
+    """Every rank's `value`, in rank order, in one collective."""
+    if not dist.is_initialized():
+        return [value]
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor)
+    return torch.cat(gathered).tolist()
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -34,6 +34,7 @@ import torch
 from clipscale.checkpoint import write_text_atomic
 from clipscale.compile import seconds_compiling
 from clipscale.config import Config, on_resume
+from clipscale.distributed import all_gather_floats
 from clipscale.errors import UserError, storage_errors
 from clipscale.utilization import peak_bf16_flops
 
@@ -165,6 +166,8 @@ class RecordWindow:
             "text_positions_per_sample": sum(n * positions for n, positions in self.text_chunks) / samples,
             "time": time.time(),
         }
+        if self.world_size > 1:  # where a rank waited for data while the others did not (every rank calls `record`)
+            record["data_wait_s_by_rank"] = all_gather_floats(record["data_wait_s"], self.device)
         if self.peak_flops is not None:  # the FLOPs of the text positions computed, not of the padding
             flops = sum(n * self.flops_per_sample[positions] for n, positions in self.text_chunks) / samples
             record["mfu"] = flops * record["samples_per_s"] / self.world_size / self.peak_flops

@@ -206,7 +206,8 @@ def steps_of(case: dict, out_dir: Path, log: str) -> list[dict]:
     lines = metrics_lines(out_dir / ("ceiling.jsonl" if case["runner"] == "ceiling" else "bench/metrics.jsonl"), "step_s")
     return [{"samples": batch, "step_s": m["step_s"], "peak_gpu_allocated_gib": m["peak_memory_gib"], "loss": m["loss"],
              "data_wait_s": m.get("data_wait_s"), "mfu": m.get("mfu"),
-             "text_positions_per_sample": m.get("text_positions_per_sample")} for m in lines]
+             "text_positions_per_sample": m.get("text_positions_per_sample"),
+             **({"data_wait_s_by_rank": m["data_wait_s_by_rank"]} if "data_wait_s_by_rank" in m else {})} for m in lines]
 
 
 def metrics_lines(path: Path, key: str) -> list[dict]:
@@ -275,6 +276,8 @@ def run_case(case: dict, args, timeout: float, number: int) -> dict:
             result["losses"] = [s["loss"] for s in steps]
             for key in ("data_wait_s", "mfu", "text_positions_per_sample"):
                 result[key] = [s[key] for s in steps]
+            if all("data_wait_s_by_rank" in s for s in steps):  # several processes: each rank's wait
+                result["data_wait_s_by_rank"] = [s["data_wait_s_by_rank"] for s in steps]
             if None in result["losses"]:  # metrics.jsonl writes a non-finite loss as null
                 result["void"] = ("a loss was not finite: the trainer skipped that step after its first pass, "
                                   "so the times are not those of training steps")

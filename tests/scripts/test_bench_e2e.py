@@ -74,6 +74,19 @@ def test_the_ceiling_follows_the_runs_text_positions_chunk_and_per_process_batch
     assert bench_e2e.ceiling_case({**case, "chunk": "none"}, ran_full, args)["chunk"] == "64"
 
 
+def test_each_ranks_data_wait_is_read_where_the_run_logged_it(tmp_path):
+    """metrics.jsonl of a run of several processes holds every rank's data wait: each step carries it."""
+    (tmp_path / "bench").mkdir()
+    record = {"step_s": 2.0, "peak_memory_gib": 1.0, "loss": 3.0, "data_wait_s": 0.1, "mfu": None,
+              "text_positions_per_sample": 20.0}
+    lines = [{**record, "step": 1, "data_wait_s_by_rank": [0.1, 0.4]}, {**record, "step": 2, "data_wait_s_by_rank": [0.1, 0.2]}]
+    (tmp_path / "bench" / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    steps = bench_e2e.steps_of({"runner": "clipscale", "batch": "64"}, tmp_path, "")
+    assert [step["data_wait_s_by_rank"] for step in steps] == [[0.1, 0.4], [0.1, 0.2]]
+    (tmp_path / "bench" / "metrics.jsonl").write_text(json.dumps({**record, "step": 1}) + "\n")
+    assert "data_wait_s_by_rank" not in bench_e2e.steps_of({"runner": "clipscale", "batch": "64"}, tmp_path, "")[0]
+
+
 def test_the_ceilings_captions_are_the_shards_own(shards):
     captions = bench_e2e.shard_captions(shards, {"txt"}, 40)
     assert len(captions) == 40 and all(caption.split()[0] in ("red", "green", "blue", "yellow", "purple", "orange",

@@ -77,3 +77,15 @@ def test_two_and_three_processes_log_the_global_batchs_rate(runs):
     assert len(records) >= STEPS
     for record in records:
         assert record["samples_per_s"] * record["step_s"] == pytest.approx(BATCH, rel=1e-6), record
+
+
+def test_each_ranks_data_wait_is_logged(runs):
+    """Several processes: each record has every rank's `data_wait_s` in rank order (rank 0's is the
+    record's own), two before the resume and three after it; one process: no such key."""
+    root, *_ = runs
+    records = training_records(root / "split")
+    assert [len(record["data_wait_s_by_rank"]) for record in records] == [2] * 4 + [3] * (len(records) - 4), records
+    for record in records:
+        assert record["data_wait_s_by_rank"][0] == record["data_wait_s"] and min(record["data_wait_s_by_rank"]) >= 0
+    assert all("data_wait_s_by_rank" not in record for record in training_records(root / "single"))
+
