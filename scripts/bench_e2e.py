@@ -35,7 +35,9 @@ model.compile_cache folder, so a second case reuses what the first compiled), re
 (clipscale: ddp or fsdp), fsdp_offload and grad_checkpointing (clipscale: 0/1), patch_embed (clipscale: auto, conv
 or matmul, default the config's: auto; issue 49), worker_share (clipscale: data.worker_decode_share, default the config's: auto; 0 for the GPU alone),
 decode_threads (clipscale: data.decode_workers; 0: the training thread decodes, the workers' share into arenas), nproc (torchrun
-processes, default 1; openclip too), accum (openclip: --accum-freq; batch stays the global batch),
+processes, default 1; openclip and ceiling too: a ceiling of several processes computes its share of the batch in each, under
+train.parallel, the loss across them), ceiling_nproc (clipscale: its ceiling's processes, default 1; the case's nproc gives
+the ceiling of the run's own collectives, each process's batch as the run's), accum (openclip: --accum-freq; batch stays the global batch),
 local_loss (openclip: 1 adds --local-loss --gather-with-grad), pythonpath (prepended for this case
 only: open_clip_train needs webdataset 0.2.x), ceiling (clipscale: 0 skips its ceiling), ceiling_batch
 (default the case's batch over nproc), ceiling_steps (default 5, the first two dropped: compiling, then
@@ -72,11 +74,12 @@ from clipscale.caption_length import TextChunks, caption_lengths, cut_padding, l
 from clipscale.compile import CompilePolicy, compile_enabled
 from clipscale.config import load_config
 from clipscale.data.chunks import chunk_bounds
-from clipscale.distributed import host_threads_for
+from clipscale.distributed import init_distributed, shutdown_distributed
 from clipscale.gradcache import trainable_towers
 from clipscale.losses import build_loss
 from clipscale.models import build_model, open_clip_model_config
 from clipscale.optim import build_optimizer
+from clipscale.parallel import gathered, parallelize
 from clipscale.profiling import profiled_step
 from clipscale.provenance import provenance
 from clipscale.step import TrainStep
@@ -177,8 +180,9 @@ def clipscale_command(case: dict, shards: str, workers: int, out_dir: Path, extr
 
 
 def ceiling_command(case: dict, shards: str, workers: int, out_dir: Path, extra: list[str]) -> list[str]:
-    """This script, measuring the ceiling of `case` in a process of its own (`measure_ceiling`)."""
-    return [sys.executable, str(Path(__file__).resolve()), "--measure-ceiling", json.dumps(case), "--shards", shards,
+    """This script, measuring the ceiling of `case` in a process of its own (`measure_ceiling`), or
+    in case nproc processes of torchrun."""
+    return [*launcher(case), str(Path(__file__).resolve()), "--measure-ceiling", json.dumps(case), "--shards", shards,
             "--out", str(out_dir / "ceiling.jsonl"), *[f"--set={override}" for override in extra]]
 
 
@@ -227,11 +231,12 @@ def measured_window(case: dict, steps: list[dict]) -> list[dict]:
     return steps[2:] if case["runner"] == "ceiling" else steps[1:-1]
 
 
-def of_ceiling(result: dict, nproc: int) -> None:
+def of_ceiling(result: dict, nproc: int, ceiling_nproc: int = 1) -> None:
     """Each step's fraction of the ceiling (the ceiling's median step over its own: both compute one
-    process's batch), their median over the window, and the window's samples/s over nproc ceilings."""
+    process's batch), their median over the window, and the window's samples/s over the ceiling's
+    scaled to nproc processes (a ceiling of `ceiling_nproc` processes computes their batches)."""
     ceiling_step = result["ceiling"]["steady_step_s"]
-    result["of_ceiling"] = result["samples_per_s"] / (nproc * result["ceiling"]["samples_per_s"])
+    result["of_ceiling"] = result["samples_per_s"] / (nproc / ceiling_nproc * result["ceiling"]["samples_per_s"])
     result["of_ceiling_per_step"] = [round(ceiling_step / step, 3) for step in result["step_s"]]
     window = result["of_ceiling_per_step"][1:-1]
     result["of_ceiling_median"] = statistics.median(window) if window else None
@@ -307,12 +312,14 @@ def run_case(case: dict, args, timeout: float, number: int) -> dict:
 
 def ceiling_case(case: dict, result: dict, args) -> dict:
     """The ceiling of a clipscale case that ran: its model, loss, compile settings, one process's
-    batch, the chunk it used (auto's choice read from its console), its text positions (all of
-    them, unless its metrics logged fewer)."""
-    nproc = int(case.get("nproc", 1))
+    batch (in each of `ceiling_nproc` processes), the chunk it used (auto's choice read from its
+    console), its text positions (all of them, unless its metrics logged fewer)."""
+    nproc, ceiling_nproc = int(case.get("nproc", 1)), int(case.get("ceiling_nproc", 1))
     ceiling = {key: case[key] for key in ("model", "loss", "compile", "cuda_graphs", "cache", "grad_checkpointing") if key in case}
-    ceiling.update(runner="ceiling", batch=case.get("ceiling_batch", int(case["batch"]) // nproc),
+    ceiling.update(runner="ceiling", batch=case.get("ceiling_batch", int(case["batch"]) // nproc * ceiling_nproc),
                    steps=case.get("ceiling_steps", 5), text=case.get("ceiling_text", "full"))
+    if ceiling_nproc > 1:
+        ceiling["nproc"] = str(ceiling_nproc)
     if str(case.get("chunk", "")).isdigit():
         ceiling["chunk"] = case["chunk"]
     elif case.get("chunk") == "none":  # the whole batch of a process in one chunk
@@ -360,13 +367,18 @@ def shard_captions(pattern: str, suffixes: set[str], count: int) -> list[str]:
 
 
 def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> None:
-    """The towers' ceiling for `case` (see the module docstring), one JSON line per step in `out`."""
+    """The towers' ceiling for `case` (see the module docstring), one JSON line per step in `out`
+    (rank 0's, under torchrun: each process computes its share of the case's batch, in DDP or
+    FSDP as train.parallel says, and the loss across them)."""
     cfg = load_config(str(CONFIG), config_overrides(case, shards, 1, out.parent, extra))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    host_threads_for(device)  # the training process's host threads, as train.py sets them
+    world = init_distributed(group_of_one=cfg.train.parallel == "fsdp")  # and the host threads, as train.py sets them
+    device = world.device
+    torch.manual_seed(0)  # the same initial weights on every rank
     towers = build_model(cfg.model, compiled=compile_enabled(cfg.model.compile, device))
-    model = towers.model.to(device).train()
-    batch = int(case["batch"])
+    placed = parallelize(towers.model.train(), world, parallel=cfg.train.parallel, precision=cfg.train.precision,
+                         reduce=cfg.train.fsdp_reduce, offload=cfg.train.fsdp_offload)
+    model = placed.module
+    batch = int(case["batch"]) // world.world_size
     chunk = int(case.get("chunk") or cfg.train.chunk_size or batch)
     texts = shard_captions(shards, set(cfg.data.caption_key.split(";")), min(batch, CEILING_CAPTIONS))
     if not texts:
@@ -374,13 +386,14 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
     tokens = towers.tokenizer(texts).repeat(-(-batch // len(texts)), 1)[:batch]
     context = tokens.shape[1]
     refusal = cut_padding(model) if case.get("text", "cut") == "cut" else "the run computed every caption at full length"
+    say = print if world.is_main else (lambda *args, **kwargs: None)
     if refusal is None:
-        print(f"text: padding cut; causal kernel: {use_causal_kernel(model) or 'yes'}", flush=True)
+        say(f"text: padding cut; causal kernel: {use_causal_kernel(model) or 'yes'}", flush=True)
         lengths = caption_lengths(model, tokens)
         order = length_order(lengths)
         text_column = TextChunks(tokens[order].to(device), lengths[order], context)
     else:
-        print(f"text: {context} positions for every caption: {refusal}", flush=True)
+        say(f"text: {context} positions for every caption: {refusal}", flush=True)
         text_column = tokens.to(device)
     bounds = chunk_bounds(batch, chunk)
     positions = [text_column.positions(*b) if refusal is None else context for b in bounds]
@@ -390,19 +403,20 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
 
     # Model FLOPs of the step, counting the text positions computed (before compiling: eager counts).
     train_image, train_text = trainable_towers(model)
-    text_flops = {n: forward_flops(model, size[0], n, device)[1] for n in set(positions)}
-    image_flops = forward_flops(model, size[0], context, device)[0]
+    with gathered(model):
+        text_flops = {n: forward_flops(model, size[0], n, device)[1] for n in set(positions)}
+        image_flops = forward_flops(model, size[0], context, device)[0]
     step_flops = sum((stop - start) * ((3 if train_image else 1) * image_flops + (3 if train_text else 1) * text_flops[n])
                      for (start, stop), n in zip(bounds, positions))
     peak = peak_bf16_flops(device)
 
     policy = CompilePolicy.of(cfg.model, device, cfg.train.parallel, chunks=-(-batch // chunk))  # as train.py's
-    print(f"towers: {'compiled' if policy.compiled else 'eager'}; CUDA graphs: {'yes' if policy.cuda_graphs else 'no'}", flush=True)
+    say(f"towers: {'compiled' if policy.compiled else 'eager'}; CUDA graphs: {'yes' if policy.cuda_graphs else 'no'}", flush=True)
     policy.apply(model, out.parent / "compile_cache")
     optimizer = build_optimizer(model, cfg.optim, fused=device.type == "cuda")
-    step = TrainStep(model, build_loss(cfg.loss.name, **cfg.loss.options), optimizer, chunk_size=chunk,
+    step = TrainStep(placed, build_loss(cfg.loss.name, **cfg.loss.options), optimizer, chunk_size=chunk,
                      precision=cfg.train.precision, grad_clip=cfg.optim.grad_clip, cuda_graphs=policy.cuda_graphs)
-    with out.open("w") as log:
+    with out.open("w") if world.is_main else open(os.devnull, "w") as log:
         for _ in range(int(case["steps"])):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -419,7 +433,8 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
         if case.get("profile") == "1":  # one more step, under the profiler: where the ceiling's own time goes
             log.write(json.dumps({"profile": profiled_step(lambda: float(step(images, text_column, cfg.optim.lr).loss),
                                                            device, flops=step_flops,
-                                                           trace=out.parent / "ceiling.trace.json.gz")}) + "\n")
+                                                           trace=out.parent / "ceiling.trace.json.gz" if world.is_main else None)}) + "\n")
+    shutdown_distributed()
 
 
 SHOWN = ("steps_done", "window", "short_window", "samples_per_s", "first_step_s", "steady_step_s", "peak_host_gib", "peak_gpu_allocated_gib",
@@ -473,7 +488,7 @@ def main(argv=None) -> None:
                 result["void"] = (f"the ceiling's towers were {'compiled' if result['ceiling']['compiled'] else 'eager'} "
                                   f"while the run's were {'compiled' if result['compiled'] else 'eager'}: not its ceiling")
             if "samples_per_s" in result["ceiling"]:
-                of_ceiling(result, int(case.get("nproc", 1)))
+                of_ceiling(result, int(case.get("nproc", 1)), int(case.get("ceiling_nproc", 1)))
                 print(f"{spec} of_ceiling: {result['of_ceiling']:.3f}, median step {result['of_ceiling_median']}, "
                       f"per step {result['of_ceiling_per_step']}", flush=True)
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")  # after each case: a kill keeps what ran

@@ -87,6 +87,37 @@ def test_each_ranks_data_wait_is_read_where_the_run_logged_it(tmp_path):
     assert "data_wait_s_by_rank" not in bench_e2e.steps_of({"runner": "clipscale", "batch": "64"}, tmp_path, "")[0]
 
 
+def test_a_ceiling_of_several_processes_takes_each_ones_batch_and_scales_the_fraction(shards):
+    """ceiling_nproc: the ceiling beside a run of several processes runs on as many, each with the
+    run's batch a process (the run's collectives included); the fraction compares like with like."""
+    args = args_for(shards)
+    case = {"runner": "clipscale", "batch": "64", "chunk": "8", "steps": "3", "nproc": "4", "ceiling_nproc": "4"}
+    ceiling = bench_e2e.ceiling_case(case, {}, args)
+    assert (ceiling["batch"], ceiling["nproc"]) == (64, "4")
+    assert "nproc" not in bench_e2e.ceiling_case({**case, "ceiling_nproc": "1"}, {}, args)
+    result = {"samples_per_s": 300.0, "step_s": [1.0] * 4, "ceiling": {"samples_per_s": 400.0, "steady_step_s": 0.8}}
+    bench_e2e.of_ceiling(result, 4, 4)
+    assert result["of_ceiling"] == pytest.approx(0.75)
+    bench_e2e.of_ceiling(result, 4)  # a ceiling of one process: four of them
+    assert result["of_ceiling"] == pytest.approx(300 / 1600)
+
+
+@pytest.mark.slow
+def test_a_ceiling_runs_in_two_processes_with_its_loss_across_them(shards, tmp_path):
+    """runner=ceiling with nproc=2: torchrun's two processes (gloo here) train their halves of the
+    batch under DDP, the loss across both; rank 0 writes the steps. Each process holds the same
+    weights, captions and pixels as one process of half the batch: only the loss over both halves
+    (each sample's duplicate among the negatives) tells them apart."""
+    out = tmp_path / "ceiling.json"
+    bench_e2e.main(["--shards", shards, "--workers", "1", "--set", "model.name=null", "--set", TINY_MODEL,
+                    "--case", "runner=ceiling,batch=16,chunk=4,steps=3,nproc=2",
+                    "--case", "runner=ceiling,batch=8,chunk=4,steps=3", "--out", str(out)])
+    two, one = json.loads(out.read_text())["cases"]
+    assert two["exit_code"] == 0 and two["steps_done"] == 3, two.get("log_tail")
+    assert two["console"] == ["text: padding cut; causal kernel: yes", "towers: eager; CUDA graphs: no"]
+    assert one["exit_code"] == 0 and two["losses"][0] > one["losses"][0] + 0.1, (two["losses"], one["losses"])
+
+
 def test_the_ceilings_captions_are_the_shards_own(shards):
     captions = bench_e2e.shard_captions(shards, {"txt"}, 40)
     assert len(captions) == 40 and all(caption.split()[0] in ("red", "green", "blue", "yellow", "purple", "orange",
