@@ -134,6 +134,11 @@ def arena_sample_bytes(height: int, width: int) -> int:
     return int(REGION_LIMIT * 3 * height * width) + ARENA_TOKENS_BYTES
 
 
+def pieces_per_worker(per_rank_batch: int, piece: int, workers: int) -> int:
+    """The most pieces of a rank's batch one loader worker gives (they take the pieces in turn)."""
+    return -(-(per_rank_batch // piece) // max(1, workers))
+
+
 def arena_window(workers: int, per_rank_batch: int, piece: int, chunk: int, height: int, width: int,
                  keep_bytes: int, room: float, host_bytes: int) -> tuple[int, bool] | None:
     """Each worker's arena at share 1, and whether it holds the worker's pieces of a whole batch:
@@ -142,8 +147,7 @@ def arena_window(workers: int, per_rank_batch: int, piece: int, chunk: int, heig
     beyond `keep_bytes` on the device fit `HANDED_BACK_HOST_FRACTION` of the host and the window
     holds the chunks in flight; None where neither fits."""
     sample_bytes = arena_sample_bytes(height, width)
-    pieces_each = -(-(per_rank_batch // piece) // max(1, workers))  # a worker's pieces of a batch, at most
-    whole = aligned(pieces_each * piece * sample_bytes)
+    whole = aligned(pieces_per_worker(per_rank_batch, piece, workers) * piece * sample_bytes)
     if workers * whole <= room:
         return whole, True
     on_host = max(0, per_rank_batch * 3 * height * width - keep_bytes)
@@ -230,7 +234,6 @@ class TrainingBatches:
             raise ConfigError("train.offload needs an image transform whose random crop can be kept with the image bytes "
                               f"(open_clip's RandomResizedCrop pipelines); got {image_transform}")
         self.workers = cfg.data.workers
-        pieces_each = -(-(per_rank // piece) // max(1, cfg.data.workers))  # a worker's pieces of a batch, at most
         self.arenas = self._arenas(cfg, split, per_rank, piece, chunk, plan.keep_on_device_bytes)
         self.state = StreamState(workers=max(1, cfg.data.workers))
         stream = ShardStream(
@@ -257,7 +260,7 @@ class TrainingBatches:
                                              persistent_workers=cfg.data.workers > 0, worker_init_fn=ignore_stop_signals,
                                              multiprocessing_context=worker_context() if cfg.data.workers else None,
                                              generator=torch.Generator().manual_seed(cfg.run.seed + world.rank),
-                                             **({"prefetch_factor": ARENA_BATCHES * pieces_each} if self.arenas else {}))
+                                             **({"prefetch_factor": ARENA_BATCHES * pieces_per_worker(per_rank, piece, cfg.data.workers)} if self.arenas else {}))
         self.decoder: ImageDecoder | None = None
         if self.path.decoder == "device":
             threads = DECODE_THREADS if cfg.data.decode_workers is None else cfg.data.decode_workers
