@@ -97,6 +97,11 @@ def compile_towers(model: nn.Module, cache_dir: Path, backend: str = "inductor",
     cache_dir = cache_dir.resolve()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)  # Inductor's FX graph, AOTAutograd and Triton caches
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    # A block compiled inside DDP's forward would be split at DDP's gradient buckets (Dynamo's
+    # DDPOptimizer, so each bucket's all-reduce overlaps the rest of the backward): ViT-B/32's
+    # blocks into two graphs each. Gradient Cache reduces once a step, in its last chunk's
+    # backward, so the split buys no overlap and costs the fusions across it.
+    torch._dynamo.config.optimize_ddp = False
     notes = load_portable_cache(cache_dir / PORTABLE_CACHE)
     try:
         towers = tower_blocks(model)

@@ -31,10 +31,10 @@ from clipscale.metrics import read_metrics
 from clipscale.models import build_model
 from clipscale.optim import build_optimizer
 from clipscale.parallel import ParallelError, gathered, parallelize, tower_blocks
-from clipscale.gradcache import encode
+from clipscale.gradcache import GradCache, encode
 from clipscale.step import MAX_LOGIT_SCALE, StepResult, TrainStep
 from tests.helpers.gloo_world import run_in_gloo_world
-from tests.helpers.gradients import make_batch, tiny_clip
+from tests.helpers.gradients import VOCAB, make_batch, tiny_clip
 from tests.helpers.tiny_runs import DIGITS_YAML, run_train, tiny_run
 from tests.helpers.towers import timm_hf_config
 
@@ -175,6 +175,47 @@ def count_reduce_scatters(rank: int, world: int) -> dict:
             dist.reduce_scatter_single = reduce_scatter
         counts[reduce] = len(calls)
     return counts
+
+
+def wide_clip() -> "open_clip.CLIP":
+    """One block a tower, each of 3.1 MB of weights: past the 1 MiB at which DDP closes its first
+    gradient bucket, as ViT-B/32's 28 MB blocks are past its 25 MiB buckets."""
+    import open_clip
+
+    torch.manual_seed(0)
+    return open_clip.CLIP(embed_dim=32, vision_cfg=dict(image_size=32, patch_size=16, width=256, layers=1, head_width=64),
+                          text_cfg=dict(context_length=8, vocab_size=VOCAB, width=256, heads=4, layers=1)).train()
+
+
+def graphs_compiled_for_a_step(rank: int, world: int) -> dict:
+    """How many graphs the compiler was handed for one Gradient Cache step of two chunks, with
+    each block compiled as the trainer compiles it: alone, and under DDP."""
+    counts = {}
+    for distributed in (False, True):
+        torch._dynamo.reset()
+        graphs = []
+
+        def backend(graph, example_inputs):
+            graphs.append(graph)
+            return graph.forward
+
+        placed = parallelize(wide_clip(), World(rank, world) if distributed else World(0, 1))
+        compile_towers(placed.module, Path(tempfile.mkdtemp()), backend=backend)
+        generator = torch.Generator().manual_seed(rank)
+        images, texts = torch.randn(4, 3, 32, 32, generator=generator), torch.randint(1, VOCAB, (4, 8), generator=generator)
+        GradCache(placed, build_loss("local"), chunk_size=2)(images, texts)
+        counts["ddp" if distributed else "alone"] = len(graphs)
+    return counts
+
+
+def test_a_block_compiles_into_one_graph_under_ddp():
+    """Dynamo's DDPOptimizer splits a graph compiled inside DDP's forward at DDP's gradient
+    buckets (so that each bucket's all-reduce overlaps the rest of the backward): each block of
+    ViT-B/32 into two graphs, the GELU's output between them. Gradient Cache reduces once a step,
+    in its last chunk's backward, so there is nothing to overlap; the towers' blocks must compile
+    as they do alone."""
+    for counts in run_in_gloo_world(graphs_compiled_for_a_step, 2, timeout=120):
+        assert counts["ddp"] == counts["alone"], counts
 
 
 @pytest.mark.slow
