@@ -125,7 +125,12 @@ WORKER_PARTS = {
     "per-sample RNG seeding (fork_rng)": ("random.py", "fork_rng"),
     "tokenizer (the piece's captions)": ("transforms.py", "__call__"),
     "captions cut (tokenized again)": ("caption_length.py", "captions_cut"),
-    "encoded bytes into one tensor": ("decoders.py", "from_samples"),
+    "the piece's bytes and tables into tensors (EncodedImages.parts_of_samples)": ("decoders.py", "parts_of_samples"),
+    # At share 1 the piece goes into the worker's arena (as train.py's workers write it): each
+    # decoded region copied once, straight there.
+    "the piece written into the worker's arena (WorkerArenas.carry)": ("chunks.py", "carry"),
+    # Elsewhere the regions are laid end to end in memory of their own, for the loader's queue.
+    "the piece's regions laid end to end (EncodedImages.of_parts)": ("decoders.py", "of_parts"),
 }
 
 
@@ -136,25 +141,37 @@ def profile_worker(shards: str, pieces: int, model: str = "ViT-B-32", piece_size
     import torch
     import webdataset as wds
 
-    from clipscale.data.transforms import CaptionTokenizer
+    from clipscale.data.chunks import WorkerArenas, aligned
+    from clipscale.data.pipeline import arena_sample_bytes
     from clipscale.data.shards import ShardStream
-    from clipscale.data.transforms import SplitTransform
+    from clipscale.data.transforms import CaptionTokenizer, SplitTransform
 
     torch.set_num_threads(1)  # as in a DataLoader worker
     _, transform, _ = open_clip.create_model_and_transforms(model)
     tokenizer = CaptionTokenizer.of(open_clip.get_tokenizer(model))  # as train.py's workers tokenize
+    split = SplitTransform.split(transform)
+    arenas = None
+    if worker_share >= 1:  # as train.py's workers at share 1: each piece written into the worker's arena
+        sample_bytes = arena_sample_bytes(*split.only_random_resized_crop().size)
+        arenas = WorkerArenas(1, aligned(2 * piece_size * sample_bytes), sample_bytes)
     stream = ShardStream(wds.shardlists.expand_urls(shards), piece_size=piece_size, rank=0, world_size=1, num_workers=1,
-                         seed=0, image_transform=transform, tokenizer=tokenizer, split=SplitTransform.split(transform),
-                         keep_encoded=True, decode=False, worker_decode_share=worker_share)
+                         seed=0, image_transform=transform, tokenizer=tokenizer, split=split,
+                         keep_encoded=True, decode=False, worker_decode_share=worker_share, arenas=arenas)
     pieces_of = iter(stream)
-    next(pieces_of)  # the shuffle buffer fills first
+
+    def next_piece() -> None:
+        piece = next(pieces_of)
+        if "in_arena" in piece:  # the trainer's part: done with it at once
+            arenas.release(0, piece["in_arena"].stop)
+
+    next_piece()  # the shuffle buffer fills first
 
     def timed(profiler=None) -> float:
         started = time.perf_counter()
         if profiler:
             profiler.enable()
         for _ in range(pieces):
-            next(pieces_of)
+            next_piece()
         if profiler:
             profiler.disable()
         return (time.perf_counter() - started) * 1e3 / (pieces * piece_size)

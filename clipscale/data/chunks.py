@@ -272,8 +272,9 @@ class WorkerArenas:
             nbytes += aligned(tensor.numel() * tensor.element_size())
         return tuple(layout), nbytes
 
-    def carry(self, worker: int, tensors: dict[str, torch.Tensor]) -> InArena | None:
-        """`tensors` copied one after another into worker `worker`'s arena, once it has room; None
+    def carry(self, worker: int, tensors: dict) -> InArena | None:
+        """`tensors` (tensors, or parts with a `write_into` such as `decoders.Regions`) copied one
+        after another into worker `worker`'s arena, once it has room; None
         when the trainer is closing. (Pieces carried this way start at multiples of ALIGN, as the
         arena's size must be.)"""
         if self.arena_bytes % ALIGN:
@@ -285,7 +286,10 @@ class WorkerArenas:
         start, place = placed
         carried = InArena(worker, start, start + nbytes, layout)
         for tensor, view in zip(tensors.values(), self._views(place, carried.layout)):
-            view.copy_(tensor)
+            if isinstance(tensor, torch.Tensor):
+                view.copy_(tensor)
+            else:  # parts that lay themselves out (decoders.Regions): each copied once, straight here
+                tensor.write_into(view)
         return carried
 
     def take(self, carried: InArena) -> dict[str, torch.Tensor]:

@@ -105,6 +105,36 @@ def size_only(height: int, width: int) -> torch.Tensor:
     return torch.empty(()).expand(3, height, width)
 
 
+class Regions:
+    """Crop regions a worker decoded, each as the decoders give it (a uint8 [3, h, w] view of
+    [h, w, 3] rows), to be laid end to end as `EncodedImages.pixels`: written into a worker's arena
+    by `WorkerArenas.carry` (`write_into`), or into memory of their own (`tensor`). It has the
+    dtype and shape of the flat tensor they make."""
+
+    dtype = torch.uint8
+
+    def __init__(self, regions: list[torch.Tensor]):
+        self.regions = regions
+        self.lengths = [region.numel() for region in regions]
+        self.shape = torch.Size([sum(self.lengths)])
+
+    def numel(self) -> int:
+        return self.shape[0]
+
+    def element_size(self) -> int:
+        return 1
+
+    def write_into(self, flat: torch.Tensor) -> None:
+        """Each region's rows into its place in `flat` (uint8, `shape`): whole rows, one copy each."""
+        for region, place in zip(self.regions, flat.split(self.lengths)):
+            place.view(region.shape[1], region.shape[2], 3).copy_(region.permute(1, 2, 0))
+
+    def tensor(self) -> torch.Tensor:
+        flat = torch.empty(self.shape, dtype=self.dtype)
+        self.write_into(flat)
+        return flat
+
+
 class EncodedImages:
     """Images as the shards hold them: all encoded bytes in one uint8 tensor, `offsets` [n + 1]
     delimiting the samples, and each sample's drawn crop in `params` [n, k]. The images the
@@ -135,6 +165,14 @@ class EncodedImages:
                      decoded: tuple[torch.Tensor | None, ...] | None = None) -> "EncodedImages":
         """`decoded`: per sample, its uint8 [3, h, w] pixels where the worker decoded it (its
         bytes are then not kept)."""
+        return cls.of_parts(cls.parts_of_samples(blobs, params, decoded))
+
+    @staticmethod
+    def parts_of_samples(blobs: tuple[bytes, ...], params: tuple[tuple, ...],
+                         decoded: tuple[torch.Tensor | None, ...] | None = None) -> dict:
+        """What `tensors` would give, with the worker's decoded images not yet laid end to end:
+        `Regions` in place of `pixels`, so that a worker writes each straight into its arena
+        (`WorkerArenas.carry`), one copy where laying them out first made two."""
         rows = [k for k, pixels in enumerate(decoded or ()) if pixels is not None]
         if rows:
             blobs = tuple(b"" if pixels is not None else blob for blob, pixels in zip(blobs, decoded))
@@ -143,15 +181,16 @@ class EncodedImages:
         joined = b"".join(blobs)  # empty where the worker decoded every image (torch.frombuffer refuses nothing)
         data = torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
         width = len(params[0]) if params else 0
-        pixels = sizes = None
-        if rows:  # each image copied once, into its place, row by row: the decoders give [3, h, w] views of [h, w, 3] memory
-            sizes = torch.tensor([decoded[k].shape[1:] for k in rows], dtype=torch.int64)
-            lengths = (3 * sizes.prod(1)).tolist()
-            pixels = torch.empty(sum(lengths), dtype=torch.uint8)
-            for k, place in zip(rows, pixels.split(lengths)):
-                place.view(decoded[k].shape[1], decoded[k].shape[2], 3).copy_(decoded[k].permute(1, 2, 0))
-        return cls(data, offsets, torch.tensor(params, dtype=torch.int64).reshape(len(blobs), width),
-                   pixels, sizes, torch.tensor(rows, dtype=torch.int64) if rows else None)
+        return {"data": data, "offsets": offsets, "params": torch.tensor(params, dtype=torch.int64).reshape(len(blobs), width),
+                "pixels": Regions([decoded[k] for k in rows]) if rows else torch.empty(0, dtype=torch.uint8),
+                "pixel_sizes": torch.tensor([decoded[k].shape[1:] for k in rows], dtype=torch.int64).reshape(len(rows), 2),
+                "pixel_rows": torch.tensor(rows, dtype=torch.int64)}
+
+    @classmethod
+    def of_parts(cls, parts: dict) -> "EncodedImages":
+        """`parts_of_samples`' parts as one piece's images, the regions laid end to end in memory of their own."""
+        pixels = parts["pixels"]
+        return cls(**{**parts, "pixels": pixels.tensor() if isinstance(pixels, Regions) else pixels})
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """What it is made of, by name (`WorkerArenas.carry` writes them into a worker's arena)."""

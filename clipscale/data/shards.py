@@ -325,13 +325,15 @@ class ShardStream(torch.utils.data.IterableDataset):
         if self.decode:
             piece["images"] = torch.stack(pixels)
         if self.keep_encoded:  # without `decode`, the images the device will not decode come as pixels
-            piece["encoded"] = EncodedImages.from_samples(*zip(*encoded), None if self.decode else pixels)
-            tensors = {"texts": texts, **piece["encoded"].tensors()}
+            parts = EncodedImages.parts_of_samples(*zip(*encoded), None if self.decode else pixels)
+            tensors = {"texts": texts, **parts}
             if self.arenas is not None and not self.decode and self.arenas.takes(tensors, len(samples)):
                 piece["in_arena"] = self.arenas.carry(loader_worker, tensors)  # the queue carries where they are
-                del piece["texts"], piece["encoded"]
+                del piece["texts"]
                 if piece["in_arena"] is None:
                     return None
+            else:
+                piece["encoded"] = EncodedImages.of_parts(parts)
         return piece
 
     @staticmethod
