@@ -14,10 +14,16 @@ checkpoint. `ignore_stop_signals` is the loaders' `worker_init_fn`: workers
 ignore the stop signals unless the trainer itself sends them, and end when the
 trainer ends them, as on any exit (also when they start from a fork server:
 clipscale/worker_server.py).
+
+SIGUSR2 stops nothing: a process that gets it prints where each of its threads is to stderr and
+goes on (`print_stacks_on_signal`), the trainer, its fork server and its loader workers alike, so
+`kill -USR2 <pid>` shows what a run that seems stuck is doing (scripts/bench_e2e.py sends it to the
+training processes before it stops a case that outlived its time).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -30,6 +36,13 @@ from clipscale.distributed import all_reduce_max
 from clipscale.errors import reporting_rank
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+STACKS_SIGNAL = signal.SIGUSR2  # prints every thread's stack (its default action would end the process)
+
+
+def print_stacks_on_signal() -> None:
+    """From now on STACKS_SIGNAL prints every thread's Python stack to stderr (faulthandler: no
+    ptrace rights or py-spy needed) and the process goes on."""
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
 
 
 class StopRequest:
@@ -47,6 +60,7 @@ class StopRequest:
         self.interrupted = False  # a Ctrl-C came: the next one aborts
         self.announce = reporting_rank()
         self.previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        print_stacks_on_signal()
 
     def _handle(self, signum: int, frame) -> None:
         if signum == signal.SIGINT:
@@ -64,6 +78,7 @@ class StopRequest:
     def restore(self) -> None:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+        faulthandler.unregister(STACKS_SIGNAL)
 
     def __enter__(self) -> StopRequest:
         return self
@@ -83,6 +98,7 @@ def ignore_stop_signals(worker_id: int) -> None:
     thread takes it with sigwaitinfo, which can."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    print_stacks_on_signal()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     trainer = multiprocessing.parent_process()  # not os.getppid(): a fork server is the parent of its workers
     threading.Thread(target=_exit_on_sigterm_from, args=(trainer.pid,), name="sigterm-from-trainer", daemon=True).start()

@@ -27,6 +27,7 @@ import threading
 from multiprocessing import connection, resource_tracker
 
 from clipscale.launcher import launcher_ranks
+from clipscale.signals import print_stacks_on_signal
 
 
 def in_a_job() -> bool:
@@ -77,6 +78,7 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
         os.close(alive_w)
         for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
             signal.signal(stop, signal.SIG_IGN)
+        print_stacks_on_signal()  # as its trainer and workers: SIGUSR2 to the process group ends none of them
         multiprocessing.forkserver.main(listener_fd, alive_r, [])
         status = 0
     finally:

@@ -45,7 +45,9 @@ recording CUDA graphs), profile (a ceiling case run as runner=ceiling: 1 adds on
 torch.profiler, `clipscale.profiling.profiled_step`), profile_step (clipscale: train.profile_step, that step's
 profile in the case's `profile`; each profiled step's Chrome trace is kept beside --out) and ceiling_text (cut or full: the ceiling's text positions, instead of the run's). --set
 KEY=VALUE adds a config override to every clipscale case and its ceiling (a tiny model.custom for a
-CPU smoke run, say). Cases past --budget seconds are recorded as not run.
+CPU smoke run, say). Cases past --budget seconds are recorded as not run; a case still running when
+the budget ends is stopped, after its training processes have printed where each of their threads
+was (SIGUSR2, clipscale.signals), kept in its `stacks_at_kill`.
 """
 
 from __future__ import annotations
@@ -124,6 +126,30 @@ def kill_tree(root: int) -> None:
     for pid in process_tree(root):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+STACKS_WAIT_S = 3  # for a training process to print its threads' stacks on SIGUSR2
+STACKS_CHARS = 200_000  # of them kept in the case's record
+
+
+def print_training_stacks(root: int) -> None:
+    """SIGUSR2 to the training processes below `root` (train.py's or this script's ceiling, not
+    torchrun): each prints every thread's stack into the log (clipscale.signals) and goes on."""
+    for pid in process_tree(root):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if b"torch.distributed.run" not in argv and any(arg.endswith((b"train.py", b"bench_e2e.py")) for arg in argv):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR2)
+    time.sleep(STACKS_WAIT_S)
+
+
+def stacks_in(log: str) -> str | None:
+    """The threads' stacks that the training processes printed (faulthandler's format), or None."""
+    first = re.search(r"^(?:Thread|Current thread) 0x[0-9a-f]+ \(most recent call first\):$", log, re.M)
+    return log[first.start():] if first else None
 
 
 def gpu_used_bytes() -> int | None:
@@ -251,14 +277,20 @@ def run_case(case: dict, args, timeout: float, number: int) -> dict:
     if case.get("pythonpath"):
         env["PYTHONPATH"] = case["pythonpath"] + os.pathsep + env.get("PYTHONPATH", "")
     started = time.perf_counter()
+    stacks = None
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     sampler = Sampler(process.pid)
     sampler.start()
     try:
         log, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        if case["runner"] != "openclip":  # open_clip_train would die of SIGUSR2: no stacks from it
+            print_training_stacks(process.pid)
         kill_tree(process.pid)
         log, _ = process.communicate()
+        stacks = stacks_in(log)
+        if stacks:  # kept apart, so that the log's tail is still the run's own
+            log = log[: len(log) - len(stacks)]
         log += f"\n[bench_e2e: killed after {timeout:.0f} s]"
     sampler.done.set()
     sampler.join()
@@ -288,6 +320,8 @@ def run_case(case: dict, args, timeout: float, number: int) -> dict:
                                   "so the times are not those of training steps")
     if process.returncode != 0 or not steps:
         result["log_tail"] = log[-3000:]
+    if stacks:  # where each thread of each training process was when the case's time ran out
+        result["stacks_at_kill"] = stacks[:STACKS_CHARS]
     chosen = re.search(r"train.chunk_size=auto: .*", log)
     if chosen:
         result["auto_chunk"] = chosen.group(0)
