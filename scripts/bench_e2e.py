@@ -43,7 +43,10 @@ only: open_clip_train needs webdataset 0.2.x), ceiling (clipscale: 0 skips its c
 (default the case's batch over nproc), ceiling_steps (default 5, the first two dropped: compiling, then
 recording CUDA graphs), profile (a ceiling case run as runner=ceiling: 1 adds one step under
 torch.profiler, `clipscale.profiling.profiled_step`), profile_step (clipscale: train.profile_step, that step's
-profile in the case's `profile`; each profiled step's Chrome trace is kept beside --out) and ceiling_text (cut or full: the ceiling's text positions, instead of the run's). --set
+profile in the case's `profile`; each profiled step's Chrome trace is kept beside --out), ceiling_text (cut or full: the
+ceiling's text positions, instead of the run's) and
+ddp_optimizer (a ceiling of several processes: 1 puts Dynamo's DDPOptimizer back, which split each compiled block at
+DDP's gradient buckets until e9bce54: the change's before, in the same command). --set
 KEY=VALUE adds a config override to every clipscale case and its ceiling (a tiny model.custom for a
 CPU smoke run, say). Cases past --budget seconds are recorded as not run; a case still running when
 the budget ends is stopped, after its training processes have printed where each of their threads
@@ -447,6 +450,8 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
     policy = CompilePolicy.of(cfg.model, device, cfg.train.parallel, chunks=-(-batch // chunk))  # as train.py's
     say(f"towers: {'compiled' if policy.compiled else 'eager'}; CUDA graphs: {'yes' if policy.cuda_graphs else 'no'}", flush=True)
     policy.apply(model, out.parent / "compile_cache")
+    if case.get("ddp_optimizer") == "1":  # as before e9bce54: each compiled block split at DDP's gradient buckets
+        torch._dynamo.config.optimize_ddp = True
     optimizer = build_optimizer(model, cfg.optim, fused=device.type == "cuda")
     step = TrainStep(placed, build_loss(cfg.loss.name, **cfg.loss.options), optimizer, chunk_size=chunk,
                      precision=cfg.train.precision, grad_clip=cfg.optim.grad_clip, cuda_graphs=policy.cuda_graphs)
