@@ -52,6 +52,7 @@ class DataPath:
     notes: list[str]
     worker_decode_share: float = 0.0  # device: the share of the GPU's JPEGs the workers decode instead
     arenas: bool = False  # the workers decode every image into arenas (WorkerArenas): no data thread in the trainer
+    arena_window: tuple[int, bool] | None = None  # device: what `arena_window` gives this rank's batch
 
     def describe(self) -> str:
         if self.arenas and self.worker_decode_share >= 1:
@@ -196,17 +197,17 @@ def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.d
     if crop is None:
         raise ConfigError("data.decoder=device needs an image transform that is a single random resized crop "
                           "(open_clip's training transform with its defaults)")
+    height, width = crop.size
+    chunk = chunk or min(MAX_PIECE, per_rank_batch)
+    window = arena_window(cfg.data.workers, per_rank_batch, piece_size_for(per_rank_batch, chunk), chunk, height,
+                          width, keep_bytes, arenas_room(), host_bytes_per_rank())
     if share == "auto":
         # A worker's image is its crop's region (SplitTransform.crop_region): about 1.7 outputs' worth
         # on img2dataset's 256-px images, at most REGION_LIMIT; counted as two.
-        height, width = crop.size
-        chunk = chunk or min(MAX_PIECE, per_rank_batch)
-        window = arena_window(cfg.data.workers, per_rank_batch, piece_size_for(per_rank_batch, chunk), chunk, height,
-                              width, keep_bytes, arenas_room(), host_bytes_per_rank())
         share, note = auto_worker_share(cfg.data.workers, per_rank_batch, 2 * 3 * height * width, host_bytes_per_rank(),
                                         towers_samples_per_s(flops_per_sample, device), window is not None)
         notes += [note] if note else []
-    return DataPath("device", True, notes, share)
+    return DataPath("device", True, notes, share, arena_window=window)
 
 
 class TrainingBatches:
@@ -234,7 +235,7 @@ class TrainingBatches:
             raise ConfigError("train.offload needs an image transform whose random crop can be kept with the image bytes "
                               f"(open_clip's RandomResizedCrop pipelines); got {image_transform}")
         self.workers = cfg.data.workers
-        self.arenas = self._arenas(cfg, split, per_rank, piece, chunk, plan.keep_on_device_bytes)
+        self.arenas = self._arenas(cfg, split, per_rank)
         self.state = StreamState(workers=max(1, cfg.data.workers))
         stream = ShardStream(
             data.train_shards,
@@ -279,8 +280,7 @@ class TrainingBatches:
                                   gather="pulled" if self.arenas else "thread" if cfg.data.workers else "whole",
                                   arenas=self.arenas)
 
-    def _arenas(self, cfg: Config, split: SplitTransform | None, per_rank: int, piece: int, chunk: int,
-                keep_bytes: int) -> WorkerArenas | None:
+    def _arenas(self, cfg: Config, split: SplitTransform | None, per_rank: int) -> WorkerArenas | None:
         """The workers' arenas, where they write the images they decode for the device
         (`WorkerArenas`), when no thread of the trainer decodes: the workers decode every image
         (share 1), or `data.decode_workers` is 0 (the training thread decodes the GPU's JPEGs). Each
@@ -295,8 +295,7 @@ class TrainingBatches:
                 self.path.worker_decode_share >= 1 or cfg.data.decode_workers == 0):
             return None
         height, width = split.only_random_resized_crop().size
-        window = arena_window(cfg.data.workers, per_rank, piece, chunk, height, width, keep_bytes, arenas_room(),
-                              host_bytes_per_rank())
+        window = self.path.arena_window
         if window is None:
             whole = per_rank * arena_sample_bytes(height, width)
             self.path.notes.append(f"the loader workers' pixels are copied by a thread of the trainer: their arenas would take "
