@@ -7,6 +7,10 @@ tensors; without it nothing is decoded on the device: the rate the workers can f
 so the bound on a first step, whose batch cannot be gathered ahead. Each case reports the cores
 its processes kept busy (their CPU seconds over the window's, with psutil).
 
+The case key `page_lock` says how the workers' arenas are page-locked (at share 1), to tell what
+the first batch waits for: as train.py does, in segments, after the first batch, or never
+(`PAGE_LOCKS` below); each case reports where its first batch's time went.
+
 A component benchmark on real shards: it explains what `scripts/bench_e2e.py` measures
 through train.py; it does not replace it.
 
@@ -59,7 +63,43 @@ def cpu_seconds() -> float:
     return total
 
 
+# How the workers' arenas are page-locked (case key page_lock), to tell what the first batch waits for:
+#   at_start     as train.py does: one thread registers each worker's whole arena in turn from the workers' start
+#                (clipscale.data.chunks.BackgroundPageLock)
+#   segments     the same thread, PAGE_LOCK_SEGMENT bytes at a time, round-robin over the arenas: the order
+#                the workers write them (a copy that spans two registrations may be staged by CUDA)
+#   after_first  nothing until the first batch is on the GPU (its copies staged from pageable memory),
+#                then as at_start, beside the later batches
+#   never        no page-locking: every copy staged (what that costs the later batches)
+PAGE_LOCKS = ("at_start", "segments", "after_first", "never")
+PAGE_LOCK_SEGMENT = 256 << 20
+
+
+def page_lock_in_segments(arenas) -> None:
+    from clipscale.data.chunks import BackgroundPageLock
+
+    starts = range(0, arenas.arena_bytes, PAGE_LOCK_SEGMENT)
+    arenas.page_locking = BackgroundPageLock([arenas.view(w, start, min(start + PAGE_LOCK_SEGMENT, arenas.arena_bytes))
+                                              for start in starts for w in range(arenas.workers)])
+
+
 def run_case(case: dict, shards: str, workers: int) -> dict:
+    from clipscale.data.chunks import WorkerArenas
+
+    variant = case.get("page_lock", "at_start")
+    if variant not in PAGE_LOCKS:
+        raise SystemExit(f"page_lock={variant}: one of {', '.join(PAGE_LOCKS)}")
+    at_start = WorkerArenas.page_lock_in_background
+    if variant != "at_start":
+        WorkerArenas.page_lock_in_background = page_lock_in_segments if variant == "segments" else lambda arenas: None
+    try:
+        return measure_case(case, shards, workers, lock_later=at_start if variant == "after_first" else None)
+    finally:
+        WorkerArenas.page_lock_in_background = at_start
+
+
+def measure_case(case: dict, shards: str, workers: int, lock_later=None) -> dict:
+    """`lock_later`: called with the arenas once the first batch is in (page_lock=after_first)."""
     import torch
 
     batch, chunk, batches = int(case["batch"]), int(case.get("chunk", 512)), int(case.get("batches", 3))
@@ -75,6 +115,7 @@ def run_case(case: dict, shards: str, workers: int) -> dict:
     host_threads_for(world.device)  # the training process's host threads, as train.py sets them
     started = time.perf_counter()
     towers = build_model(cfg.model)
+    model_built = time.perf_counter() - started  # train.py has built it before its loader starts
     stream = TrainingBatches(cfg, plan_run(cfg, world), world, towers.train_transform, towers.tokenizer, chunk)
     built = time.perf_counter() - started
     arrived, cpu = [], []  # seconds since the start when each batch was in (decoded, with decode=1); CPU seconds then
@@ -93,14 +134,17 @@ def run_case(case: dict, shards: str, workers: int) -> dict:
                     got.arrivals.wait_for(len(got))
             arrived.append(time.perf_counter() - started)
             cpu.append(cpu_seconds())
+            if lock_later is not None and len(arrived) == 1 and stream.arenas is not None:
+                lock_later(stream.arenas)
     finally:
         stream.close()
     later = [b - a for a, b in zip(arrived, arrived[1:])]
     locking = stream.arenas.page_locking if stream.arenas is not None else None
-    # Where the first batch's time went: the data path built (the model's transform, the workers'
-    # arenas allocated), its first piece received (the workers started); the arenas' page-locking,
+    # Where the first batch's time went (seconds from the case's start): the model built, then the
+    # data path (the workers' arenas allocated), its first piece received (the workers started); the arenas' page-locking,
     # which runs in a thread from the workers' start (BackgroundPageLock), took page_lock_s.
-    first = {"built_s": built, "first_piece_s": first_piece,
+    first = {"model_built_s": model_built, "built_s": built, "first_piece_s": first_piece,
+             "from_the_loaders_start_s": arrived[0] - model_built,
              "arenas_gib": stream.arenas.memory.numel() / 2**30 if stream.arenas is not None else None,
              "page_locked": locking.wait() if locking else None, "page_lock_s": locking.seconds if locking else None}
     return {"case": case, "first_batch_s": arrived[0], "first_batch": first, "later_batch_s": later,
@@ -196,7 +240,7 @@ def main(argv=None) -> None:
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     parser.add_argument("--case", action="append", default=[],
                         help="decoder=loader|device,batch=N[,chunk=512][,batches=3][,model=ViT-B-32][,decode=0|1]"
-                             "[,worker_share=S: data.worker_decode_share]")
+                             "[,worker_share=S: data.worker_decode_share][,page_lock=at_start|segments|after_first|never]")
     parser.add_argument("--profile-worker", type=int, default=0, metavar="PIECES",
                         help="first profile one worker's work in this process for PIECES pieces (see above)")
     parser.add_argument("--worker-share", type=float, action="append", default=[],
