@@ -78,6 +78,7 @@ import webdataset as wds
 from clipscale.caption_length import TextChunks, caption_lengths, cut_padding, length_order, use_causal_kernel
 from clipscale.compile import CompilePolicy, compile_enabled
 from clipscale.config import load_config
+from clipscale.console import Console
 from clipscale.data.chunks import chunk_bounds
 from clipscale.distributed import init_distributed, shutdown_distributed
 from clipscale.gradcache import trainable_towers
@@ -423,14 +424,14 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
     tokens = towers.tokenizer(texts).repeat(-(-batch // len(texts)), 1)[:batch]
     context = tokens.shape[1]
     refusal = cut_padding(model) if case.get("text", "cut") == "cut" else "the run computed every caption at full length"
-    say = print if world.is_main else (lambda *args, **kwargs: None)
+    console = Console(world.is_main)  # rank 0 speaks
     if refusal is None:
-        say(f"text: padding cut; causal kernel: {use_causal_kernel(model) or 'yes'}", flush=True)
+        console.say(f"text: padding cut; causal kernel: {use_causal_kernel(model) or 'yes'}")
         lengths = caption_lengths(model, tokens)
         order = length_order(lengths)
         text_column = TextChunks(tokens[order].to(device), lengths[order], context)
     else:
-        say(f"text: {context} positions for every caption: {refusal}", flush=True)
+        console.say(f"text: {context} positions for every caption: {refusal}")
         text_column = tokens.to(device)
     bounds = chunk_bounds(batch, chunk)
     positions = [text_column.positions(*b) if refusal is None else context for b in bounds]
@@ -448,7 +449,7 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
     peak = peak_bf16_flops(device)
 
     policy = CompilePolicy.of(cfg.model, device, cfg.train.parallel, chunks=-(-batch // chunk))  # as train.py's
-    say(f"towers: {'compiled' if policy.compiled else 'eager'}; CUDA graphs: {'yes' if policy.cuda_graphs else 'no'}", flush=True)
+    console.say(f"towers: {'compiled' if policy.compiled else 'eager'}; CUDA graphs: {'yes' if policy.cuda_graphs else 'no'}")
     policy.apply(model, out.parent / "compile_cache")
     if case.get("ddp_optimizer") == "1":  # as before e9bce54: each compiled block split at DDP's gradient buckets
         torch._dynamo.config.optimize_ddp = True
