@@ -151,8 +151,10 @@ def print_training_stacks(root: int) -> None:
 
 
 def stacks_in(log: str) -> str | None:
-    """The threads' stacks that the training processes printed (faulthandler's format), or None."""
-    first = re.search(r"^(?:Thread|Current thread) 0x[0-9a-f]+ \(most recent call first\):$", log, re.M)
+    """The threads' stacks that the training processes printed (faulthandler's format), or None:
+    from the first thread's header on, whole or not (the processes, forked loader workers among
+    them, write theirs at once into the same pipe, so their lines may interleave)."""
+    first = re.search(r"(?:Current thread|Thread) 0x", log)
     return log[first.start():] if first else None
 
 
