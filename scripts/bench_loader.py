@@ -8,7 +8,7 @@ so the bound on a first step, whose batch cannot be gathered ahead. Each case re
 its processes kept busy (their CPU seconds over the window's, with psutil).
 
 The case key `page_lock` says how the workers' arenas are page-locked (at share 1), to tell what
-the first batch waits for: as train.py does, in segments, after the first batch, or never
+the first batch waits for: as train.py does, after the first batch, or never
 (`PAGE_LOCKS` below); each case reports where its first batch's time went.
 
 A component benchmark on real shards: it explains what `scripts/bench_e2e.py` measures
@@ -64,23 +64,12 @@ def cpu_seconds() -> float:
 
 
 # How the workers' arenas are page-locked (case key page_lock), to tell what the first batch waits for:
-#   at_start     as train.py does: one thread registers each worker's whole arena in turn from the workers' start
-#                (clipscale.data.chunks.BackgroundPageLock)
-#   segments     the same thread, PAGE_LOCK_SEGMENT bytes at a time, round-robin over the arenas: the order
-#                the workers write them (a copy that spans two registrations may be staged by CUDA)
-#   after_first  nothing until the first batch is on the GPU (its copies staged from pageable memory),
-#                then as at_start, beside the later batches
+#   at_start     as train.py does: one thread registers the arenas' segments in the order the workers
+#                write them, from the workers' start (clipscale.data.chunks.BackgroundPageLock)
+#   after_first  nothing until the first batch is on the GPU (its copies staged through pinned memory of
+#                their own), then as at_start, beside the later batches
 #   never        no page-locking: every copy staged (what that costs the later batches)
-PAGE_LOCKS = ("at_start", "segments", "after_first", "never")
-PAGE_LOCK_SEGMENT = 256 << 20
-
-
-def page_lock_in_segments(arenas) -> None:
-    from clipscale.data.chunks import BackgroundPageLock
-
-    starts = range(0, arenas.arena_bytes, PAGE_LOCK_SEGMENT)
-    arenas.page_locking = BackgroundPageLock([arenas.view(w, start, min(start + PAGE_LOCK_SEGMENT, arenas.arena_bytes))
-                                              for start in starts for w in range(arenas.workers)])
+PAGE_LOCKS = ("at_start", "after_first", "never")
 
 
 def run_case(case: dict, shards: str, workers: int) -> dict:
@@ -91,7 +80,7 @@ def run_case(case: dict, shards: str, workers: int) -> dict:
         raise SystemExit(f"page_lock={variant}: one of {', '.join(PAGE_LOCKS)}")
     at_start = WorkerArenas.page_lock_in_background
     if variant != "at_start":
-        WorkerArenas.page_lock_in_background = page_lock_in_segments if variant == "segments" else lambda arenas: None
+        WorkerArenas.page_lock_in_background = lambda arenas: None
     try:
         return measure_case(case, shards, workers, lock_later=at_start if variant == "after_first" else None)
     finally:
@@ -240,7 +229,7 @@ def main(argv=None) -> None:
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     parser.add_argument("--case", action="append", default=[],
                         help="decoder=loader|device,batch=N[,chunk=512][,batches=3][,model=ViT-B-32][,decode=0|1]"
-                             "[,worker_share=S: data.worker_decode_share][,page_lock=at_start|segments|after_first|never]")
+                             "[,worker_share=S: data.worker_decode_share][,page_lock=at_start|after_first|never]")
     parser.add_argument("--profile-worker", type=int, default=0, metavar="PIECES",
                         help="first profile one worker's work in this process for PIECES pieces (see above)")
     parser.add_argument("--worker-share", type=float, action="append", default=[],

@@ -11,9 +11,12 @@ preparing chunks before their pass asks (`prepare_ahead`), and the time the step
 from __future__ import annotations
 
 import math
+import mmap
+import os
 import threading
 import time
 import weakref
+from multiprocessing import reduction
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Protocol, Sequence
@@ -134,13 +137,15 @@ def page_lock(tensor: torch.Tensor) -> bool:
 
 class BackgroundPageLock:
     """Page-locks parts of a host tensor where CUDA is, one after another in a thread of its own,
-    while the caller goes on. CUDA takes registrations one at a time (of 14 threads registering the
-    arenas at 65,536 at once, the last waited 9.4 s) and queues the process's other CUDA calls behind
-    them: the workers' arenas are 41 GiB there and took 16 s on an H200 host. Started once the
-    trainer's own CUDA set-up is done and the workers are starting, they no longer hold the data
-    path's building back (8.6 s instead of 21), but the first batch's chunk copies still wait for
-    them (28.8 s to the first batch; results/bench_loader_h200_first_batch_65k.json). A copy from a
-    part not yet page-locked is staged by CUDA: synchronous, as correct. `seconds`: how long the
+    while the caller goes on. CUDA takes registrations one at a time and queues the process's other
+    CUDA calls behind each (of 14 threads registering the arenas at 65,536 at once, the last waited
+    9.4 s), so one thread registers, started once the trainer's own CUDA set-up is done. The
+    workers' arenas are registered in segments in the order the workers write them
+    (`WorkerArenas.segments_in_writing_order`): the first batch's copies find their segments
+    page-locked, where registering each worker's whole arena in turn (41 GiB at 65,536, 10.8 s on
+    an H200 host) left the first batch 5 s later than no page-locking at all
+    (results/bench_loader_h200_first_batch_65k_*.json). A copy from a part not yet page-locked is
+    staged through pinned memory of its own: as correct, a host copy more. `seconds`: how long the
     registrations took."""
 
     def __init__(self, parts: list[torch.Tensor]):
@@ -175,6 +180,38 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+PAGE = mmap.PAGESIZE
+
+
+def paged(nbytes: int) -> int:
+    """`nbytes` rounded up to whole pages."""
+    return -(-nbytes // PAGE) * PAGE
+
+
+class SharedPages:
+    """Host memory shared with the loader's workers, `tensor` (uint8) in each process: an anonymous
+    memory file (memfd) mapped in each, its pages coming into being as they are first written or
+    page-locked. torch's shared memory (`share_memory_`) allocates every page in /dev/shm at once:
+    the arenas' 41 GiB at 65,536 took 4 s before a worker started, and a container's 64 MiB
+    /dev/shm would not hold them. A process forked from this one inherits the mapping; one started
+    by a fork server gets the file's descriptor with the pickled object and maps it again."""
+
+    def __init__(self, nbytes: int, fd: int | None = None):
+        if fd is None:
+            fd = os.memfd_create("clipscale-arenas", os.MFD_CLOEXEC)
+            os.ftruncate(fd, nbytes)
+        self.nbytes, self.fd = nbytes, fd
+        weakref.finalize(self, os.close, fd)
+        self.tensor = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)  # the tensor keeps the mapping
+
+    def __reduce__(self):
+        return _shared_pages_from, (self.nbytes, reduction.DupFd(self.fd))
+
+
+def _shared_pages_from(nbytes: int, duplicate) -> SharedPages:
+    return SharedPages(nbytes, duplicate.detach())
+
+
 @dataclass(frozen=True)
 class InArena:
     """Where a worker wrote a piece's tensors in its arena (`WorkerArenas.carry`): what the loader's
@@ -198,8 +235,13 @@ class WorkerArenas:
     16-core GPU host whose workers never rest, about 1.5 s of a ViT-B/32 step of 32,768 (64
     pieces), all of it in the training thread.
 
-    A worker writes its pieces one after another, wrapping round (a piece never straddles the end:
-    the tail it does not fit in stays unused, holding no data); the trainer gives each piece's bytes
+    The arenas' pages come into being as the workers first write them (`SharedPages`), and the
+    trainer page-locks them in segments of `segment_bytes` as the workers go (`BackgroundPageLock`).
+    A worker writes its pieces one after another, wrapping round; a piece never straddles a
+    segment's end (CUDA refuses a copy that spans two registrations) nor the arena's: the tail it
+    does not fit in stays unused, holding no data. A segment of k largest pieces holds any k
+    pieces, so an arena of whole segments holds as many pieces as its size in largest pieces says
+    (`pipeline.arena_window`). The trainer gives each piece's bytes
     back once the step is done with it (`release`), in the order the worker wrote them, as the
     DataLoader hands a worker's pieces out in order. Positions count the bytes a worker has written
     since the run began, position p at p mod arena_bytes; a piece may go where everything before
@@ -213,36 +255,57 @@ class WorkerArenas:
     In the trainer:  tensors = arenas.take(carried) ... arenas.release(w, carried.stop)
     """
 
-    def __init__(self, workers: int, arena_bytes: int, sample_bytes: int = 0, holds_a_batch: bool = True):
+    def __init__(self, workers: int, arena_bytes: int, sample_bytes: int = 0, holds_a_batch: bool = True,
+                 segment_bytes: int | None = None):
         self.workers, self.arena_bytes = workers, arena_bytes
+        self.segment_bytes = min(segment_bytes or arena_bytes, arena_bytes)  # page-aligned where CUDA registers them
         self.sample_bytes = sample_bytes  # the room a sample of a piece has: more goes through the queue (`takes`)
         # False: an arena holds only some of its worker's pieces of a batch, and pass 1 hands each
         # chunk's pieces back as it goes (`ChunkSource.hands_back_rows`), or the workers would wait
         # for room that only the step's end gives back.
         self.holds_a_batch = holds_a_batch
-        storage = torch.UntypedStorage._new_shared(workers * arena_bytes)  # shared memory, mapped by each worker
-        self.memory = torch.empty(0, dtype=torch.uint8).set_(storage)
+        self.stride = paged(arena_bytes)  # each arena starts on a page: registrations never share one
+        self.shared = SharedPages(workers * self.stride)
+        self.memory = self.shared.tensor
         self.released = torch.zeros(workers + 1, dtype=torch.int64).share_memory_()
         self.next_start = [0] * workers  # where each worker's next piece goes (each worker's process keeps its own)
         self.held: list[deque] = [deque() for _ in range(workers)]  # each worker's pieces (start, stop) not known given back
         self.page_locking: BackgroundPageLock | None = None  # the trainer's mapping, once the workers start
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "page_locking": None}  # the trainer's own (a worker never touches CUDA)
+        # The page-locking is the trainer's own (a worker never touches CUDA); the memory goes as
+        # its file descriptor (`SharedPages`), not as a tensor torch would copy into /dev/shm.
+        return {**self.__dict__, "page_locking": None, "memory": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.memory = self.shared.tensor
+
+    def segments_in_writing_order(self) -> list[torch.Tensor]:
+        """Each arena's segments, the first of every worker, then the second of every worker, ...:
+        the order the workers, decoding at about the same pace, first write them."""
+        return [self.memory[w * self.stride + start : w * self.stride + min(start + self.segment_bytes, self.arena_bytes)]
+                for start in range(0, self.arena_bytes, self.segment_bytes) for w in range(self.workers)]
 
     def page_lock_in_background(self) -> None:
-        """In the trainer, as the workers start: page-lock the arenas (`BackgroundPageLock`), after
-        the trainer's other CUDA set-up, which would otherwise queue behind the registrations."""
-        self.page_locking = BackgroundPageLock([self.view(w, 0, self.arena_bytes) for w in range(self.workers)])
+        """In the trainer, as the workers start: page-lock the arenas segment by segment
+        (`BackgroundPageLock`), after the trainer's other CUDA set-up, which would otherwise queue
+        behind the registrations."""
+        self.page_locking = BackgroundPageLock(self.segments_in_writing_order())
 
     def place(self, worker: int, nbytes: int) -> tuple[int, torch.Tensor] | None:
         """Where worker `worker`'s next piece of `nbytes` goes, once the trainer has given back room
         for it: (its start position, a view of the arena there); None when the trainer is closing."""
-        if nbytes > self.arena_bytes:
-            raise RuntimeError(f"a loader piece of {nbytes:,} bytes does not fit its worker's arena of {self.arena_bytes:,}")
+        if nbytes > self.segment_bytes:
+            raise RuntimeError(f"a loader piece of {nbytes:,} bytes does not fit its worker's arena segments of "
+                               f"{self.segment_bytes:,}")
         start = self.next_start[worker]
-        if start % self.arena_bytes + nbytes > self.arena_bytes:
-            start += self.arena_bytes - start % self.arena_bytes  # to the arena's beginning
+        while True:  # past the end of the segment (or arena) it does not fit in: to the next one's beginning
+            offset = start % self.arena_bytes
+            end = min(self.arena_bytes, (offset // self.segment_bytes + 1) * self.segment_bytes)
+            if offset + nbytes <= end:
+                break
+            start += end - offset
         stop = start + nbytes
         released, held = self.released.numpy(), self.held[worker]
         while True:
@@ -277,8 +340,9 @@ class WorkerArenas:
         after another into worker `worker`'s arena, once it has room; None
         when the trainer is closing. (Pieces carried this way start at multiples of ALIGN, as the
         arena's size must be.)"""
-        if self.arena_bytes % ALIGN:
-            raise ValueError(f"an arena of {self.arena_bytes} bytes, not a multiple of {ALIGN}, cannot carry tensors")
+        if self.arena_bytes % ALIGN or self.segment_bytes % ALIGN:
+            raise ValueError(f"an arena of {self.arena_bytes} bytes in segments of {self.segment_bytes}, not multiples of "
+                             f"{ALIGN}, cannot carry tensors")
         layout, nbytes = self._layout(tensors)
         placed = self.place(worker, nbytes)
         if placed is None:
@@ -304,7 +368,7 @@ class WorkerArenas:
 
     def view(self, worker: int, start: int, stop: int) -> torch.Tensor:
         """Bytes [start, stop) of worker `worker`'s pieces (positions as `place` gave them)."""
-        offset = worker * self.arena_bytes + start % self.arena_bytes
+        offset = worker * self.stride + start % self.arena_bytes
         return self.memory[offset : offset + stop - start]
 
     def release(self, worker: int, stop: int) -> None:

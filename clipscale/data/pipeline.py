@@ -22,14 +22,14 @@ import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Protocol
 
 import torch
 
 from clipscale.config import Config, ConfigError
 from clipscale.data import prepare_data
-from clipscale.data.chunks import (ALIGN, LOOKAHEAD, Arrivals, ChunkSource, DeviceTransform, KeepBudget, PinnedRows,
-                                   PulledArrivals, WorkerArenas, aligned, on_the_callers_device, page_lock)
+from clipscale.data.chunks import (LOOKAHEAD, Arrivals, ChunkSource, DeviceTransform, KeepBudget, PinnedRows,
+                                   PulledArrivals, WorkerArenas, aligned, on_the_callers_device, page_lock, paged)
 from clipscale.data.decoders import DECODE_THREADS, DecodePool, DeviceDecoder
 from clipscale.data.epoch import WorkList
 from clipscale.data.shards import SKIPS_NAMED, ShardStream, StreamState
@@ -52,7 +52,7 @@ class DataPath:
     notes: list[str]
     worker_decode_share: float = 0.0  # device: the share of the GPU's JPEGs the workers decode instead
     arenas: bool = False  # the workers decode every image into arenas (WorkerArenas): no data thread in the trainer
-    arena_window: tuple[int, bool] | None = None  # device: what `arena_window` gives this rank's batch
+    arena_window: ArenaWindow | None = None  # device: what `arena_window` gives this rank's batch
 
     def describe(self) -> str:
         if self.arenas and self.worker_decode_share >= 1:
@@ -88,6 +88,10 @@ ARENA_HOST_FRACTION, ARENA_BATCHES = 0.5, 2
 # HANDED_BACK_CHUNKS chunks (LOOKAHEAD being prepared, the one in use, two whose copies may still run;
 # the loader hands the workers' pieces out in turn), and the next it writes, twice over.
 HANDED_BACK_HOST_FRACTION, HANDED_BACK_CHUNKS, HANDED_BACK_SPARE = 0.25, LOOKAHEAD + 3, 2
+# The arenas are page-locked a segment at a time in the order the workers write them, so the first
+# batch's copies need not wait for all of them: CUDA's other calls wait behind each registration
+# (65 ms for this many bytes at the 4 GB/s an H200 host registered them), so not much smaller.
+PAGE_LOCK_SEGMENT = 256 << 20
 
 
 # data.worker_decode_share=auto is 1 (the workers decode every image into their arenas: no data
@@ -140,31 +144,52 @@ def pieces_per_worker(per_rank_batch: int, piece: int, workers: int) -> int:
     return -(-(per_rank_batch // piece) // max(1, workers))
 
 
+class ArenaWindow(NamedTuple):
+    """Each worker's arena at share 1 (`arena_window`): its bytes, the segments CUDA page-locks it
+    in (`WorkerArenas`), and whether it holds the worker's pieces of a whole batch."""
+
+    arena_bytes: int
+    segment_bytes: int
+    holds_a_batch: bool
+
+
+def arena_in_segments(pieces: int, piece_bytes: int, whole: bool) -> ArenaWindow:
+    """An arena for `pieces` pieces of the largest size, `piece_bytes`, in segments of whole pages
+    of about `PAGE_LOCK_SEGMENT` bytes and at least a piece each, which hold any pieces that many
+    largest ones would: one that holds at least `pieces` of them where `whole`, else at most that
+    many bytes' worth."""
+    segments = min(pieces, max(1, round(pieces * piece_bytes / PAGE_LOCK_SEGMENT)))
+    per_segment = -(-pieces // segments) if whole else pieces // segments
+    segment = paged(per_segment * piece_bytes)
+    return ArenaWindow(segments * segment, segment, whole)
+
+
 def arena_window(workers: int, per_rank_batch: int, piece: int, chunk: int, height: int, width: int,
-                 keep_bytes: int, room: float, host_bytes: int) -> tuple[int, bool] | None:
-    """Each worker's arena at share 1, and whether it holds the worker's pieces of a whole batch:
-    (bytes, True) where the batch fits `room` with every region at its largest; else a window of
-    the batch, while pass 1 hands its chunks back (bytes, False), where the pixels pass 2 needs
-    beyond `keep_bytes` on the device fit `HANDED_BACK_HOST_FRACTION` of the host and the window
-    holds the chunks in flight; None where neither fits."""
-    sample_bytes = arena_sample_bytes(height, width)
-    whole = aligned(pieces_per_worker(per_rank_batch, piece, workers) * piece * sample_bytes)
-    if workers * whole <= room:
-        return whole, True
+                 keep_bytes: int, room: float, host_bytes: int) -> ArenaWindow | None:
+    """Each worker's arena at share 1 (`arena_in_segments`): one that holds the worker's pieces of
+    a whole batch where the batch fits `room` with every region at its largest; else a window of
+    the batch, while pass 1 hands its chunks back, where the pixels pass 2 needs beyond
+    `keep_bytes` on the device fit `HANDED_BACK_HOST_FRACTION` of the host and the window holds the
+    chunks in flight; None where neither fits."""
+    piece_bytes = aligned(piece * arena_sample_bytes(height, width))
+    whole = arena_in_segments(pieces_per_worker(per_rank_batch, piece, workers), piece_bytes, whole=True)
+    if workers * whole.arena_bytes <= room:
+        return whole
     on_host = max(0, per_rank_batch * 3 * height * width - keep_bytes)
     taken = -(-HANDED_BACK_CHUNKS * -(-chunk // piece) // max(1, workers)) + 1  # a worker's pieces in flight, at most
-    least = HANDED_BACK_SPARE * (taken + 1) * piece * sample_bytes
-    window = int(room / max(1, workers)) // ALIGN * ALIGN
-    if on_host > HANDED_BACK_HOST_FRACTION * host_bytes or window < least:
+    least = HANDED_BACK_SPARE * (taken + 1)
+    fits = int(room / max(1, workers)) // piece_bytes
+    window = arena_in_segments(fits, piece_bytes, whole=False) if fits else None
+    holds = window.arena_bytes // window.segment_bytes * (window.segment_bytes // piece_bytes) if window else 0
+    if on_host > HANDED_BACK_HOST_FRACTION * host_bytes or holds < least:
         return None
-    return window, False
+    return window
 
 
 def arenas_room() -> float:
-    """The most the workers' arenas of a rank may take: `ARENA_HOST_FRACTION` of its host's memory,
-    and no more than /dev/shm, where shared memory lives, has free."""
-    shared = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
-    return min(ARENA_HOST_FRACTION * host_bytes_per_rank(), shared.f_bavail * shared.f_frsize if shared else 0)
+    """The most the workers' arenas of a rank may take: `ARENA_HOST_FRACTION` of its host's memory
+    (they live in memory files of their own, `SharedPages`, not in /dev/shm)."""
+    return ARENA_HOST_FRACTION * host_bytes_per_rank()
 
 
 def host_bytes_per_rank() -> int:
@@ -299,18 +324,18 @@ class TrainingBatches:
         if window is None:
             whole = per_rank * arena_sample_bytes(height, width)
             self.path.notes.append(f"the loader workers' pixels are copied by a thread of the trainer: their arenas would take "
-                                   f"{whole / 2**30:.1f} GiB, over {ARENA_HOST_FRACTION:.0%} of the host's memory a rank or "
-                                   "what /dev/shm has free, and the pixels pass 2 needs beyond data.keep_on_device_gib "
+                                   f"{whole / 2**30:.1f} GiB, over {ARENA_HOST_FRACTION:.0%} of the host's memory a rank, "
+                                   "and the pixels pass 2 needs beyond data.keep_on_device_gib "
                                    f"over {HANDED_BACK_HOST_FRACTION:.0%} of it")
             return None
-        arena_bytes, holds_a_batch = window
-        if not holds_a_batch:
+        if not window.holds_a_batch:
             self.path.notes.append(
-                f"the loader workers' arenas hold a window of the batch ({cfg.data.workers * arena_bytes / 2**30:.1f} GiB): "
+                f"the loader workers' arenas hold a window of the batch ({cfg.data.workers * window.arena_bytes / 2**30:.1f} GiB): "
                 "pass 1 hands each chunk back to them as it goes; what pass 2 needs again stays on the GPU "
                 "(data.keep_on_device_gib) and beyond it on the host")
         self.path.arenas = True
-        return WorkerArenas(cfg.data.workers, arena_bytes, arena_sample_bytes(height, width), holds_a_batch)
+        return WorkerArenas(cfg.data.workers, window.arena_bytes, arena_sample_bytes(height, width), window.holds_a_batch,
+                            window.segment_bytes)
 
     def next(self) -> StreamedBatch:
         return self.stream.next()

@@ -501,7 +501,7 @@ def test_a_batch_larger_than_the_arenas_streams_through_them_on_the_same_curve(d
         finally:
             signal.alarm(0)
             signal.signal(signal.SIGALRM, previous)
-        assert windows[-1] is not None and not windows[-1][1], windows
+        assert windows[-1] is not None and not windows[-1].holds_a_batch, windows
         assert on_host(sum(from_host)), (kept_chunks, sum(from_host))
         assert [m["loss"] for m in streamed] == [m["loss"] for m in copied], kept_chunks
         assert [m["skipped_samples_total"] for m in streamed] == [m["skipped_samples_total"] for m in copied]
@@ -684,7 +684,7 @@ def test_an_arena_wraps_round_and_a_worker_waits_for_room_until_given_back():
     arenas.release(1, 60)
     waiting.join(timeout=10)
     start, place = placed[0]
-    assert start == 100 and place.data_ptr() == arenas.memory.data_ptr() + 100  # wrapped to the beginning
+    assert start == 100 and place.data_ptr() == arenas.view(1, 0, 1).data_ptr()  # wrapped to the beginning
     with pytest.raises(RuntimeError, match="does not fit"):
         arenas.place(1, 101)
     # The tail a wrapped piece skips holds no data: once the piece before it is given back, a piece
@@ -704,6 +704,46 @@ def test_an_arena_wraps_round_and_a_worker_waits_for_room_until_given_back():
     arenas.close()
     late.join(timeout=10)
     assert placed == [None]
+
+
+def test_a_piece_never_straddles_a_segment_of_its_arena():
+    """CUDA page-locks an arena in segments, and refuses a copy that spans two registrations: a
+    piece that does not fit before its segment's end starts at the next segment (or the arena's
+    beginning), the tail it skips holds no data, and a piece larger than a segment is refused."""
+    from clipscale.data.chunks import WorkerArenas
+
+    arenas = WorkerArenas(workers=1, arena_bytes=250, segment_bytes=100)  # segments of 100, 100 and 50
+    assert arenas.place(0, 60)[0] == 0
+    assert arenas.place(0, 30)[0] == 60
+    assert arenas.place(0, 20)[0] == 100  # 90 + 20 would cross into the second segment
+    arenas.release(0, 120)
+    assert arenas.place(0, 70)[0] == 120
+    assert arenas.place(0, 60)[0] == 250  # the last segment holds 50: past it, to the beginning
+    with pytest.raises(RuntimeError, match="does not fit"):
+        arenas.place(0, 101)
+
+
+def test_the_arenas_pages_come_into_being_as_written_and_are_locked_in_writing_order():
+    """The arenas are a memory file whose pages the workers' first writes allocate: none before
+    (torch's shared memory allocated all 41 GiB of them at 65,536 before a worker started). The
+    page-locking's parts are each arena's segments, the first of every worker first, each on a page
+    of its own (two registrations may not share one), covering every arena once."""
+    import os
+
+    from clipscale.data.chunks import PAGE, WorkerArenas
+
+    arenas = WorkerArenas(workers=3, arena_bytes=10 * PAGE + 8, segment_bytes=4 * PAGE)
+    allocated = lambda: os.fstat(arenas.shared.fd).st_blocks * 512  # noqa: E731
+    assert allocated() == 0
+    arenas.view(1, 0, 1).fill_(1)
+    assert allocated() == PAGE
+    parts = arenas.segments_in_writing_order()
+    firsts = [arenas.view(w, 0, 1).data_ptr() for w in range(3)]
+    assert [part.data_ptr() for part in parts[:3]] == firsts  # the first segment of every worker first
+    assert all(part.data_ptr() % PAGE == 0 for part in parts)
+    assert [part.numel() for part in parts] == [4 * PAGE] * 6 + [2 * PAGE + 8] * 3
+    spans = sorted((part.data_ptr(), part.data_ptr() + part.numel()) for part in parts)
+    assert all(stop <= start for (_, stop), (start, _) in zip(spans, spans[1:]))  # no byte twice
 
 
 @pytest.mark.slow

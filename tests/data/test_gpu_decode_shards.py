@@ -193,7 +193,7 @@ def test_the_trainer_on_the_gpu_through_a_window_of_the_arenas_on_their_curve(di
     whole = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "whole", *sizes)
     windows, from_host = through_window_arenas(monkeypatch, 384, 8, 2)
     window = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "window", *sizes)
-    assert windows and not windows[-1][1] and sum(from_host) == 6 * (384 - 8)
+    assert windows and not windows[-1].holds_a_batch and sum(from_host) == 6 * (384 - 8)
     assert [m["loss"] for m in window] == pytest.approx([m["loss"] for m in whole], rel=1e-4)
     assert [m["skipped_samples_total"] for m in window] == [m["skipped_samples_total"] for m in whole]
 

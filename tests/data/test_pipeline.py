@@ -56,7 +56,7 @@ def test_the_auto_share_gives_the_workers_every_image_where_they_outpace_the_tow
     import clipscale.data.pipeline as pipeline
 
     pixels, host = 2 * 3 * 224 * 224, 128 * 2**30
-    room = 0.5 * host  # ARENA_HOST_FRACTION of the host, /dev/shm as large
+    room = 0.5 * host  # ARENA_HOST_FRACTION of the host
     kept = 35 * 2**30  # a quarter of an H200
     monkeypatch.setattr(pipeline, "peak_bf16_flops", lambda device: 989e12)
     b16, b32 = (pipeline.towers_samples_per_s(flops, torch.device("cuda")) for flops in (103e9, 28e9))
@@ -86,17 +86,21 @@ def test_a_batch_larger_than_its_arenas_takes_a_window_of_them_while_pass_twos_p
 
     gib, sample = 2**30, arena_sample_bytes(224, 224)
     host, room, kept = 128 * gib, 64 * gib, 35 * gib
-    arena, whole = arena_window(14, 65536, 512, 512, 224, 224, kept, room, host)
-    assert whole and arena == 10 * 512 * sample and 14 * arena < 41 * gib  # 128 pieces: at most 10 a worker
+    piece = 512 * sample  # the largest: every region at REGION_LIMIT, whole pages (147 a region, 2 the tokens)
+    arena, segment, whole = arena_window(14, 65536, 512, 512, 224, 224, kept, room, host)
+    assert whole and segment == piece and arena == 10 * piece and 14 * arena < 41 * gib  # 128 pieces: at most 10 a worker
     for batch in (131072, 262144):
-        arena, whole = arena_window(14, batch, 512, 512, 224, 224, kept, room, host)
-        assert not whole and 14 * arena == pytest.approx(room, rel=1e-6)
+        arena, segment, whole = arena_window(14, batch, 512, 512, 224, 224, kept, room, host)
+        assert not whole and arena % segment == 0 and room - 14 * segment < 14 * arena <= room
     assert arena_window(14, 1048576, 512, 512, 224, 224, kept, room, host) is None
     assert arena_window(14, 262144, 512, 512, 224, 224, kept, room, 4 * gib) is None  # 2 GiB over a quarter of 4
     # A worker's window holds twice its pieces in flight (6 chunks' pieces over 14 workers, one more) and its next
-    least = 2 * ((1 + 1) + 1) * 512 * sample
-    assert arena_window(14, 262144, 512, 512, 224, 224, kept, 14 * least, host) == (14 * least // 14 // 8 * 8, False)
+    least = 2 * ((1 + 1) + 1) * piece
+    assert arena_window(14, 262144, 512, 512, 224, 224, kept, 14 * least, host) == (least, piece, False)
     assert arena_window(14, 262144, 512, 512, 224, 224, kept, 14 * least - 14 * 8, host) is None
+    # Small pieces share a segment of about PAGE_LOCK_SEGMENT bytes: an arena of whole segments
+    arena, segment, whole = arena_window(14, 4096, 64, 512, 224, 224, kept, room, host)
+    assert whole and segment == arena == 5 * 64 * sample  # 5 pieces of 64 a worker: one segment
 
 
 def test_vit_b32_on_an_h200_host_with_14_workers_takes_share_one_at_the_shipped_defaults(monkeypatch):
