@@ -33,7 +33,10 @@ from torch import nn
 # Graphs of a block's forward: {image: full and last chunk, text: dynamic} x {no grad, grad}, and
 # evaluation's batch sizes in eval mode. Past the limit dynamo runs the block eagerly.
 RECOMPILE_LIMIT = 64
-COMPILE_TIMERS = ("_compile.compile_inner",)  # torch._dynamo's timers of a graph's compilation
+# torch._dynamo's timers of a graph's compilation: the forward (with its backward where compiled at
+# once) and a backward compiled when it first runs, outside the forward's (lazily, torch's default):
+# py-spy saw about 30 s of the first step at 65,536 on an H200 there, which its line did not count.
+COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
 PORTABLE_CACHE = "portable_cache.bin"
 
 

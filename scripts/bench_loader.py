@@ -8,7 +8,7 @@ so the bound on a first step, whose batch cannot be gathered ahead. Each case re
 its processes kept busy (their CPU seconds over the window's, with psutil).
 
 The case key `page_lock` says how the workers' arenas are page-locked (at share 1), to tell what
-the first batch waits for: as train.py does, after the first batch, or never
+the first batch waits for: as train.py does, or never
 (`PAGE_LOCKS` below); each case reports where its first batch's time went.
 
 A component benchmark on real shards: it explains what `scripts/bench_e2e.py` measures
@@ -64,31 +64,28 @@ def cpu_seconds() -> float:
 
 
 # How the workers' arenas are page-locked (case key page_lock), to tell what the first batch waits for:
-#   at_start     as train.py does: one thread registers the arenas' segments in the order the workers
-#                write them, from the workers' start (clipscale.data.chunks.BackgroundPageLock)
-#   after_first  nothing until the first batch is on the GPU (its copies staged through pinned memory of
-#                their own), then as at_start, beside the later batches
-#   never        no page-locking: every copy staged (what that costs the later batches)
-PAGE_LOCKS = ("at_start", "after_first", "never")
+#   default  as train.py does: one thread registers the arenas' segments in the order the workers
+#            write them, once the first batch is in (clipscale.data.chunks.BackgroundPageLock)
+#   never    no page-locking: every copy staged through pinned memory of its own (what that costs the later batches)
+PAGE_LOCKS = ("default", "never")
 
 
 def run_case(case: dict, shards: str, workers: int) -> dict:
     from clipscale.data.chunks import WorkerArenas
 
-    variant = case.get("page_lock", "at_start")
+    variant = case.get("page_lock", "default")
     if variant not in PAGE_LOCKS:
         raise SystemExit(f"page_lock={variant}: one of {', '.join(PAGE_LOCKS)}")
-    at_start = WorkerArenas.page_lock_in_background
-    if variant != "at_start":
+    as_trained = WorkerArenas.page_lock_in_background
+    if variant == "never":
         WorkerArenas.page_lock_in_background = lambda arenas: None
     try:
-        return measure_case(case, shards, workers, lock_later=at_start if variant == "after_first" else None)
+        return measure_case(case, shards, workers)
     finally:
-        WorkerArenas.page_lock_in_background = at_start
+        WorkerArenas.page_lock_in_background = as_trained
 
 
-def measure_case(case: dict, shards: str, workers: int, lock_later=None) -> dict:
-    """`lock_later`: called with the arenas once the first batch is in (page_lock=after_first)."""
+def measure_case(case: dict, shards: str, workers: int) -> dict:
     import torch
 
     batch, chunk, batches = int(case["batch"]), int(case.get("chunk", 512)), int(case.get("batches", 3))
@@ -123,15 +120,13 @@ def measure_case(case: dict, shards: str, workers: int, lock_later=None) -> dict
                     got.arrivals.wait_for(len(got))
             arrived.append(time.perf_counter() - started)
             cpu.append(cpu_seconds())
-            if lock_later is not None and len(arrived) == 1 and stream.arenas is not None:
-                lock_later(stream.arenas)
     finally:
         stream.close()
     later = [b - a for a, b in zip(arrived, arrived[1:])]
     locking = stream.arenas.page_locking if stream.arenas is not None else None
     # Where the first batch's time went (seconds from the case's start): the model built, then the
     # data path (the workers' arenas allocated), its first piece received (the workers started); the arenas' page-locking,
-    # which runs in a thread from the workers' start (BackgroundPageLock), took page_lock_s.
+    # which runs in a thread once the first batch is in (BackgroundPageLock), took page_lock_s.
     first = {"model_built_s": model_built, "built_s": built, "first_piece_s": first_piece,
              "from_the_loaders_start_s": arrived[0] - model_built,
              "arenas_gib": stream.arenas.memory.numel() / 2**30 if stream.arenas is not None else None,
@@ -229,7 +224,7 @@ def main(argv=None) -> None:
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     parser.add_argument("--case", action="append", default=[],
                         help="decoder=loader|device,batch=N[,chunk=512][,batches=3][,model=ViT-B-32][,decode=0|1]"
-                             "[,worker_share=S: data.worker_decode_share][,page_lock=at_start|after_first|never]")
+                             "[,worker_share=S: data.worker_decode_share][,page_lock=default|never]")
     parser.add_argument("--profile-worker", type=int, default=0, metavar="PIECES",
                         help="first profile one worker's work in this process for PIECES pieces (see above)")
     parser.add_argument("--worker-share", type=float, action="append", default=[],

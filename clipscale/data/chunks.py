@@ -138,12 +138,10 @@ def page_lock(tensor: torch.Tensor) -> bool:
 class BackgroundPageLock:
     """Page-locks parts of a host tensor where CUDA is, one after another in a thread of its own,
     while the caller goes on. CUDA takes registrations one at a time and queues the process's other
-    CUDA calls behind each (of 14 threads registering the arenas at 65,536 at once, the last waited
-    9.4 s), so one thread registers, started once the trainer's own CUDA set-up is done. The
-    workers' arenas are registered in segments in the order the workers write them
-    (`WorkerArenas.segments_in_writing_order`): the first batch's copies find their segments
-    page-locked, where registering each worker's whole arena in turn (41 GiB at 65,536, 10.8 s on
-    an H200 host) left the first batch 5 s later than no page-locking at all
+    CUDA calls behind each, so one thread registers, and the workers' arenas are registered only
+    once the first batch is in (`WorkerArenas.page_lock_in_background`): at 65,536 on an H200 host
+    their 41 GiB took 11-19 s, and the first batch, whose copies waited behind the registrations,
+    came 19.5 s after the loader's start, against 7.6 s with none
     (results/bench_loader_h200_first_batch_65k_*.json). A copy from a part not yet page-locked is
     staged through pinned memory of its own: as correct, a host copy more. `seconds`: how long the
     registrations took."""
@@ -236,7 +234,8 @@ class WorkerArenas:
     pieces), all of it in the training thread.
 
     The arenas' pages come into being as the workers first write them (`SharedPages`), and the
-    trainer page-locks them in segments of `segment_bytes` as the workers go (`BackgroundPageLock`).
+    trainer page-locks them in segments of `segment_bytes` once the first batch is in
+    (`BackgroundPageLock`).
     A worker writes its pieces one after another, wrapping round; a piece never straddles a
     segment's end (CUDA refuses a copy that spans two registrations) nor the arena's: the tail it
     does not fit in stays unused, holding no data. A segment of k largest pieces holds any k
@@ -288,9 +287,9 @@ class WorkerArenas:
                 for start in range(0, self.arena_bytes, self.segment_bytes) for w in range(self.workers)]
 
     def page_lock_in_background(self) -> None:
-        """In the trainer, as the workers start: page-lock the arenas segment by segment
-        (`BackgroundPageLock`), after the trainer's other CUDA set-up, which would otherwise queue
-        behind the registrations."""
+        """In the trainer, once the first batch is in: page-lock the arenas segment by segment, in
+        the order the workers write them (`BackgroundPageLock`). Earlier, the first batch's copies
+        would queue behind the registrations."""
         self.page_locking = BackgroundPageLock(self.segments_in_writing_order())
 
     def place(self, worker: int, nbytes: int) -> tuple[int, torch.Tensor] | None:

@@ -498,8 +498,6 @@ class BatchStream:
         """Start reading: the loader's workers take the stream as it is now (a resumed run's cursors
         are in it by then, whenever they were restored), and the gathering thread starts."""
         self.loader = iter(self.loader_iterable)
-        if self.arenas is not None:
-            self.arenas.page_lock_in_background()
         if self.gather == "thread":
             self.thread = threading.Thread(target=on_the_callers_device(self._gather), args=(self.steps - self.state.batches,),
                                            name="clipscale-batches", daemon=True)
@@ -667,6 +665,8 @@ class BatchStream:
                                                            "shard_errors", "captions_cut", "problem_shards")
                               if key in piece})
         batch.arrivals.add(self.piece_size)
+        if self.arenas is not None and self.arenas.page_locking is None and batch.arrivals.rows == self.batch_size:
+            self.arenas.page_lock_in_background()  # once the first batch is in: it never waits behind the registrations
 
 
 def last_line(message: str) -> str:
