@@ -46,7 +46,8 @@ torch.profiler, `clipscale.profiling.profiled_step`), profile_step (clipscale: t
 profile in the case's `profile`; each profiled step's Chrome trace is kept beside --out), ceiling_text (cut or full: the
 ceiling's text positions, instead of the run's) and
 ddp_optimizer (a ceiling of several processes: 1 puts Dynamo's DDPOptimizer back, which split each compiled block at
-DDP's gradient buckets until e9bce54: the change's before, in the same command). --set
+DDP's gradient buckets until e9bce54: the change's before, in the same command), page_lock (clipscale: never leaves
+the workers' arenas pageable, each chunk staged through pinned memory of its own). --set
 KEY=VALUE adds a config override to every clipscale case and its ceiling (a tiny model.custom for a
 CPU smoke run, say). Cases past --budget seconds are recorded as not run; a case still running when
 the budget ends is stopped, after its training processes have printed where each of their threads
@@ -282,6 +283,8 @@ def run_case(case: dict, args, timeout: float, number: int) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
     if case.get("pythonpath"):
         env["PYTHONPATH"] = case["pythonpath"] + os.pathsep + env.get("PYTHONPATH", "")
+    if case.get("page_lock") == "never":  # the workers' arenas left pageable (clipscale.data.chunks.WorkerArenas)
+        env["CLIPSCALE_PAGE_LOCK_ARENAS"] = "0"
     started = time.perf_counter()
     stacks = None
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -71,18 +71,14 @@ PAGE_LOCKS = ("default", "never")
 
 
 def run_case(case: dict, shards: str, workers: int) -> dict:
-    from clipscale.data.chunks import WorkerArenas
-
     variant = case.get("page_lock", "default")
     if variant not in PAGE_LOCKS:
         raise SystemExit(f"page_lock={variant}: one of {', '.join(PAGE_LOCKS)}")
-    as_trained = WorkerArenas.page_lock_in_background
-    if variant == "never":
-        WorkerArenas.page_lock_in_background = lambda arenas: None
+    os.environ["CLIPSCALE_PAGE_LOCK_ARENAS"] = "0" if variant == "never" else "1"
     try:
         return measure_case(case, shards, workers)
     finally:
-        WorkerArenas.page_lock_in_background = as_trained
+        os.environ.pop("CLIPSCALE_PAGE_LOCK_ARENAS")
 
 
 def measure_case(case: dict, shards: str, workers: int) -> dict:

@@ -289,8 +289,10 @@ class WorkerArenas:
     def page_lock_in_background(self) -> None:
         """In the trainer, once the first batch is in: page-lock the arenas segment by segment, in
         the order the workers write them (`BackgroundPageLock`). Earlier, the first batch's copies
-        would queue behind the registrations."""
-        self.page_locking = BackgroundPageLock(self.segments_in_writing_order())
+        would queue behind the registrations. CLIPSCALE_PAGE_LOCK_ARENAS=0 leaves them pageable
+        (each chunk staged through pinned memory of its own): the benchmarks' other side of it."""
+        if os.environ.get("CLIPSCALE_PAGE_LOCK_ARENAS", "1") != "0":
+            self.page_locking = BackgroundPageLock(self.segments_in_writing_order())
 
     def place(self, worker: int, nbytes: int) -> tuple[int, torch.Tensor] | None:
         """Where worker `worker`'s next piece of `nbytes` goes, once the trainer has given back room
