@@ -16,9 +16,9 @@ import os
 import threading
 import time
 import weakref
-from multiprocessing import reduction
 from collections import deque
 from dataclasses import dataclass
+from multiprocessing import reduction
 from typing import Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
@@ -269,7 +269,7 @@ class WorkerArenas:
         self.released = torch.zeros(workers + 1, dtype=torch.int64).share_memory_()
         self.next_start = [0] * workers  # where each worker's next piece goes (each worker's process keeps its own)
         self.held: list[deque] = [deque() for _ in range(workers)]  # each worker's pieces (start, stop) not known given back
-        self.page_locking: BackgroundPageLock | None = None  # the trainer's mapping, once the workers start
+        self.page_locking: BackgroundPageLock | None = None  # the trainer's, once the first batch is in
 
     def __getstate__(self) -> dict:
         # The page-locking is the trainer's own (a worker never touches CUDA); the memory goes as
