@@ -746,10 +746,35 @@ def test_the_arenas_pages_come_into_being_as_written_and_are_locked_in_writing_o
     assert all(stop <= start for (_, stop), (start, _) in zip(spans, spans[1:]))  # no byte twice
 
 
+def _write_into_arena(arenas, worker: int, value: int) -> None:
+    arenas.view(worker, 0, 4096).fill_(value)
+
+
+def test_a_worker_started_by_a_fork_server_writes_into_the_trainers_arenas():
+    """A job's loader workers come from a fork server: the arenas reach them pickled, their memory
+    as its file's descriptor, so what a worker writes lands in the trainer's memory file, mapped
+    where it was (pickled as a tensor, torch moves the memory into /dev/shm, all of it allocated at
+    once, under the trainer's feet)."""
+    import multiprocessing
+    import os
+
+    from clipscale.data.chunks import PAGE, WorkerArenas
+
+    arenas = WorkerArenas(workers=2, arena_bytes=2 * PAGE)
+    mapped_at = arenas.memory.data_ptr()
+    worker = multiprocessing.get_context("forkserver").Process(target=_write_into_arena, args=(arenas, 1, 7))
+    worker.start()
+    worker.join(timeout=60)
+    assert worker.exitcode == 0
+    assert arenas.memory.data_ptr() == mapped_at and os.fstat(arenas.shared.fd).st_blocks * 512 == PAGE  # the page written
+    assert torch.equal(arenas.view(1, 0, 4096), torch.full((4096,), 7, dtype=torch.uint8))
+    assert arenas.view(0, 0, 4096).sum() == 0
+
+
 @pytest.mark.slow
 def test_a_job_of_two_processes_trains_through_arenas_on_the_threads_curve(digits_root, tmp_path, jpeg_shards):
     """train.py under torchrun, two ranks of two loader workers each, started from the fork server
-    (the arenas reach them pickled, as shared memory), one piece a worker a batch: the workers wrap
+    (the arenas reach them pickled, as a memory file's descriptor), one piece a worker a batch: the workers wrap
     round their arenas every step, and the run equals, loss for loss, the same job through the
     gathering and decoding threads (share 0.5: what the CPU decodes is the same either way)."""
     from clipscale.metrics import read_metrics
