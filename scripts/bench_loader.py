@@ -74,11 +74,15 @@ def run_case(case: dict, shards: str, workers: int) -> dict:
     variant = case.get("page_lock", "default")
     if variant not in PAGE_LOCKS:
         raise SystemExit(f"page_lock={variant}: one of {', '.join(PAGE_LOCKS)}")
+    before = os.environ.get("CLIPSCALE_PAGE_LOCK_ARENAS")
     os.environ["CLIPSCALE_PAGE_LOCK_ARENAS"] = "0" if variant == "never" else "1"
     try:
         return measure_case(case, shards, workers)
     finally:
-        os.environ.pop("CLIPSCALE_PAGE_LOCK_ARENAS")
+        if before is None:
+            os.environ.pop("CLIPSCALE_PAGE_LOCK_ARENAS")
+        else:
+            os.environ["CLIPSCALE_PAGE_LOCK_ARENAS"] = before
 
 
 def measure_case(case: dict, shards: str, workers: int) -> dict:
@@ -121,7 +125,7 @@ def measure_case(case: dict, shards: str, workers: int) -> dict:
     later = [b - a for a, b in zip(arrived, arrived[1:])]
     locking = stream.arenas.page_locking if stream.arenas is not None else None
     # Where the first batch's time went (seconds from the case's start): the model built, then the
-    # data path (the workers' arenas allocated), its first piece received (the workers started); the arenas' page-locking,
+    # data path (the workers' arenas made; their pages come as written), its first piece received (the workers started); the arenas' page-locking,
     # which runs in a thread once the first batch is in (BackgroundPageLock), took page_lock_s.
     first = {"model_built_s": model_built, "built_s": built, "first_piece_s": first_piece,
              "from_the_loaders_start_s": arrived[0] - model_built,
