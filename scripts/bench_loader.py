@@ -65,7 +65,8 @@ def cpu_seconds() -> float:
 
 # How the workers' arenas are page-locked (case key page_lock), to tell what the first batch waits for:
 #   default  as train.py does: one thread registers the arenas' segments in the order the workers
-#            write them, once the first batch is in (clipscale.data.chunks.BackgroundPageLock)
+#            write them, once the first batch's pass 1 is over: here, once it is used
+#            (clipscale.data.pipeline.BatchStream._page_lock_arenas)
 #   never    no page-locking: every copy staged through pinned memory of its own (what that costs the later batches)
 PAGE_LOCKS = ("default", "never")
 
@@ -126,7 +127,7 @@ def measure_case(case: dict, shards: str, workers: int) -> dict:
     locking = stream.arenas.page_locking if stream.arenas is not None else None
     # Where the first batch's time went (seconds from the case's start): the model built, then the
     # data path (the workers' arenas made; their pages come as written), its first piece received (the workers started); the arenas' page-locking,
-    # which runs in a thread once the first batch is in (BackgroundPageLock), took page_lock_s.
+    # which runs in a thread once the first batch is used (BackgroundPageLock), took page_lock_s.
     first = {"model_built_s": model_built, "built_s": built, "first_piece_s": first_piece,
              "from_the_loaders_start_s": arrived[0] - model_built,
              "arenas_gib": stream.arenas.memory.numel() / 2**30 if stream.arenas is not None else None,

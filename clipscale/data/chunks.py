@@ -139,10 +139,10 @@ class BackgroundPageLock:
     """Page-locks parts of a host tensor where CUDA is, one after another in a thread of its own,
     while the caller goes on. CUDA takes registrations one at a time and queues the process's other
     CUDA calls behind each, so one thread registers, and the workers' arenas are registered only
-    once the first batch is in (`WorkerArenas.page_lock_in_background`): at 65,536 on an H200 host
+    once the first batch's pass 1 is over (`BatchStream._page_lock_arenas`): at 65,536 on an H200 host
     their 41 GiB took 11-19 s, and the first batch, whose copies waited behind the registrations,
-    came 19.5 s after the loader's start, against 7.6 s with none
-    (results/bench_loader_h200_first_batch_65k_*.json). A copy from a part not yet page-locked is
+    came 19.5 s after the loader's start, against 7.6 s with none; 12.8 s against 9.75 s when they
+    began as its last piece came in (results/bench_loader_h200_first_batch_65k_*.json). A copy from a part not yet page-locked is
     staged through pinned memory of its own: as correct, a host copy more. `seconds`: how long the
     registrations took."""
 
@@ -234,7 +234,7 @@ class WorkerArenas:
     pieces), all of it in the training thread.
 
     The arenas' pages come into being as the workers first write them (`SharedPages`), and the
-    trainer page-locks them in segments of `segment_bytes` once the first batch is in
+    trainer page-locks them in segments of `segment_bytes` once the first batch's pass 1 is over
     (`BackgroundPageLock`).
     A worker writes its pieces one after another, wrapping round; a piece never straddles a
     segment's end (CUDA refuses a copy that spans two registrations) nor the arena's: the tail it
@@ -269,7 +269,7 @@ class WorkerArenas:
         self.released = torch.zeros(workers + 1, dtype=torch.int64).share_memory_()
         self.next_start = [0] * workers  # where each worker's next piece goes (each worker's process keeps its own)
         self.held: list[deque] = [deque() for _ in range(workers)]  # each worker's pieces (start, stop) not known given back
-        self.page_locking: BackgroundPageLock | None = None  # the trainer's, once the first batch is in
+        self.page_locking: BackgroundPageLock | None = None  # the trainer's, once the first batch's pass 1 is over
 
     def __getstate__(self) -> dict:
         # The page-locking is the trainer's own (a worker never touches CUDA); the memory goes as
@@ -287,9 +287,9 @@ class WorkerArenas:
                 for start in range(0, self.arena_bytes, self.segment_bytes) for w in range(self.workers)]
 
     def page_lock_in_background(self) -> None:
-        """In the trainer, once the first batch is in: page-lock the arenas segment by segment, in
-        the order the workers write them (`BackgroundPageLock`). Earlier, the first batch's copies
-        would queue behind the registrations. CLIPSCALE_PAGE_LOCK_ARENAS=0 leaves them pageable
+        """In the trainer, once the first batch's pass 1 is over: page-lock the arenas segment by
+        segment, in the order the workers write them (`BackgroundPageLock`). Earlier, the first
+        batch's copies would queue behind the registrations. CLIPSCALE_PAGE_LOCK_ARENAS=0 leaves them pageable
         (each chunk staged through pinned memory of its own): the benchmarks' other side of it."""
         if os.environ.get("CLIPSCALE_PAGE_LOCK_ARENAS", "1") != "0":
             self.page_locking = BackgroundPageLock(self.segments_in_writing_order())
@@ -576,6 +576,8 @@ class ChunkSource:
         # Called between two of pass 2's chunks with how many are still to come, when pass 2 reads
         # only chunks pass 1 kept: work for the next batch while the device computes (BatchStream).
         self.between_chunks: Callable[[int], None] | None = None
+        # Called as pass 2 asks for its first chunk: pass 1's copies from the host are over (BatchStream).
+        self.before_pass_2: Callable[[], None] | None = None
         # Pass 1 hands each chunk's rows back (`Rows.on_device_before`) once the chunk is on the
         # device, keeping it there or on the host (`OnHost`) where pass 2 asks for it again: the
         # workers' arenas hold less than a batch (`WorkerArenas.holds_a_batch`).
@@ -606,6 +608,8 @@ class ChunkSource:
         are prepared meanwhile, and a host chunk's copy overlaps the kernels still queued for the
         previous one. In pass 1 the chunks in `keep` (those pass 2 will ask for) stay on the device
         while the budget has room; pass 2 takes them instead of preparing them again."""
+        if pass_number > 1 and self.before_pass_2 is not None:
+            self.before_pass_2()
         copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         asked_again = set(keep) if pass_number == 1 else set()
         keep = asked_again if self.budget is not None else set()

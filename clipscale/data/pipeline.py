@@ -536,6 +536,7 @@ class BatchStream:
                 self.skips += record.get("skips", [])[: SKIPS_NAMED - len(self.skips)]
             self.state.batches += 1
             self.state.images_trained_black += getattr(batch.images.rows, "trained_black", 0)  # a GPU decoder's rows count them
+            self._page_lock_arenas()  # where no pass 2 began it (a batch of one chunk, a frozen image tower, a benchmark)
         batch.images.release()
         batch.texts.release()
         self.free.put(batch.slot)
@@ -646,6 +647,8 @@ class BatchStream:
             images = ChunkSource(PinnedRows(self._buffer(slot, "images", piece["images"]), "images", arrivals),
                                  self.device_transform, self.budget)
         texts = ChunkSource(PinnedRows(self._buffer(slot, "texts", piece["texts"]), "texts", arrivals), budget=self.budget)
+        if self.arenas is not None and self.arenas.page_locking is None:
+            images.before_pass_2 = texts.before_pass_2 = self._page_lock_arenas
         batch = StreamedBatch(images, texts, arrivals, slot, self)
         try:
             self._put(batch, 0, piece)
@@ -665,8 +668,14 @@ class BatchStream:
                                                            "shard_errors", "captions_cut", "problem_shards")
                               if key in piece})
         batch.arrivals.add(self.piece_size)
-        if self.arenas is not None and self.arenas.page_locking is None and batch.arrivals.rows == self.batch_size:
-            self.arenas.page_lock_in_background()  # once the first batch is in: it never waits behind the registrations
+
+    def _page_lock_arenas(self) -> None:
+        """Page-lock the workers' arenas (`WorkerArenas.page_lock_in_background`) once the first
+        batch's pass 1 is over: as its pass 2 begins (in a first step, while the backward graphs
+        compile) or as the step is done with it. Every CUDA call of the process waits behind each
+        registration, so pass 1's copies of the first batch, its first decoded images, never do."""
+        if self.arenas is not None and self.arenas.page_locking is None:
+            self.arenas.page_lock_in_background()
 
 
 def last_line(message: str) -> str:
