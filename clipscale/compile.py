@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from clipscale.errors import UserError
+
 # Graphs of a block's forward: {image: full and last chunk, text: dynamic} x {no grad, grad}, and
 # evaluation's batch sizes in eval mode. Past the limit dynamo runs the block eagerly.
 RECOMPILE_LIMIT = 64
@@ -38,6 +40,12 @@ RECOMPILE_LIMIT = 64
 # py-spy saw about 30 s of the first step at 65,536 on an H200 there, which its line did not count.
 COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
 PORTABLE_CACHE = "portable_cache.bin"
+# The attention kernels F.scaled_dot_product_attention may choose from (torch.backends.cuda's
+# switches): all of them, torch's choice, unless CLIPSCALE_ATTENTION names some, comma-separated.
+# A benchmark's switch (issue 49): at ViT-B/32's 50 tokens, cuDNN's flash kernels took 17% of the
+# ceiling's kernel time for about 1% of its FLOPs (results/bench_ceiling_h200_kernel_account_b32_b16.json).
+ATTENTION_BACKENDS = {"flash": "enable_flash_sdp", "cudnn": "enable_cudnn_sdp", "efficient": "enable_mem_efficient_sdp",
+                      "math": "enable_math_sdp"}
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,7 @@ def compile_towers(model: nn.Module, cache_dir: Path, backend: str = "inductor",
     from clipscale.models import PatchMatmul
     from clipscale.parallel import ParallelError, tower_blocks  # the blocks FSDP shards are the ones compiled
 
+    allow_attention_backends(os.environ.get("CLIPSCALE_ATTENTION"))  # before tracing: Inductor fixes the kernel then
     cache_dir = cache_dir.resolve()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)  # Inductor's FX graph, AOTAutograd and Triton caches
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
@@ -119,6 +128,19 @@ def compile_towers(model: nn.Module, cache_dir: Path, backend: str = "inductor",
     if isinstance(patch_embedding, PatchMatmul):  # model.patch_embed: matmul (see the module docstring)
         patch_embedding.compile(backend=backend, dynamic=False)
     return notes
+
+
+def allow_attention_backends(names: str | None) -> None:
+    """Let F.scaled_dot_product_attention choose only among `names` ("flash,cudnn", say; None or
+    empty: leave torch's switches as they are), for the whole process."""
+    if not names:
+        return
+    allowed = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = [name for name in allowed if name not in ATTENTION_BACKENDS]
+    if unknown or not allowed:
+        raise UserError(f"CLIPSCALE_ATTENTION={names}: name attention backends among {', '.join(ATTENTION_BACKENDS)}")
+    for name, switch in ATTENTION_BACKENDS.items():
+        getattr(torch.backends.cuda, switch)(name in allowed)
 
 
 def load_portable_cache(path: Path) -> list[str]:

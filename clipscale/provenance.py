@@ -38,8 +38,10 @@ OPTIONAL_MODULES = ("torchvision", "webdataset", "timm", "PIL")
 MODULE_KEYS = {"PIL": "pillow"}
 # Image decoders the data path may load besides PIL and torchvision's nvJPEG, by distribution name.
 DECODER_DISTRIBUTION = re.compile(r"^(nvidia-nvjpeg.*|nvidia-dali.*|simplejpeg|pyturbojpeg|pillow-simd)$", re.I)
-# Settings read from the environment that change what a benchmark measures, recorded where set.
-ENVIRONMENT = ("CLIPSCALE_TUNE", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTORCH_CUDA_ALLOC_CONF")
+# Settings read from the environment that change what a benchmark measures, recorded where set:
+# these, and every variable of ours (CLIPSCALE_*) and of Inductor's (TORCHINDUCTOR_*).
+ENVIRONMENT = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTORCH_CUDA_ALLOC_CONF")
+ENVIRONMENT_PREFIXES = ("CLIPSCALE_", "TORCHINDUCTOR_")
 NOT_INSTALLED = "not installed"
 UNKNOWN = "unknown (not recorded)"
 REPO = Path(__file__).resolve().parents[1]
@@ -47,14 +49,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 def provenance(argv: list[str] | None = None) -> dict:
     """The record's first keys: device, cpus, versions, date (UTC), command, git_commit, and
-    environment (the ENVIRONMENT variables that are set).
+    environment (the variables of ENVIRONMENT and ENVIRONMENT_PREFIXES that are set).
 
     argv: the arguments a script's main() was given when it was not sys.argv (a test calling
     main([...])); the command is then `python <script> <argv>`."""
     return {"device": device_name(), "cpus": os.cpu_count(), "versions": versions(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": command_line(argv), "git_commit": git_commit(),
-            "environment": {name: os.environ[name] for name in ENVIRONMENT if name in os.environ}}
+            "environment": {name: value for name, value in sorted(os.environ.items())
+                            if name in ENVIRONMENT or name.startswith(ENVIRONMENT_PREFIXES)}}
 
 
 def device_name() -> str:

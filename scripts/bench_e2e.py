@@ -49,7 +49,10 @@ ddp_optimizer (a ceiling of several processes: 1 puts Dynamo's DDPOptimizer back
 DDP's gradient buckets until e9bce54: the change's before, in the same command), page_lock (clipscale: never leaves
 the workers' arenas pageable, each chunk staged through pinned memory of its own). --set
 KEY=VALUE adds a config override to every clipscale case and its ceiling (a tiny model.custom for a
-CPU smoke run, say). Cases past --budget seconds are recorded as not run; a case still running when
+CPU smoke run, say). Settings of the environment reach every case's processes and the record
+(`environment`): CLIPSCALE_ATTENTION=flash (or cudnn, efficient, math; a comma-separated list) leaves
+the compiled towers' attention only those kernels (clipscale.compile.ATTENTION_BACKENDS), and
+Inductor's own TORCHINDUCTOR_* settings apply as they are. Cases past --budget seconds are recorded as not run; a case still running when
 the budget ends is stopped, after its training processes have printed where each of their threads
 was (SIGUSR2, clipscale.signals), kept in its `stacks_at_kill`.
 """

@@ -125,3 +125,52 @@ def test_a_cpu_step_does_not_import_the_cuda_graph_machinery():
                             env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "False"
+
+
+@pytest.fixture
+def attention_switches():
+    """torch's attention switches, put back as they were after the test."""
+    from clipscale.compile import ATTENTION_BACKENDS
+
+    before = {name: getattr(torch.backends.cuda, switch.replace("enable_", "") + "_enabled")()
+              for name, switch in ATTENTION_BACKENDS.items()}
+    yield
+    for name, switch in ATTENTION_BACKENDS.items():
+        getattr(torch.backends.cuda, switch)(before[name])
+
+
+def attention_kernels(model) -> set[str]:
+    """The ATen attention and softmax operations one forward of `model` runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = set()
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "attention" in func.__name__ or "softmax" in func.__name__:
+                seen.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    images, texts = make_batch(4, seed=0)
+    with Recording():
+        model(images, texts)
+    return seen
+
+
+def test_the_attention_kernels_named_in_the_environment_are_the_only_ones_the_towers_may_use(tmp_path, monkeypatch,
+                                                                                             attention_switches):
+    """CLIPSCALE_ATTENTION (a benchmark's switch) leaves F.scaled_dot_product_attention only the
+    backends it names, set before the towers are traced; a name it does not know is one error line
+    and changes nothing."""
+    from clipscale.errors import UserError
+
+    model = tiny_clip(0.0)
+    assert attention_kernels(model) == {"_scaled_dot_product_flash_attention_for_cpu"}  # torch's choice on a CPU
+    monkeypatch.setenv("CLIPSCALE_ATTENTION", "fast")
+    with pytest.raises(UserError, match="CLIPSCALE_ATTENTION=fast: name attention backends among flash, cudnn"):
+        compile_towers(model, tmp_path, backend="aot_eager")
+    assert torch.backends.cuda.flash_sdp_enabled()
+    monkeypatch.setenv("CLIPSCALE_ATTENTION", "math")
+    compile_towers(model, tmp_path, backend="aot_eager")
+    assert not torch.backends.cuda.flash_sdp_enabled() and not torch.backends.cuda.cudnn_sdp_enabled()
+    assert attention_kernels(model) == {"_safe_softmax"}  # the math backend: matrix products and a softmax

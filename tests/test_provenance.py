@@ -79,6 +79,18 @@ def test_the_record_a_benchmark_writes_today():
     assert not any(value.startswith("unknown") for value in record["versions"].values())
 
 
+def test_the_record_names_the_settings_of_ours_and_inductors_read_from_the_environment(monkeypatch):
+    """A benchmark run under CLIPSCALE_ATTENTION=flash or TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1
+    measures something else: its record says so."""
+    monkeypatch.setenv("CLIPSCALE_ATTENTION", "flash")
+    monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("UNRELATED_SETTING", "x")
+    environment = provenance([])["environment"]
+    assert {"CLIPSCALE_ATTENTION": "flash", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1", "OMP_NUM_THREADS": "3"}.items() <= environment.items()
+    assert "UNRELATED_SETTING" not in environment
+
+
 def test_a_command_line_is_the_interpreters_own():
     script = "from clipscale.provenance import provenance; print(provenance()['command'])"
     out = subprocess.run([sys.executable, "-c", script, "--flag", "a b"], capture_output=True, text=True, check=True)
