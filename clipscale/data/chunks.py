@@ -221,6 +221,12 @@ class InArena:
     layout: tuple
 
 
+def arenas_page_locked() -> bool:
+    """Whether the trainer page-locks the workers' arenas: always, but where a benchmark's
+    CLIPSCALE_PAGE_LOCK_ARENAS=0 leaves them pageable (its other side of the page-locking)."""
+    return os.environ.get("CLIPSCALE_PAGE_LOCK_ARENAS", "1") != "0"
+
+
 class WorkerArenas:
     """Host memory the loader's workers write their pieces into (pixels, token ids, the images'
     tables), one circular arena a worker, shared with the training process and page-locked there:
@@ -291,7 +297,7 @@ class WorkerArenas:
         segment, in the order the workers write them (`BackgroundPageLock`). Earlier, the first
         batch's copies would queue behind the registrations. CLIPSCALE_PAGE_LOCK_ARENAS=0 leaves them pageable
         (each chunk staged through pinned memory of its own): the benchmarks' other side of it."""
-        if os.environ.get("CLIPSCALE_PAGE_LOCK_ARENAS", "1") != "0":
+        if arenas_page_locked():
             self.page_locking = BackgroundPageLock(self.segments_in_writing_order())
 
     def place(self, worker: int, nbytes: int) -> tuple[int, torch.Tensor] | None:

@@ -29,7 +29,8 @@ import torch
 from clipscale.config import Config, ConfigError
 from clipscale.data import prepare_data
 from clipscale.data.chunks import (LOOKAHEAD, Arrivals, ChunkSource, DeviceTransform, KeepBudget, PinnedRows,
-                                   PulledArrivals, WorkerArenas, aligned, on_the_callers_device, page_lock, paged)
+                                   PulledArrivals, WorkerArenas, aligned, arenas_page_locked, on_the_callers_device, page_lock,
+                                   paged)
 from clipscale.data.decoders import DECODE_THREADS, DecodePool, DeviceDecoder
 from clipscale.data.epoch import WorkList
 from clipscale.data.shards import SKIPS_NAMED, ShardStream, StreamState
@@ -56,14 +57,18 @@ class DataPath:
 
     def describe(self) -> str:
         if self.arenas and self.worker_decode_share >= 1:
-            return ("training images decoded by the loader workers (libjpeg-turbo) into page-locked shared memory, each chunk "
+            return (f"training images decoded by the loader workers (libjpeg-turbo) into {arenas_memory()}, each chunk "
                     "resized on the GPU by the training thread")
         who = "the GPU (nvJPEG)" if self.decoder == "device" else "the loader workers (PIL)"
         who += " in the training thread" if self.arenas else ""
         if self.worker_decode_share:
             who += f", {self.worker_decode_share:.0%} of its JPEGs by the loader workers (libjpeg-turbo)"
-            who += " into page-locked shared memory" if self.arenas else ""
+            who += f" into {arenas_memory()}" if self.arenas else ""
         return f"training images decoded by {who}" + ("; the batch offloaded to the host as JPEG bytes" if self.offload else "")
+
+
+def arenas_memory() -> str:
+    return "page-locked shared memory" if arenas_page_locked() else "pageable shared memory (CLIPSCALE_PAGE_LOCK_ARENAS=0)"
 
 
 # data.worker_decode_share=auto: the share measured best with 14 loader workers a GPU (ViT-B/32 at

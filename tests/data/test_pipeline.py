@@ -33,6 +33,16 @@ def test_a_worker_share_says_what_it_does_where_it_does_something():
     assert path.worker_decode_share == 0.0 and "data.worker_decode_share=0.3 does nothing here" in path.notes[0]
 
 
+def test_the_run_says_whether_the_workers_arenas_are_page_locked(monkeypatch):
+    """A benchmark's CLIPSCALE_PAGE_LOCK_ARENAS=0 leaves the arenas pageable: the console says so."""
+    from clipscale.data.pipeline import DataPath
+
+    arenas = DataPath("device", True, [], worker_decode_share=1.0, arenas=True)
+    assert "into page-locked shared memory" in arenas.describe()
+    monkeypatch.setenv("CLIPSCALE_PAGE_LOCK_ARENAS", "0")
+    assert "into pageable shared memory (CLIPSCALE_PAGE_LOCK_ARENAS=0)" in arenas.describe()
+
+
 def test_the_auto_share_follows_the_workers_and_stays_off_where_the_pixels_would_fill_the_host():
     pixels, host = 3 * 224 * 224, 128 * 2**30
     assert auto_worker_share(14, 32768, pixels, host) == (0.4, None)
