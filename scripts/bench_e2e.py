@@ -52,9 +52,10 @@ KEY=VALUE adds a config override to every clipscale case and its ceiling (a tiny
 CPU smoke run, say). Settings of the environment reach every case's processes and the record
 (`environment`): CLIPSCALE_ATTENTION=flash (or cudnn, efficient, math; a comma-separated list) leaves
 the compiled towers' attention only those kernels (clipscale.compile.ATTENTION_BACKENDS), and
-Inductor's own TORCHINDUCTOR_* settings apply as they are. Cases past --budget seconds are recorded as not run; a case still running when
-the budget ends is stopped, after its training processes have printed where each of their threads
-was (SIGUSR2, clipscale.signals), kept in its `stacks_at_kill`.
+Inductor's own TORCHINDUCTOR_* settings apply as they are. Cases past --budget seconds are
+recorded as not run; a case still running when the budget ends is stopped, after its training
+processes have printed where each of their threads was (SIGUSR2, clipscale.signals), kept in its
+`stacks_at_kill`.
 """
 
 from __future__ import annotations

@@ -139,12 +139,12 @@ class BackgroundPageLock:
     """Page-locks parts of a host tensor where CUDA is, one after another in a thread of its own,
     while the caller goes on. CUDA takes registrations one at a time and queues the process's other
     CUDA calls behind each, so one thread registers, and the workers' arenas are registered only
-    once the first batch's pass 1 is over (`BatchStream._page_lock_arenas`): at 65,536 on an H200 host
-    their 41 GiB took 11-19 s, and the first batch, whose copies waited behind the registrations,
-    came 19.5 s after the loader's start, against 7.6 s with none; 12.8 s against 9.75 s when they
-    began as its last piece came in (results/bench_loader_h200_first_batch_65k_*.json). A copy from a part not yet page-locked is
-    staged through pinned memory of its own: as correct, a host copy more. `seconds`: how long the
-    registrations took."""
+    once the first batch's pass 1 is over (`BatchStream._page_lock_arenas`): at 65,536 on an H200
+    host their 41 GiB took 11-19 s, and the first batch, whose copies waited behind the
+    registrations, came 19.5 s after the loader's start, against 7.6 s with none; 12.8 s against
+    9.75 s when they began as its last piece came in (results/bench_loader_h200_first_batch_65k_*.json).
+    A copy from a part not yet page-locked is staged through pinned memory of its own: as correct,
+    a host copy more. `seconds`: how long the registrations took."""
 
     def __init__(self, parts: list[torch.Tensor]):
         self.seconds: float | None = None
@@ -295,8 +295,9 @@ class WorkerArenas:
     def page_lock_in_background(self) -> None:
         """In the trainer, once the first batch's pass 1 is over: page-lock the arenas segment by
         segment, in the order the workers write them (`BackgroundPageLock`). Earlier, the first
-        batch's copies would queue behind the registrations. CLIPSCALE_PAGE_LOCK_ARENAS=0 leaves them pageable
-        (each chunk staged through pinned memory of its own): the benchmarks' other side of it."""
+        batch's copies would queue behind the registrations. CLIPSCALE_PAGE_LOCK_ARENAS=0 leaves
+        them pageable (each chunk staged through pinned memory of its own): the benchmarks' other
+        side of it (`arenas_page_locked`)."""
         if arenas_page_locked():
             self.page_locking = BackgroundPageLock(self.segments_in_writing_order())
 
