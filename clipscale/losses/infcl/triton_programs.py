@@ -42,6 +42,7 @@ on the FMA units) or "tf32"; bf16/fp16 inputs always accumulate in float32.
 
 from __future__ import annotations
 
+import inspect
 import os
 from types import MappingProxyType
 
@@ -68,6 +69,12 @@ _UPCAST = tl.constexpr(INTERPRET)
 
 # Autotune the tile configs (False: one default config per precision).
 TUNE = os.environ.get("CLIPSCALE_TUNE", "1") != "0"
+# The tuning's timings kept in Triton's cache (TRITON_CACHE_DIR, else ~/.triton/cache), keyed by
+# the program's source, the GPU's architecture, the size class and the configs: a later process (a
+# resumed or requeued job) launches the best config at once instead of compiling and timing every
+# one again, 12-15 s of a first step at 65,536 on an H200 (results/pyspy_h200_b32_65k_first_step_2467fba.txt).
+# Triton keeps them from 3.4 on; older ones tune in every process.
+KEEP_TUNING = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
 def bucket(x: int) -> int:
@@ -231,7 +238,7 @@ def _merge_column_lse(PART_COL, pr, rb, cols, n, t_lse):
 
 
 @triton.autotune(configs=_configs_mma(), key=["d", "B_BUCKET"],
-                 prune_configs_by={"early_config_prune": _prune})
+                 prune_configs_by={"early_config_prune": _prune}, **KEEP_TUNING)
 @triton.heuristics(_HEURISTICS)
 @triton.jit
 def lse_fwd_kernel(I, T, PART_ROW, PART_COL, SC, m, n, d, stride_i, stride_t,
@@ -310,7 +317,7 @@ def merge_kernel(PA, OUTA, KA, na, PB, OUTB, KB, nb, BLOCK: tl.constexpr):
 # Backward: recompute each score tile once, write G into the workspace
 # ----------------------------------------------------------------------------
 @triton.autotune(configs=_configs_mma(), key=["d", "B_BUCKET"],
-                 prune_configs_by={"early_config_prune": _prune})
+                 prune_configs_by={"early_config_prune": _prune}, **KEEP_TUNING)
 @triton.heuristics(_HEURISTICS)
 @triton.jit
 def weights_kernel(I, T, RL, CL, RW, CW, PARTNER, PW, G, SC, GMAX, SG,

@@ -246,6 +246,44 @@ def test_the_ring_on_two_ranks_matches_float64(case, device, monkeypatch):
     assert abs(mean_scale_grad - want["want_scale_grad"]) / want["scale_terms"] <= mode.grad_tol, results
 
 
+TUNED_IN_A_PROCESS = """
+import json, sys, torch
+from clipscale.losses.infcl import infcl_loss
+import clipscale.losses.infcl.kernels as kernels
+image = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16).requires_grad_()
+text = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16).requires_grad_()
+loss = infcl_loss(image, text, torch.tensor(14.3, device="cuda"), backend="triton")
+loss.backward()
+programs = kernels.current_programs().device
+print(json.dumps({name: str(getattr(programs, name).best_config) for name in ("lse_fwd_kernel", "weights_kernel")}))
+"""
+
+
+@pytest.mark.gpu
+def test_a_second_process_takes_the_tuned_tiles_from_the_disk_instead_of_tuning_again(tmp_path):
+    """The first process compiles and times every tile config of both tuned programs and keeps the
+    timings in Triton's cache; the second, with the same cache, launches the same best configs
+    without timing again: its cache files are not written anew."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "CLIPSCALE_TUNE": "1"}
+    env.pop("TRITON_INTERPRET", None)
+
+    def run() -> dict:
+        done = subprocess.run([sys.executable, "-c", TUNED_IN_A_PROCESS], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first = run()
+    kept = {path: path.stat().st_mtime_ns for path in (tmp_path / "triton").rglob("*.autotune.json")}
+    assert {path.name for path in kept} == {"lse_fwd_kernel.autotune.json", "weights_kernel.autotune.json"}, kept
+    assert run() == first
+    assert {path: path.stat().st_mtime_ns for path in (tmp_path / "triton").rglob("*.autotune.json")} == kept
+
+
 # --- the reference itself, on the CPU: the tiled float64 loss is the full-matrix one ----------------
 
 @pytest.mark.parametrize("images, texts, block", [(1, 1, 4), (7, 11, 3), (9, 9, 4), (6, 10, 100)])

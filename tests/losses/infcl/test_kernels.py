@@ -148,6 +148,26 @@ def test_the_first_call_of_the_largest_size_class_tunes_on_its_leading_rows(monk
     assert launches()["lse_fwd"] == 4
 
 
+def test_the_tuning_of_both_tuned_programs_is_kept_for_the_next_process():
+    """The compiled programs' autotuners keep their timings in Triton's cache (Triton 3.4 on), so a
+    resumed job's first step does not compile and time every tile config again. Their own
+    process: in the interpreter (this module's other tests) there is one config and nothing kept."""
+    import inspect
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    shown = subprocess.run([sys.executable, "-c", "import clipscale.losses.infcl.triton_programs as P; "
+                            "print(P.lse_fwd_kernel.cache_results, P.weights_kernel.cache_results)"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    kept = "cache_results" in inspect.signature(triton.autotune).parameters
+    assert shown.stdout.split() == [str(kept)] * 2
+
+
 @pytest.mark.parametrize("grid", [(1, 1), (3, 2), (2, 7), (9, 9)])  # (9, 9): programs with no blocks
 def test_lse_partial_merge(grid):
     image, text = feats(70, 32, seed=3), feats(45, 32, seed=4)
