@@ -17,6 +17,11 @@ through train.py; it does not replace it.
     python scripts/bench_loader.py --shards '/tmp/shards/synthetic-{0000..0129}.tar' --workers 14 \\
         --case decoder=device,batch=65536 --case decoder=loader,batch=65536 --out results/bench_loader.json
 
+Each case runs in a process of its own, as train.py starts its loader once: one case's end (its
+workers stopping, its arenas' memory given back to the host, 41 GiB at 65,536) never overlaps the
+next case's start. In one process, two cases of the same setting put the first batch 8.55 s and
+12.53 s after the loader's start (results/bench_loader_h200_first_batch_65k_after_pass_1.json).
+
 `--profile-worker PIECES` first runs what one loader worker runs (`ShardStream` with the device
 decoder's settings: header, crop draw, the worker's own decode of what the device does not take, tokenizer) in this process, alone,
 for that many pieces of 512 under cProfile: milliseconds a sample without the profiler and with
@@ -30,8 +35,9 @@ import argparse
 import cProfile
 import io
 import json
-import pstats
 import os
+import pstats
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -132,7 +138,7 @@ def measure_case(case: dict, shards: str, workers: int) -> dict:
              "from_the_loaders_start_s": arrived[0] - model_built,
              "arenas_gib": stream.arenas.memory.numel() / 2**30 if stream.arenas is not None else None,
              "page_locked": locking.wait() if locking else None, "page_lock_s": locking.seconds if locking else None}
-    return {"case": case, "first_batch_s": arrived[0], "first_batch": first, "later_batch_s": later,
+    return {"case": case, "process": os.getpid(), "first_batch_s": arrived[0], "first_batch": first, "later_batch_s": later,
             "samples_per_s": batch * len(later) / sum(later) if later else None,
             "cores_busy": (cpu[-1] - cpu[0]) / (arrived[-1] - arrived[0]) if later else None}
 
@@ -219,6 +225,25 @@ def profile_worker(shards: str, pieces: int, model: str = "ViT-B-32", piece_size
             "one_worker_samples_per_s": 1e3 / plain}
 
 
+CASE_RESULT = "bench_loader case: "  # the line a case's process gives its result on
+
+
+def case_in_its_own_process(spec: str, shards: str, workers: int) -> dict:
+    """Case `spec` measured by this script in a fresh process (`--measure-case`); its output passes
+    through, and a process that fails is a case with its `error` (its last lines)."""
+    command = [sys.executable, __file__, "--shards", shards, "--workers", str(workers), "--out", os.devnull,
+               "--measure-case", spec]
+    done = subprocess.run(command, capture_output=True, text=True)
+    lines = done.stdout.splitlines()
+    results = [line[len(CASE_RESULT):] for line in lines if line.startswith(CASE_RESULT)]
+    print("\n".join(line for line in lines if not line.startswith(CASE_RESULT)), flush=True)
+    sys.stderr.write(done.stderr)
+    if done.returncode or not results:
+        return {"case": dict(item.split("=", 1) for item in spec.split(",")),
+                "error": f"exit code {done.returncode}: " + " | ".join(done.stderr.strip().splitlines()[-3:])}
+    return json.loads(results[-1])
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shards", required=True, help="brace pattern of webdataset shards")
@@ -231,7 +256,12 @@ def main(argv=None) -> None:
     parser.add_argument("--worker-share", type=float, action="append", default=[],
                         help="profile the worker at this data.worker_decode_share (repeatable; default 0)")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--measure-case", metavar="CASE", help=argparse.SUPPRESS)  # a case's own process
     args = parser.parse_args(argv)
+    if args.measure_case:
+        result = run_case(dict(item.split("=", 1) for item in args.measure_case.split(",")), args.shards, args.workers)
+        print(CASE_RESULT + json.dumps(result), flush=True)
+        return
 
     record = {**provenance(argv), "shards": args.shards, "workers": args.workers, "cases": []}
     if args.profile_worker:
@@ -240,7 +270,7 @@ def main(argv=None) -> None:
         print("worker profile", record["worker_profile"], flush=True)
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     for spec in args.case:
-        result = run_case(dict(item.split("=", 1) for item in spec.split(",")), args.shards, args.workers)
+        result = case_in_its_own_process(spec, args.shards, args.workers)
         record["cases"].append(result)
         print(spec, {k: v for k, v in result.items() if k != "case"}, flush=True)
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")  # after each case: a kill keeps what ran
