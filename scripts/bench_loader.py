@@ -5,7 +5,7 @@ read the shards, decode (`data.decoder: loader`) or only parse each JPEG's heade
 is also decoded there, as a step's first pass asks for it: the whole path, shards to decoded GPU
 tensors; without it nothing is decoded on the device: the rate the workers can feed a step at, and
 so the bound on a first step, whose batch cannot be gathered ahead. Each case reports the cores
-its processes kept busy (their CPU seconds over the window's, with psutil).
+its processes kept busy (their CPU seconds over the window's, from /proc).
 
 The case key `page_lock` says how the workers' arenas are page-locked (at share 1), to tell what
 the first batch waits for: as train.py does, or never
@@ -51,22 +51,19 @@ from clipscale.models import build_model  # noqa: E402
 from clipscale.data.chunks import chunk_bounds  # noqa: E402
 from clipscale.data.pipeline import TrainingBatches  # noqa: E402
 from clipscale.provenance import provenance  # noqa: E402
+from bench_e2e import process_tree  # noqa: E402
 
 
 def cpu_seconds() -> float:
-    """CPU seconds of this process and its children (the loader workers) so far."""
-    import psutil
-
-    me = psutil.Process()
-    processes = [me, *me.children(recursive=True)]
-    total = 0.0
-    for process in processes:
+    """CPU seconds of this process and its descendants (the loader workers) so far, from /proc."""
+    total = 0
+    for pid in process_tree(os.getpid()):
         try:
-            times = process.cpu_times()
-            total += times.user + times.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # ended meanwhile
+        total += int(fields[11]) + int(fields[12])  # utime and stime: stat's 14th and 15th fields
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 # How the workers' arenas are page-locked (case key page_lock), to tell what the first batch waits for:

@@ -28,7 +28,9 @@ def test_each_case_runs_in_its_own_process_and_a_failing_one_is_recorded(digits_
     assert done.returncode == 0, done.stderr[-3000:]
     first, failed, again = json.loads(out.read_text())["cases"]
     for measured in (first, again):
+        assert "error" not in measured, measured["error"]
         assert measured["first_batch_s"] > 0 and len(measured["later_batch_s"]) == 1, measured
+        assert measured["cores_busy"] > 0  # the CPU seconds of its process and its loader worker
         assert measured["first_batch"]["from_the_loaders_start_s"] > 0
     assert first["process"] != again["process"]
     assert "data.decoder" in failed["error"] and failed["case"]["decoder"] == "bogus"
