@@ -75,18 +75,17 @@ PAGE_LOCKS = ("default", "never")
 
 
 def run_case(case: dict, shards: str, workers: int) -> dict:
+    """The case, in the process of its own that it runs in (`case_in_its_own_process`)."""
     variant = case.get("page_lock", "default")
     if variant not in PAGE_LOCKS:
         raise SystemExit(f"page_lock={variant}: one of {', '.join(PAGE_LOCKS)}")
-    before = os.environ.get("CLIPSCALE_PAGE_LOCK_ARENAS")
     os.environ["CLIPSCALE_PAGE_LOCK_ARENAS"] = "0" if variant == "never" else "1"
-    try:
-        return measure_case(case, shards, workers)
-    finally:
-        if before is None:
-            os.environ.pop("CLIPSCALE_PAGE_LOCK_ARENAS")
-        else:
-            os.environ["CLIPSCALE_PAGE_LOCK_ARENAS"] = before
+    return measure_case(case, shards, workers)
+
+
+def parse_case(spec: str) -> dict:
+    """`key=value,...` as a dict."""
+    return dict(item.split("=", 1) for item in spec.split(","))
 
 
 def measure_case(case: dict, shards: str, workers: int) -> dict:
@@ -236,7 +235,7 @@ def case_in_its_own_process(spec: str, shards: str, workers: int) -> dict:
     print("\n".join(line for line in lines if not line.startswith(CASE_RESULT)), flush=True)
     sys.stderr.write(done.stderr)
     if done.returncode or not results:
-        return {"case": dict(item.split("=", 1) for item in spec.split(",")),
+        return {"case": parse_case(spec),
                 "error": f"exit code {done.returncode}: " + " | ".join(done.stderr.strip().splitlines()[-3:])}
     return json.loads(results[-1])
 
@@ -256,7 +255,7 @@ def main(argv=None) -> None:
     parser.add_argument("--measure-case", metavar="CASE", help=argparse.SUPPRESS)  # a case's own process
     args = parser.parse_args(argv)
     if args.measure_case:
-        result = run_case(dict(item.split("=", 1) for item in args.measure_case.split(",")), args.shards, args.workers)
+        result = run_case(parse_case(args.measure_case), args.shards, args.workers)
         print(CASE_RESULT + json.dumps(result), flush=True)
         return
 

@@ -405,7 +405,7 @@ MUTATIONS = [
              ("tests/losses/infcl/test_kernels.py::test_the_tuning_of_both_tuned_programs_is_kept_for_the_next_process",)),
     Mutation("bench_loader_cases_share_a_process", "bench_loader measures every case in the one process, one after another",
              "scripts/bench_loader.py", "        result = case_in_its_own_process(spec, args.shards, args.workers)\n",
-             '        result = run_case(dict(item.split("=", 1) for item in spec.split(",")), args.shards, args.workers)\n',
+             '        result = run_case(parse_case(spec), args.shards, args.workers)\n',
              ("tests/scripts/test_bench_loader.py::test_each_case_runs_in_its_own_process_and_a_failing_one_is_recorded",)),
     Mutation("sigusr2_ends_the_trainer", "the trainer does not print its stacks on SIGUSR2 (the signal ends it)",
              "clipscale/signals.py", "        self.previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}\n        print_stacks_on_signal()\n",
