@@ -42,6 +42,9 @@ class Mutation:
 
 
 MUTATIONS = [
+    Mutation("crop_tries_skipped_without_rounding", "the crop draw skips torchvision's tries where one fits only as its sides round down",
+             "clipscale/data/transforms.py", "(width + 0.5) ** 2 / smallest", "width ** 2 / smallest",
+             ("tests/data/test_transforms.py",)),
     Mutation("stream_drops_a_sample_on_resume", "a resumed stream seeks one raw sample too far",
              "clipscale/data/epoch.py", "self._seek(buffered, read=draws + len(buffered))",
              "self._seek(buffered, read=draws + len(buffered) + 1)",

@@ -41,14 +41,45 @@ from PIL import Image
 REGION_LIMIT = 4  # crop_region: the most pixels a worker hands over unresized, in outputs' worth
 
 
+def no_try_fits(height: int, width: int, scale, ratio) -> bool:
+    """Whether none of `RandomResizedCrop.get_params`'s ten tries can fit the image, whatever it
+    draws: it then returns its central crop, having spent ~20 us of scalar torch calls a try.
+
+    A try draws a share s of the area in `scale` and an aspect a in `ratio` (float32, exp of a
+    log-uniform draw) and fits where round(sqrt(s A a)) <= width and round(sqrt(s A / a)) <= height.
+    Both need s A a <= (width + 1/2)^2 and s A / a <= (height + 1/2)^2, easiest at the smallest s;
+    so no a in `ratio` (widened by float32's rounding and more) meeting both means no try fits.
+    With open_clip's scale (0.9, 1) that is every image of aspect beyond about 1.48 either way:
+    a third of img2dataset's shards, and the tries cost a loader worker a fifth of its time."""
+    smallest = height * width * scale[0] * (1 - 1e-6)
+    widest = min(ratio[1] * (1 + 1e-5), (width + 0.5) ** 2 / smallest)
+    narrowest = max(ratio[0] * (1 - 1e-5), smallest / (height + 0.5) ** 2)
+    return narrowest > widest
+
+
+def central_crop(height: int, width: int, ratio) -> tuple[int, int, int, int]:
+    """`RandomResizedCrop.get_params`'s box where no try fits: the largest central crop within
+    `ratio` (its own lines; tests/data/test_transforms.py holds them to torchvision's)."""
+    in_ratio = float(width) / float(height)
+    if in_ratio < min(ratio):
+        w = width
+        h = int(round(w / min(ratio)))
+    elif in_ratio > max(ratio):
+        h = height
+        w = int(round(h * max(ratio)))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
 class SplitTransform:
     """The PIL steps of an open_clip training or eval transform, and its float steps.
 
     `split` returns None for a transform it cannot split this way (colour jitter, flips,
     timm's pipelines); the caller then runs the whole transform in the loader (float32).
 
-      draw(img)          the random parameters (the crop box) for one decoded image, from the
-                         global RNG, consumed exactly as the whole transform consumes it.
+      draw(img)          the random parameters (the crop box) for one image (or its size), from
+                         the global RNG: the box the whole transform would draw.
       apply(img, params) the PIL steps with those parameters -> uint8 [3, H, W].
       crop_region        the crop's region of a decoded image, unresized (the device resizes it).
       jpeg_region        the same from a JPEG's bytes, decoded by libjpeg-turbo without PIL.
@@ -86,6 +117,9 @@ class SplitTransform:
     def draw(self, img: Image.Image) -> tuple:
         for step in self.pil_steps:
             if isinstance(step, T.RandomResizedCrop):
+                _, height, width = TF.get_dimensions(img)
+                if no_try_fits(height, width, step.scale, step.ratio):
+                    return central_crop(height, width, step.ratio)
                 return tuple(step.get_params(img, step.scale, step.ratio))
         return ()
 
