@@ -323,8 +323,12 @@ def _count(n: int, noun: str) -> str:
 
 
 def peak_memory_gib(device: torch.device) -> float:
+    """The most memory the run has held: on a GPU what PyTorch's allocator took from the device
+    (reserved), not what its tensors used (allocated). A step's blocks replayed as CUDA graphs use
+    memory of the graphs' own pools, which the allocated figure leaves out: ViT-B/32's ceiling at
+    chunk 4,096 held 129 GiB of an H200 while it said 8.7 (results/bench_ceiling_h200_b32_chunks_memory.json)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        return torch.cuda.max_memory_reserved(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 

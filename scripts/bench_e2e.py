@@ -5,8 +5,11 @@ and measures what a user sees: samples/s over a window of steps that leaves out 
 and the last (the only one with no next batch being prepared beside it: it runs faster than the
 steps a long run is made of); a window under 10 steps is marked `short_window`, no speed claim. Also the first step's time, the
 process tree's peak host memory (PSS, loader workers included, sampled every 0.5 s) and
-the GPU's peak memory (train.py's allocator peak; for both, the device's used memory as
-nvidia-smi reports it).
+the GPU's peak memory (`peak_gpu_reserved_gib`: train.py's `peak_memory_gib`, what its allocator
+took from the device, CUDA graphs' pools included; for both trainers `peak_gpu_used_gib`, the
+devices' used memory as nvidia-smi reports it, summed over the GPUs). Files before 2026-11-29 have
+`peak_gpu_allocated_gib` instead: the allocator's allocated peak, which misses what CUDA graph
+replays use.
 
 Beside each clipscale case, in the same command, its ceiling: the same model, loss, precision,
 chunk and batch in clipscale's own TrainStep (Gradient Cache, compile_towers, the loss, fused
@@ -245,7 +248,7 @@ def steps_of(case: dict, out_dir: Path, log: str) -> list[dict]:
     if case["runner"] == "openclip":
         return [{"samples": batch, "step_s": batch / float(rate)} for _, rate in OPENCLIP_STEP.findall(log)]
     lines = metrics_lines(out_dir / ("ceiling.jsonl" if case["runner"] == "ceiling" else "bench/metrics.jsonl"), "step_s")
-    return [{"samples": batch, "step_s": m["step_s"], "peak_gpu_allocated_gib": m["peak_memory_gib"], "loss": m["loss"],
+    return [{"samples": batch, "step_s": m["step_s"], "peak_gpu_reserved_gib": m["peak_memory_gib"], "loss": m["loss"],
              "data_wait_s": m.get("data_wait_s"), "mfu": m.get("mfu"),
              "text_positions_per_sample": m.get("text_positions_per_sample"),
              **({"data_wait_s_by_rank": m["data_wait_s_by_rank"]} if "data_wait_s_by_rank" in m else {})} for m in lines]
@@ -321,8 +324,8 @@ def run_case(case: dict, args, timeout: float, number: int) -> dict:
             result["samples_per_s"] = sum(s["samples"] for s in later) / sum(s["step_s"] for s in later)
             result["steady_step_s"] = statistics.median(s["step_s"] for s in later)
             result["first_over_steady"] = result["first_step_s"] / result["steady_step_s"]
-        if "peak_gpu_allocated_gib" in steps[-1]:
-            result["peak_gpu_allocated_gib"] = steps[-1]["peak_gpu_allocated_gib"]
+        if "peak_gpu_reserved_gib" in steps[-1]:
+            result["peak_gpu_reserved_gib"] = steps[-1]["peak_gpu_reserved_gib"]
             result["losses"] = [s["loss"] for s in steps]
             for key in ("data_wait_s", "mfu", "text_positions_per_sample"):
                 result[key] = [s[key] for s in steps]
@@ -476,7 +479,7 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
             log.write(json.dumps({
                 "step_s": seconds, "loss": loss, "data_wait_s": 0.0, "mfu": step_flops / seconds / peak if peak else None,
                 "text_positions_per_sample": sum((stop - start) * n for (start, stop), n in zip(bounds, positions)) / batch,
-                "peak_memory_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
+                "peak_memory_gib": torch.cuda.max_memory_reserved(device) / GIB if device.type == "cuda" else None,
             }) + "\n")
             log.flush()
         if case.get("profile") == "1":  # one more step, under the profiler: where the ceiling's own time goes
@@ -486,7 +489,7 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
     shutdown_distributed()
 
 
-SHOWN = ("steps_done", "window", "short_window", "samples_per_s", "first_step_s", "steady_step_s", "peak_host_gib", "peak_gpu_allocated_gib",
+SHOWN = ("steps_done", "window", "short_window", "samples_per_s", "first_step_s", "steady_step_s", "peak_host_gib", "peak_gpu_reserved_gib",
          "peak_gpu_used_gib", "exit_code", "auto_chunk", "mfu", "data_wait_s", "text_positions_per_sample",
          "of_ceiling", "console", "losses", "compiled", "void")
 

@@ -26,7 +26,7 @@ SOURCES = "results/bench_e2e_*.json"
 BEGIN = "<!-- speed table: written by scripts/results_table.py from results/bench_e2e_*.json; do not edit by hand -->"
 END = "<!-- end of speed table -->"
 HEADER = ("| trainer | model | GPUs (loader workers each) | images | global batch | chunk | decoder | text positions a sample "
-          "| samples/s | first / steady step | peak host | peak GPU allocated, per GPU | file |\n"
+          "| samples/s | first / steady step | peak host | peak GPU used, per GPU | file |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 # The shards scripts/gpu_setup.sh writes, by their folder: which images a row decoded.
 IMAGES = {"/tmp/shards-img/": "img2dataset-like: short side 256, 25 KiB", "/tmp/shards-web/": "224-px noise, 28 KiB",
@@ -88,7 +88,8 @@ def row(result: dict, record: dict, path: Path) -> tuple[tuple, str]:
         steps = f"{result['first_step_s']:.0f} s / {result['steady_step_s']:.1f} s"
     if result.get("exit_code"):
         speed += f" (stopped after step {result['steps_done']}, exit {result['exit_code']})"
-    gpu = f"{result['peak_gpu_allocated_gib']:.1f} GiB" if "peak_gpu_allocated_gib" in result else "–"
+    # nvidia-smi's, summed over the GPUs: the allocator's own figures miss what CUDA graph replays use
+    gpu = f"{result['peak_gpu_used_gib'] / gpus:.1f} GiB" if result.get("peak_gpu_used_gib") else "–"
     trainer = "open_clip_train" if not clipscale else f"clipscale, loss {case['loss']}" if "loss" in case else "clipscale"
     if "patch_embed" in case:  # model.patch_embed set by the case (issue 49); auto's choice otherwise
         trainer += f", patch_embed {case['patch_embed']}"

@@ -107,7 +107,7 @@ def test_the_table_shows_current_cases_only(tmp_path):
     (tmp_path / "results").mkdir()
     case = {"case": {"runner": "clipscale", "model": "ViT-B-16", "batch": "65536", "chunk": "512", "steps": "12"},
             "exit_code": 0, "steps_done": 12, "window": "steps 2..11 of 12", "samples_per_s": 1234.4, "first_step_s": 80.0,
-            "steady_step_s": 50.0, "peak_host_gib": 20.0, "peak_gpu_allocated_gib": 44.0}
+            "steady_step_s": 50.0, "peak_host_gib": 20.0, "peak_gpu_used_gib": 44.0}
     void = {**case, "case": {**case["case"], "batch": "1024"}, "void": "a loss was not finite"}
     superseded = {**case, "case": {**case["case"], "batch": "2048"}, "superseded": "measured again"}
     short = {**case, "case": {**case["case"], "batch": "4096"}, "short_window": "3 steps measured"}
@@ -125,7 +125,7 @@ def test_a_case_measured_beside_its_ceiling_shows_the_fraction(tmp_path):
     (tmp_path / "results").mkdir()
     case = {"case": {"runner": "clipscale", "model": "ViT-B-32", "batch": "65536", "chunk": "512", "steps": "12"},
             "exit_code": 0, "steps_done": 12, "window": "steps 2..11 of 12", "samples_per_s": 4800.0, "first_step_s": 80.0,
-            "steady_step_s": 13.6, "peak_host_gib": 9.0, "peak_gpu_allocated_gib": 40.0, "of_ceiling": 0.956,
+            "steady_step_s": 13.6, "peak_host_gib": 9.0, "peak_gpu_used_gib": 40.0, "of_ceiling": 0.956,
             "of_ceiling_median": 0.95}
     record = {"device": "NVIDIA H100 80GB HBM3", "workers": 14, "cases": [case]}
     (tmp_path / "results" / "bench_e2e_ceiling.json").write_text(json.dumps(record))
@@ -142,7 +142,7 @@ def test_a_case_shows_its_text_positions_and_a_ceiling_measured_beside_its_twin(
     batch and chunk, and says so; one with another batch gets none."""
     (tmp_path / "results").mkdir()
     base = {"exit_code": 0, "steps_done": 12, "window": "steps 2..11 of 12", "first_step_s": 70.0, "steady_step_s": 8.0,
-            "peak_host_gib": 7.0, "peak_gpu_allocated_gib": 26.0}
+            "peak_host_gib": 7.0, "peak_gpu_used_gib": 26.0}
     case = {"runner": "clipscale", "model": "ViT-B-32", "batch": "32768", "chunk": "512", "steps": "12"}
     measured = {**base, "case": {**case, "decode_in": "thread"}, "samples_per_s": 4000.0, "of_ceiling": 0.74,
                 "text_positions_per_sample": [27.9, 28.1, 27.9, 50.0], "ceiling": {"samples_per_s": 5400.0}}
