@@ -51,6 +51,8 @@ def no_try_fits(height: int, width: int, scale, ratio) -> bool:
     so no a in `ratio` (widened by float32's rounding and more) meeting both means no try fits.
     With open_clip's scale (0.9, 1) that is every image of aspect beyond about 1.48 either way:
     a third of img2dataset's shards, and the tries cost a loader worker a fifth of its time."""
+    if not 0 < scale[0] <= scale[1] or not 0 < ratio[0] <= ratio[1]:
+        return False  # tiny crops fit anything; ranges the wrong way round: get_params' own error
     smallest = height * width * scale[0] * (1 - 1e-6)
     widest = min(ratio[1] * (1 + 1e-5), (width + 0.5) ** 2 / smallest)
     narrowest = max(ratio[0] * (1 - 1e-5), smallest / (height + 0.5) ** 2)

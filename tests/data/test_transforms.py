@@ -86,3 +86,19 @@ def test_no_try_fits_only_where_no_draw_of_scale_and_aspect_fits(scale):
             for aspect in aspects:
                 w, h = round((area * share * aspect) ** 0.5), round((area * share / aspect) ** 0.5)
                 assert not (0 < w <= width and 0 < h <= height), (height, width, share, aspect)
+
+
+def test_a_scale_from_zero_draws_torchvisions_crop_and_a_reversed_one_fails_as_torchvisions():
+    with torch.random.fork_rng(devices=[]):
+        split = _transform((0.0, 1.0))
+        crop = split.only_random_resized_crop()
+        for height, width in [(256, 455), (1, 9)]:
+            torch.random.default_generator.manual_seed(5)
+            assert split.draw(size_only(height, width)) == _torchvisions(height, width, crop, 5)
+        reversed_scale = _transform((1.0, 0.9))
+        crop = reversed_scale.only_random_resized_crop()
+        with pytest.raises(RuntimeError) as torchvisions:
+            _torchvisions(256, 455, crop, 0)
+        with pytest.raises(RuntimeError) as ours:
+            reversed_scale.draw(size_only(256, 455))
+        assert str(ours.value) == str(torchvisions.value)
