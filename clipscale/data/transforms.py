@@ -49,8 +49,9 @@ def no_try_fits(height: int, width: int, scale, ratio) -> bool:
     log-uniform draw) and fits where round(sqrt(s A a)) <= width and round(sqrt(s A / a)) <= height.
     Both need s A a <= (width + 1/2)^2 and s A / a <= (height + 1/2)^2, easiest at the smallest s;
     so no a in `ratio` (widened by float32's rounding and more) meeting both means no try fits.
-    With open_clip's scale (0.9, 1) that is every image of aspect beyond about 1.48 either way:
-    a third of img2dataset's shards, and the tries cost a loader worker a fifth of its time."""
+    With open_clip's scale (0.9, 1) that is every image of aspect beyond about 1.48 either way (3:2
+    and 16:9 photos: half of make_synthetic_shards' img2dataset-like images), and the tries cost a
+    loader worker a fifth of its time."""
     if not 0 < scale[0] <= scale[1] or not 0 < ratio[0] <= ratio[1]:
         return False  # tiny crops fit anything; ranges the wrong way round: get_params' own error
     smallest = height * width * scale[0] * (1 - 1e-6)
