@@ -42,6 +42,9 @@ class Mutation:
 
 
 MUTATIONS = [
+    Mutation("infcl_float32_under_autocast", "Inf-CL runs the trainer's float32 features in IEEE float32 under autocast (20x slower)",
+             "clipscale/losses/infcl/loss.py", "    if exact or not torch.is_autocast_enabled(device_type):",
+             "    if True:", ("tests/losses/infcl/test_loss.py",)),
     Mutation("crop_tries_skipped_without_rounding", "the crop draw skips torchvision's tries where one fits only as its sides round down",
              "clipscale/data/transforms.py", "(width + 0.5) ** 2 / smallest", "width ** 2 / smallest",
              ("tests/data/test_transforms.py",)),

@@ -110,6 +110,22 @@ class _Plan:
     positive_weight: torch.Tensor  # a_i + c_p(i): the weight of x_i,p(i)
 
 
+def as_autocast_would(exact: bool, *features: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The features in an enclosing autocast's dtype (bf16, fp16), as autocast hands a matmul its
+    inputs: the loss's products then run as every other loss's do under autocast (open_clip's
+    `image_features @ text_features.T` among them), on tensor cores with float32 accumulation.
+    Under CUDA autocast open_clip's features come out float32 (`F.normalize` divides by a norm
+    that autocast computes in float32), and float32 inputs would take IEEE float32 dots, about 20x
+    slower: 0.9 s of a ViT-B/32 step at 65,536 and 12 s of one at 262,144 on an H200
+    (docs/kernels.md). Outside autocast, or with `exact` (IEEE float32 asked for), the inputs'
+    dtype decides."""
+    device_type = features[0].device.type
+    if exact or not torch.is_autocast_enabled(device_type):
+        return features
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(f.to(dtype) if f.dtype == torch.float32 else f for f in features)
+
+
 def _without_autocast(method):
     """The inputs' dtype sets the precision (bf16 in, float32 accumulation), not an
     enclosing autocast, which would run the reference's float32 tiles in bf16."""
@@ -219,8 +235,10 @@ def infcl_loss(
     """The global symmetric CLIP loss (open_clip's), never materialising the b x b logits.
 
     Rectangular batches: texts beyond the number of images are extra negatives
-    (image->text only). `exact=True` forbids TF32 for float32 inputs.
+    (image->text only). Under autocast float32 features are taken in its dtype
+    (`as_autocast_would`); `exact=True` keeps them and forbids TF32 for float32 inputs.
     """
+    image_features, text_features = as_autocast_would(exact, image_features, text_features)
     layout, logit_scale = check_clip_inputs(image_features, text_features, logit_scale, group)
     device = image_features.device
     partner, row_weight, col_weight, positive_weight = _clip_weights(layout, device)
@@ -243,6 +261,7 @@ def ntxent_loss(features, temperature, group=None, *, backend="auto", tile_size=
     value = temperature.detach() if isinstance(temperature, torch.Tensor) else temperature
     if not float(value) > 0:  # a host read only for a tensor temperature
         raise ValueError(f"temperature must be positive, got {float(value)}")
+    (features,) = as_autocast_would(exact, features)
     scale = 1.0 / as_scale(temperature, features)
     layout = check_inputs({"features": features}, scale, group)
     if layout.images % 2:

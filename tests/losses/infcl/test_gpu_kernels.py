@@ -286,6 +286,21 @@ def test_a_second_process_takes_the_tuned_tiles_from_the_disk_instead_of_tuning_
 
 # --- the reference itself, on the CPU: the tiled float64 loss is the full-matrix one ----------------
 
+@pytest.mark.gpu
+def test_under_cuda_autocast_normalised_features_are_float32_and_the_loss_takes_them_in_bf16():
+    """The trainer's case: open_clip normalises its features under CUDA autocast, whose norm runs
+    in float32, so they reach the loss float32; the loss takes them in bf16 (tensor cores), as
+    autocast would a matmul's inputs."""
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    projection = torch.nn.Linear(512, 512, device="cuda")
+    inputs = [torch.randn(4099, 512, device="cuda", generator=generator) for _ in range(2)]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        image, text = (F.normalize(projection(x), dim=-1) for x in inputs)
+        assert image.dtype == torch.float32, "the premise: CUDA autocast normalises in float32"
+        loss = infcl_loss(image, text, 14.3)
+    assert torch.equal(loss, infcl_loss(image.bfloat16(), text.bfloat16(), 14.3))
+
+
 @pytest.mark.parametrize("images, texts, block", [(1, 1, 4), (7, 11, 3), (9, 9, 4), (6, 10, 100)])
 def test_the_tiled_reference_is_the_full_matrix_reference(images, texts, block):
     image, text = (features(n, 5, torch.float64, "cpu", seed) for n, seed in ((images, 1), (texts, 2)))
