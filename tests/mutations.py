@@ -42,6 +42,15 @@ class Mutation:
 
 
 MUTATIONS = [
+    Mutation("pass_two_works_ahead_only_from_the_device",
+             "pass 2 begins the next batch only when pass 1 kept every chunk on the device, not when some wait on the host",
+             "clipscale/data/chunks.py", "all(bound in self.kept or bound in self.on_host for bound in bounds)",
+             "all(bound in self.kept for bound in bounds)",
+             ("tests/data/test_device_decode.py::test_a_batch_larger_than_the_arenas_streams_through_them_on_the_same_curve",)),
+    Mutation("window_ignores_the_pixels_on_the_host", "the arenas' window takes host memory that pass 2's pixels on the host need",
+             "clipscale/data/pipeline.py", "min(room, STEP_HOST_FRACTION * host_bytes - on_host)",
+             "min(room, STEP_HOST_FRACTION * host_bytes)",
+             ("tests/data/test_pipeline.py::test_a_batch_larger_than_its_arenas_takes_a_window_of_them_while_pass_twos_pixels_fit",)),
     Mutation("infcl_float32_under_autocast", "Inf-CL runs the trainer's float32 features in IEEE float32 under autocast (20x slower)",
              "clipscale/losses/infcl/loss.py", "    if exact or not torch.is_autocast_enabled(device_type):",
              "    if True:", ("tests/losses/infcl/test_loss.py",)),

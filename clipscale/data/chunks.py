@@ -581,7 +581,8 @@ class ChunkSource:
         self.ahead_until = 0  # rows [0, ahead_until) prepared ahead by `prepare_some_ahead`
         self.ahead_shape: tuple[int, int] | None = None  # (chunk rows, device bytes a row) for `prepare_some_ahead`
         # Called between two of pass 2's chunks with how many are still to come, when pass 2 reads
-        # only chunks pass 1 kept: work for the next batch while the device computes (BatchStream).
+        # only chunks pass 1 kept (on the device or the host): work for the next batch while the
+        # device computes (BatchStream).
         self.between_chunks: Callable[[int], None] | None = None
         # Called as pass 2 asks for its first chunk: pass 1's copies from the host are over (BatchStream).
         self.before_pass_2: Callable[[], None] | None = None
@@ -620,7 +621,8 @@ class ChunkSource:
         copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         asked_again = set(keep) if pass_number == 1 else set()
         keep = asked_again if self.budget is not None else set()
-        between = self.between_chunks if pass_number > 1 and all(bound in self.kept for bound in bounds) else None
+        all_kept = pass_number > 1 and all(bound in self.kept or bound in self.on_host for bound in bounds)
+        between = self.between_chunks if all_kept else None
         if between is not None:
             self.rows.release()  # pass 2 reads only what pass 1 kept: the rows' host pixels can go now
         pending = deque(self._prepare(bound, pass_number) for bound in bounds[:LOOKAHEAD])

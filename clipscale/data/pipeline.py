@@ -88,11 +88,14 @@ ARENA_HOST_FRACTION, ARENA_BATCHES = 0.5, 2
 # A rank's batch larger than its arenas can hold whole (every region at its largest) still takes
 # share 1: the arenas hold a window of it, and pass 1 hands each chunk back to them as it goes
 # (`WorkerArenas.holds_a_batch`). Pass 2's pixels then wait on the GPU (data.keep_on_device_gib) and,
-# beyond it, on the host as final uint8 (`OnHost`): at most this fraction of the host a rank.
+# beyond it, on the host as final uint8 (`OnHost`): with the arenas at most STEP_HOST_FRACTION of the
+# host a rank, the window getting what those pixels leave (up to the arenas' own room). Until
+# 2026-11-29 the two had fixed shares (the arenas half, the pixels a quarter), so a million samples on
+# one GPU had no window even where the GPU kept most of pass 2's pixels.
 # A worker's window must hold its pieces that the trainer has taken and not yet handed back, those of
 # HANDED_BACK_CHUNKS chunks (LOOKAHEAD being prepared, the one in use, two whose copies may still run;
 # the loader hands the workers' pieces out in turn), and the next it writes, twice over.
-HANDED_BACK_HOST_FRACTION, HANDED_BACK_CHUNKS, HANDED_BACK_SPARE = 0.25, LOOKAHEAD + 3, 2
+STEP_HOST_FRACTION, HANDED_BACK_CHUNKS, HANDED_BACK_SPARE = 0.75, LOOKAHEAD + 3, 2
 # The arenas are page-locked a segment at a time in the order the workers write them, so the first
 # batch's copies need not wait for all of them: CUDA's other calls wait behind each registration
 # (65 ms for this many bytes at the 4 GB/s an H200 host registered them), so not much smaller.
@@ -173,9 +176,9 @@ def arena_window(workers: int, per_rank_batch: int, piece: int, chunk: int, heig
                  keep_bytes: int, room: float, host_bytes: int) -> ArenaWindow | None:
     """Each worker's arena at share 1 (`arena_in_segments`): one that holds the worker's pieces of
     a whole batch where the batch fits `room` with every region at its largest; else a window of
-    the batch, while pass 1 hands its chunks back, where the pixels pass 2 needs beyond
-    `keep_bytes` on the device fit `HANDED_BACK_HOST_FRACTION` of the host and the window holds the
-    chunks in flight; None where neither fits."""
+    the batch, while pass 1 hands its chunks back, in what the pixels pass 2 needs beyond
+    `keep_bytes` on the device (waiting on the host) leave of `STEP_HOST_FRACTION` of
+    `host_bytes`, at most `room`, where that holds the chunks in flight; None where neither fits."""
     piece_bytes = aligned(piece * arena_sample_bytes(height, width))
     whole = arena_in_segments(pieces_per_worker(per_rank_batch, piece, workers), piece_bytes, whole=True)
     if workers * whole.arena_bytes <= room:
@@ -183,12 +186,10 @@ def arena_window(workers: int, per_rank_batch: int, piece: int, chunk: int, heig
     on_host = max(0, per_rank_batch * 3 * height * width - keep_bytes)
     taken = -(-HANDED_BACK_CHUNKS * -(-chunk // piece) // max(1, workers)) + 1  # a worker's pieces in flight, at most
     least = HANDED_BACK_SPARE * (taken + 1)
-    fits = int(room / max(1, workers)) // piece_bytes
+    fits = max(0, int(min(room, STEP_HOST_FRACTION * host_bytes - on_host) / max(1, workers)) // piece_bytes)
     window = arena_in_segments(fits, piece_bytes, whole=False) if fits else None
     holds = window.arena_bytes // window.segment_bytes * (window.segment_bytes // piece_bytes) if window else 0
-    if on_host > HANDED_BACK_HOST_FRACTION * host_bytes or holds < least:
-        return None
-    return window
+    return window if holds >= least else None
 
 
 def arenas_room() -> float:
@@ -330,8 +331,8 @@ class TrainingBatches:
             whole = per_rank * arena_sample_bytes(height, width)
             self.path.notes.append(f"the loader workers' pixels are copied by a thread of the trainer: their arenas would take "
                                    f"{whole / 2**30:.1f} GiB, over {ARENA_HOST_FRACTION:.0%} of the host's memory a rank, "
-                                   "and the pixels pass 2 needs beyond data.keep_on_device_gib "
-                                   f"over {HANDED_BACK_HOST_FRACTION:.0%} of it")
+                                   "and the pixels pass 2 needs beyond data.keep_on_device_gib would leave too little of "
+                                   f"{STEP_HOST_FRACTION:.0%} of it for a window of the batch")
             return None
         if not window.holds_a_batch:
             self.path.notes.append(

@@ -474,13 +474,25 @@ def test_a_batch_larger_than_the_arenas_streams_through_them_on_the_same_curve(d
     hands each chunk's pieces back to the arenas once the chunk is on the device, and what pass 2
     needs again and the budget could not keep waits on the host (`OnHost`), so the workers write
     the rest of the batch meanwhile. With nothing kept on the device, with some of it and with all
-    of it (then pass 2 begins the next batch between its chunks, `BatchStream._work_ahead`), the
-    run equals, loss for loss, the same share through the gathering thread's copies; a pass 1 that
-    kept the pieces until the step's end would wait for room forever (the alarm below)."""
+    of it, the run equals, loss for loss, the same share through the gathering thread's copies; a
+    pass 1 that kept the pieces until the step's end would wait for room forever (the alarm below).
+    Pass 2 reads only what pass 1 kept, on the device or the host, so between its chunks it begins
+    the next batch (`BatchStream._work_ahead`), decoding its chunks ahead where the budget has room
+    again: none with nothing kept, some with some of it."""
     import clipscale.data.pipeline as pipeline
 
     def stuck(signum, frame):
         raise TimeoutError("the run waited 120 s: a worker found no room in its arena")
+
+    ahead_rows: list = []
+    real_prepare = ChunkSource.prepare_some_ahead
+
+    def counting(source, calls_left):
+        before = source.ahead_until
+        real_prepare(source, calls_left)
+        ahead_rows.append(source.ahead_until - before)
+
+    monkeypatch.setattr(ChunkSource, "prepare_some_ahead", counting)
 
     batch, chunk, workers = 384, 8, 2
     sizes = (f"train.batch_size={batch}", f"train.chunk_size={chunk}", f"data.workers={workers}",
@@ -493,6 +505,7 @@ def test_a_batch_larger_than_the_arenas_streams_through_them_on_the_same_curve(d
     for kept_chunks, on_host in ((0, lambda rows: rows == reread), (20, lambda rows: 0 < rows < reread),
                                  (10**4, lambda rows: rows == 0)):
         from_host.clear()
+        ahead_rows.clear()
         previous = signal.signal(signal.SIGALRM, stuck)
         signal.alarm(120)
         try:
@@ -503,6 +516,7 @@ def test_a_batch_larger_than_the_arenas_streams_through_them_on_the_same_curve(d
             signal.signal(signal.SIGALRM, previous)
         assert windows[-1] is not None and not windows[-1].holds_a_batch, windows
         assert on_host(sum(from_host)), (kept_chunks, sum(from_host))
+        assert ahead_rows and (sum(ahead_rows) > 0) == (kept_chunks > 0), (kept_chunks, ahead_rows)
         assert [m["loss"] for m in streamed] == [m["loss"] for m in copied], kept_chunks
         assert [m["skipped_samples_total"] for m in streamed] == [m["skipped_samples_total"] for m in copied]
 

@@ -82,17 +82,18 @@ def test_the_auto_share_gives_the_workers_every_image_where_they_outpace_the_tow
     assert share(3, 32768, b16)[0] == pytest.approx(0.4 * 3 / 14)  # 2,340 images/s
     assert share(14, 65536, b32) == (1.0, None)  # the arenas take 40 GiB of the 64 they may
     assert share(14, 262144, b32) == (1.0, None)  # a window of the batch; 2 GiB of pass 2's pixels beyond the GPU's 35
-    assert share(14, 1048576, b32)[0] == 0.0  # 112 GiB beyond the GPU: over a quarter of the host; at 0.4 too
+    assert share(14, 1048576, b32)[0] == 0.0  # 112 GiB beyond the GPU: no room for a window; at 0.4 too
     assert share(14, 32768, None) == (0.4, None)  # no GPU peak known
 
 
 def test_a_batch_larger_than_its_arenas_takes_a_window_of_them_while_pass_twos_pixels_fit():
     """Share 1's arenas (`arena_window`) on a 128 GiB host a GPU, a quarter of an H200 kept for pass 2:
     whole up to the 64 GiB they may take (ViT-B/32's 65,536: 40 GiB); a window of 64 GiB beyond
-    (131,072 and 262,144 a GPU, where the pixels pass 2 needs beyond the GPU's 35 GiB fit a quarter
-    of the host); none at a million (112 GiB beyond the GPU), nor where the room is too small for a
-    worker's pieces in flight, nor where a quarter of the host is not enough."""
-    from clipscale.data.pipeline import arena_sample_bytes, arena_window
+    (131,072 and 262,144 a GPU, where the pixels pass 2 needs beyond the GPU's 35 GiB fit beside
+    it in three quarters of the host); none at a million with a quarter of the GPU kept (112 GiB
+    beyond it), but a window in what those pixels leave of three quarters of the host where the
+    GPU keeps more; none where the room is too small for a worker's pieces in flight."""
+    from clipscale.data.pipeline import STEP_HOST_FRACTION, arena_sample_bytes, arena_window
 
     gib, sample = 2**30, arena_sample_bytes(224, 224)
     host, room, kept = 128 * gib, 64 * gib, 35 * gib
@@ -103,7 +104,11 @@ def test_a_batch_larger_than_its_arenas_takes_a_window_of_them_while_pass_twos_p
         arena, segment, whole = arena_window(14, batch, 512, 512, 224, 224, kept, room, host)
         assert not whole and arena % segment == 0 and room - 14 * segment < 14 * arena <= room
     assert arena_window(14, 1048576, 512, 512, 224, 224, kept, room, host) is None
-    assert arena_window(14, 262144, 512, 512, 224, 224, kept, room, 4 * gib) is None  # 2 GiB over a quarter of 4
+    assert arena_window(14, 262144, 512, 512, 224, 224, kept, room, 4 * gib) is None  # 2 GiB of 3: no room for a window
+    for kept_gib in (80, 100):  # a million, most of pass 2's pixels on the GPU: a window in what the rest leaves
+        on_host = 1048576 * 3 * 224 * 224 - kept_gib * gib
+        arena, segment, whole = arena_window(14, 1048576, 512, 512, 224, 224, kept_gib * gib, room, host)
+        assert not whole and STEP_HOST_FRACTION * host - on_host - 14 * segment < 14 * arena <= STEP_HOST_FRACTION * host - on_host
     # A worker's window holds twice its pieces in flight (6 chunks' pieces over 14 workers, one more) and its next
     least = 2 * ((1 + 1) + 1) * piece
     assert arena_window(14, 262144, 512, 512, 224, 224, kept, 14 * least, host) == (least, piece, False)
