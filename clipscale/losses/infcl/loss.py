@@ -119,11 +119,11 @@ def as_autocast_would(exact: bool, *features: torch.Tensor) -> tuple[torch.Tenso
     slower: 0.9 s of a ViT-B/32 step at 65,536 and 12 s of one at 262,144 on an H200
     (docs/kernels.md). Outside autocast, or with `exact` (IEEE float32 asked for), the inputs'
     dtype decides."""
-    device_type = features[0].device.type
-    if exact or not torch.is_autocast_enabled(device_type):
-        return features
-    dtype = torch.get_autocast_dtype(device_type)
-    return tuple(f.to(dtype) if f.dtype == torch.float32 else f for f in features)
+    first = features[0]
+    if exact or not isinstance(first, torch.Tensor) or not torch.is_autocast_enabled(first.device.type):
+        return features  # (what is not a tensor is for the input check to name)
+    dtype = torch.get_autocast_dtype(first.device.type)
+    return tuple(f.to(dtype) if isinstance(f, torch.Tensor) and f.dtype == torch.float32 else f for f in features)
 
 
 def _without_autocast(method):
