@@ -7,12 +7,16 @@ the probe measures what it cannot compute: the loss's peak on random features of
 real batch size (a collective under several processes: every rank probes), and one
 chunk's activations at two small chunk sizes, fitted as a line in the chunk size. The
 chunk is then the largest divisor of the batch whose activations fit in what is left
-of `HEADROOM` of the device's memory, less what the data path keeps there for pass 2.
+of `HEADROOM` of the device's memory, less what the data path keeps there for pass 2. The line
+is a guess beyond its two points (a convolution's workspace, say, grows with the batch), so the
+chunk it gives is then measured (`verified_chunk`): where that pass takes more than its room, the
+line is drawn again through the measurement and the chunk chosen again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -25,6 +29,7 @@ from clipscale.precision import autocast_factory
 
 HEADROOM = 0.85  # of the device's memory: fragmentation, the allocator's rounding, cuBLAS/NCCL workspaces
 PROBE_CHUNKS = (8, 16)
+VERIFY_ROUNDS = 4  # chunk passes at the chosen size at most, each drawing the line again where it did not fit
 
 
 def _peak_above(baseline: int, device: torch.device) -> int:
@@ -38,6 +43,14 @@ def _measure(fn, device: torch.device) -> int:
     baseline = torch.cuda.memory_allocated(device)
     fn()
     return _peak_above(baseline, device)
+
+
+def _measure_unless_out_of_memory(fn, device: torch.device) -> int | None:
+    try:
+        return _measure(fn, device)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
 
 
 def chunk_size(plan: RunPlan, model: ParallelModel, loss_fn, world: World, console: Console) -> int:
@@ -88,10 +101,12 @@ def largest_chunk(module: torch.nn.Module, loss_fn, *, batch_size: int, precisio
 
         loss_peak = _measure(loss_pass, device)
         small, large = (_measure(lambda: chunk_pass(size), device) for size in PROBE_CHUNKS)
+        capacity = HEADROOM * torch.cuda.get_device_properties(device).total_memory
+        probe = Probe(capacity, static, features, loss_peak, (small, large), reserved)
+        chosen = verified_chunk(batch_size, probe, lambda size: _measure_unless_out_of_memory(lambda: chunk_pass(size), device))
     module.zero_grad(set_to_none=True)
     torch.cuda.empty_cache()
-    capacity = HEADROOM * torch.cuda.get_device_properties(device).total_memory
-    return chunk_for(batch_size, Probe(capacity, static, features, loss_peak, (small, large), reserved))
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -102,14 +117,19 @@ class Probe:
     static: int  # what was allocated before, the weights' gradients and AdamW's moments
     features: int  # the whole batch's features and their gradients
     loss_peak: int  # the loss's forward and backward over the whole batch
-    chunk_peaks: tuple[int, int]  # one chunk's forward and backward at PROBE_CHUNKS
+    chunk_peaks: tuple[int, int]  # one chunk's forward and backward at `chunk_sizes`
     reserved: int = 0  # held by others during the step: pass-1 chunks kept for pass 2
+    chunk_sizes: tuple[int, int] = PROBE_CHUNKS
 
     def activations(self) -> tuple[float, float]:
         """(bytes per sample, bytes whatever the chunk) of a chunk's pass: the line through the two peaks."""
-        small, large = self.chunk_peaks
-        per_sample = max(1, (large - small) / (PROBE_CHUNKS[1] - PROBE_CHUNKS[0]))
-        return per_sample, max(0, small - per_sample * PROBE_CHUNKS[0])
+        (small_size, large_size), (small, large) = self.chunk_sizes, self.chunk_peaks
+        per_sample = max(1, (large - small) / (large_size - small_size))
+        return per_sample, max(0, small - per_sample * small_size)
+
+    def room_for_a_chunk(self) -> float:
+        """What a chunk's pass may take beside the rest, the loss's included."""
+        return self.capacity - self.reserved - self.static - self.features - self.loss_peak
 
 
 def chunk_for(batch_size: int, probe: Probe) -> tuple[int, dict]:
@@ -118,7 +138,7 @@ def chunk_for(batch_size: int, probe: Probe) -> tuple[int, dict]:
     `reuse_last_chunk`), and the figures in GiB; a RuntimeError saying what takes the memory
     when none fits."""
     per_sample, fixed = probe.activations()
-    room = probe.capacity - probe.reserved - probe.static - probe.features - probe.loss_peak - fixed
+    room = probe.room_for_a_chunk() - fixed
     if room < per_sample:
         raise RuntimeError(
             f"train.chunk_size=auto: no chunk fits: {probe.capacity / 2**30:.1f} GiB usable, the model and optimizer "
@@ -133,6 +153,27 @@ def chunk_for(batch_size: int, probe: Probe) -> tuple[int, dict]:
     return chunk, {"usable_gib": probe.capacity / gib, "static_gib": probe.static / gib,
                    "features_gib": probe.features / gib, "loss_gib": probe.loss_peak / gib,
                    "kept_gib": probe.reserved / gib, "per_sample_mib": per_sample / 2**20, "fits": fits}
+
+
+def verified_chunk(batch_size: int, probe: Probe, measure: Callable[[int], int | None]) -> tuple[int, dict]:
+    """`chunk_for`'s chunk, its pass measured at that size (`measure`: the peak bytes, None where
+    the device ran out of memory). Where it takes more than its room, the line is drawn again
+    through the smaller probe point and that measurement (out of memory: as if it took twice its
+    room) and the chunk chosen again, at most `VERIFY_ROUNDS` passes; the figures say what the
+    chosen chunk's pass took (`chunk_gib`)."""
+    for _ in range(VERIFY_ROUNDS):
+        chunk, figures = chunk_for(batch_size, probe)
+        measured = measure(chunk)
+        if measured is not None and measured <= probe.room_for_a_chunk():
+            return chunk, {**figures, "chunk_gib": measured / 2**30}
+        took = measured if measured is not None else 2 * probe.room_for_a_chunk()
+        if chunk <= probe.chunk_sizes[0]:
+            break
+        probe = replace(probe, chunk_sizes=(probe.chunk_sizes[0], chunk), chunk_peaks=(probe.chunk_peaks[0], took))
+    raise RuntimeError(f"train.chunk_size=auto: no chunk measured to fit in {VERIFY_ROUNDS} tries: the last, "
+                       f"{chunk} samples, took {'more than the device had' if measured is None else f'{measured / 2**30:.1f} GiB'} "
+                       f"of the {probe.room_for_a_chunk() / 2**30:.1f} GiB left beside the model, optimizer, features, "
+                       "loss and kept chunks. Set train.chunk_size by hand.")
 
 
 def _feature_dim(module, device, autocast, context_length: int) -> int:

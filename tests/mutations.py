@@ -42,6 +42,9 @@ class Mutation:
 
 
 MUTATIONS = [
+    Mutation("auto_chunk_not_measured", "train.chunk_size=auto takes the line's chunk without measuring its pass",
+             "clipscale/memory.py", "        if measured is not None and measured <= probe.room_for_a_chunk():",
+             "        if True:", ("tests/test_memory.py",)),
     Mutation("pass_two_works_ahead_only_from_the_device",
              "pass 2 begins the next batch only when pass 1 kept every chunk on the device, not when some wait on the host",
              "clipscale/data/chunks.py", "all(bound in self.kept or bound in self.on_host for bound in bounds)",

@@ -1,11 +1,12 @@
 """`train.chunk_size: auto`: the chunk follows from the probe's figures (here fixed, as a GPU
-would measure them; tests/test_gpu_memory.py measures them for real)."""
+would measure them; tests/test_gpu_memory.py measures them for real), and is measured at its
+size before it is taken (`verified_chunk`, here with passes whose memory is given)."""
 
 from __future__ import annotations
 
 import pytest
 
-from clipscale.memory import PROBE_CHUNKS, Probe, chunk_for
+from clipscale.memory import PROBE_CHUNKS, Probe, chunk_for, verified_chunk
 
 MIB, GIB = 2**20, 2**30
 PER_SAMPLE, FIXED = 30 * MIB, 200 * MIB  # a chunk's activations: 30 MiB a sample on 200 MiB whatever its size
@@ -59,3 +60,48 @@ def test_chunks_kept_on_the_device_for_pass_2_leave_less_room():
     chunk, figures = chunk_for(4096, keeping)
     assert (chunk, figures["fits"], figures["kept_gib"]) == (1024, 1614, 17)
     assert peak(keeping, chunk) <= keeping.capacity < peak(keeping, 2048)
+
+
+def passes(peak_of):
+    """A chunk pass measured by `peak_of(size)`, and the sizes it was measured at."""
+    sizes: list[int] = []
+
+    def measure(size: int):
+        sizes.append(size)
+        return peak_of(size)
+
+    return measure, sizes
+
+
+def test_a_chunk_whose_pass_takes_what_the_line_said_is_measured_once():
+    measure, sizes = passes(lambda size: FIXED + size * PER_SAMPLE)
+    chunk, figures = verified_chunk(4096, H100, measure)
+    assert (chunk, sizes) == (2048, [2048]) and figures["chunk_gib"] == pytest.approx((FIXED + 2048 * PER_SAMPLE) / GIB)
+
+
+def test_a_chunk_whose_pass_takes_more_than_the_line_is_chosen_again():
+    """A workspace the probe's small chunks did not show (12 MiB a sample past 64, as a
+    convolution's algorithm may take at a large batch): the line's 2,048 would take 84.2 GiB of
+    the 64.5 left; drawn again through that measurement, the chunk is the largest divisor that
+    measured to fit."""
+    def peak_of(size):
+        return FIXED + size * PER_SAMPLE + (size * 12 * MIB if size > 64 else 0)
+
+    measure, sizes = passes(peak_of)
+    chunk, figures = verified_chunk(4096, H100, measure)
+    assert (chunk, sizes) == (1024, [2048, 1024])  # 42 MiB a sample now: 1,568 fit
+    assert peak_of(chunk) <= H100.room_for_a_chunk() == pytest.approx(64.5 * GIB)
+    assert figures["chunk_gib"] == pytest.approx(peak_of(chunk) / GIB)
+
+
+def test_a_chunk_that_ran_out_of_memory_is_chosen_again_smaller():
+    measure, sizes = passes(lambda size: None if size > 1000 else FIXED + size * PER_SAMPLE)
+    chunk, _ = verified_chunk(4096, H100, measure)
+    assert (chunk, sizes) == (512, [2048, 512])  # as if 2,048 took twice its room: 1,023 fit
+
+
+def test_no_chunk_measured_to_fit_says_so():
+    measure, sizes = passes(lambda size: None)
+    with pytest.raises(RuntimeError, match="no chunk measured to fit in 4 tries"):
+        verified_chunk(4096, H100, measure)
+    assert len(sizes) <= 4
