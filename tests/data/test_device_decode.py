@@ -468,6 +468,20 @@ def test_workers_decoding_every_image_write_into_arenas_and_train_on_the_threads
         assert [m["skipped_samples_total"] for m in arenas] == [m["skipped_samples_total"] for m in run]
 
 
+def rows_prepared_ahead(monkeypatch) -> list[int]:
+    """The rows each call of `ChunkSource.prepare_some_ahead` (pass 2's work-ahead) prepares, from now on."""
+    ahead_rows: list[int] = []
+    real_prepare = ChunkSource.prepare_some_ahead
+
+    def counting(source, calls_left):
+        before = source.ahead_until
+        real_prepare(source, calls_left)
+        ahead_rows.append(source.ahead_until - before)
+
+    monkeypatch.setattr(ChunkSource, "prepare_some_ahead", counting)
+    return ahead_rows
+
+
 def test_a_batch_larger_than_the_arenas_streams_through_them_on_the_same_curve(digits_root, tmp_path, jpeg_shards,
                                                                                 monkeypatch):
     """Share 1 with arenas that hold about half of a worker's pieces of a batch (`arena_window`): pass 1
@@ -484,15 +498,7 @@ def test_a_batch_larger_than_the_arenas_streams_through_them_on_the_same_curve(d
     def stuck(signum, frame):
         raise TimeoutError("the run waited 120 s: a worker found no room in its arena")
 
-    ahead_rows: list = []
-    real_prepare = ChunkSource.prepare_some_ahead
-
-    def counting(source, calls_left):
-        before = source.ahead_until
-        real_prepare(source, calls_left)
-        ahead_rows.append(source.ahead_until - before)
-
-    monkeypatch.setattr(ChunkSource, "prepare_some_ahead", counting)
+    ahead_rows = rows_prepared_ahead(monkeypatch)
 
     batch, chunk, workers = 384, 8, 2
     sizes = (f"train.batch_size={batch}", f"train.chunk_size={chunk}", f"data.workers={workers}",
@@ -533,18 +539,11 @@ def test_the_training_thread_decodes_the_next_batch_between_pass_twos_chunks_on_
 
     import clipscale.data.pipeline as pipeline
 
-    ahead_rows: list = []
-    real_prepare = ChunkSource.prepare_some_ahead
-
-    def counting(source, calls_left):
-        before = source.ahead_until
-        real_prepare(source, calls_left)
-        ahead_rows.append(source.ahead_until - before)
+    ahead_rows = rows_prepared_ahead(monkeypatch)
 
     def stuck(signum, frame):
         raise TimeoutError("the run waited 120 s: a worker found no room in its arena")
 
-    monkeypatch.setattr(ChunkSource, "prepare_some_ahead", counting)
     from clipscale.data.pipeline import BatchStream
 
     batches: list = []
