@@ -91,6 +91,7 @@ from clipscale.data.chunks import chunk_bounds
 from clipscale.distributed import init_distributed, shutdown_distributed
 from clipscale.gradcache import trainable_towers
 from clipscale.losses import build_loss
+from clipscale.metrics import peak_memory_gib
 from clipscale.models import build_model, open_clip_model_config
 from clipscale.optim import build_optimizer
 from clipscale.parallel import gathered, parallelize
@@ -479,7 +480,7 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
             log.write(json.dumps({
                 "step_s": seconds, "loss": loss, "data_wait_s": 0.0, "mfu": step_flops / seconds / peak if peak else None,
                 "text_positions_per_sample": sum((stop - start) * n for (start, stop), n in zip(bounds, positions)) / batch,
-                "peak_memory_gib": torch.cuda.max_memory_reserved(device) / GIB if device.type == "cuda" else None,
+                "peak_memory_gib": peak_memory_gib(device) if device.type == "cuda" else None,  # as train.py logs it
             }) + "\n")
             log.flush()
         if case.get("profile") == "1":  # one more step, under the profiler: where the ceiling's own time goes
