@@ -135,6 +135,18 @@ def page_lock(tensor: torch.Tensor) -> bool:
     return True
 
 
+def pinned_empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor, page-locked where CUDA is, at its exact size.
+
+    `torch.empty(..., pin_memory=True)` goes through the caching host allocator, which
+    rounds every block up to a power of two: a 4.9 GB batch would hold 8 GB. Registering
+    plain memory with CUDA pins exactly what the batch needs."""
+    tensor = torch.empty(shape, dtype=dtype)
+    if torch.cuda.is_available() and tensor.numel() and not page_lock(tensor):
+        return torch.empty(shape, dtype=dtype, pin_memory=True)  # CUDA refused: the caching allocator
+    return tensor
+
+
 class BackgroundPageLock:
     """Page-locks parts of a host tensor where CUDA is, one after another in a thread of its own,
     while the caller goes on. CUDA takes registrations one at a time and queues the process's other
@@ -266,7 +278,7 @@ class WorkerArenas:
         self.segment_bytes = min(segment_bytes or arena_bytes, arena_bytes)  # page-aligned where CUDA registers them
         self.sample_bytes = sample_bytes  # the room a sample of a piece has: more goes through the queue (`takes`)
         # False: an arena holds only some of its worker's pieces of a batch, and pass 1 hands each
-        # chunk's pieces back as it goes (`ChunkSource.hands_back_rows`), or the workers would wait
+        # chunk's pieces back as it goes (`ChunkSource.waiting_room`), or the workers would wait
         # for room that only the step's end gives back.
         self.holds_a_batch = holds_a_batch
         self.stride = paged(arena_bytes)  # each arena starts on a page: registrations never share one
@@ -496,13 +508,13 @@ class OnDevice:
 
 class OnHost:
     """A chunk of pass 1 that pass 2 asks for again and the `KeepBudget` could not keep on the
-    device: copied to pinned host memory (on `copy_stream`, after the compute stream's work so far),
-    and back for pass 2, once that copy has run. Where the workers' arenas hold less than a batch,
-    pass 1 hands every chunk's rows back to them as it goes (`ChunkSource.hands_back_rows`): what it
-    could not keep waits here, as final uint8 pixels, instead of in the arenas."""
+    device: copied into rows of the `HostWaitingRoom` (on `copy_stream`, after the compute stream's
+    work so far), and back for pass 2, once that copy has run. Where the workers' arenas hold less
+    than a batch, pass 1 hands every chunk's rows back to them as it goes (`ChunkSource.waiting_room`):
+    what it could not keep waits here, as final uint8 pixels, instead of in the arenas."""
 
-    def __init__(self, chunk: torch.Tensor, copy_stream):
-        self.host = torch.empty(chunk.shape, dtype=chunk.dtype, pin_memory=copy_stream is not None)
+    def __init__(self, chunk: torch.Tensor, host: torch.Tensor, copy_stream):
+        self.host = host
         self.copied = None
         if copy_stream is None:
             self.host.copy_(chunk)
@@ -520,6 +532,60 @@ class OnHost:
 
     def cancel(self) -> None:
         """Nothing is running for it."""
+
+
+class HostWaitingRoom:
+    """Page-locked host memory where pass 1's chunks wait for pass 2 (`OnHost`), for the whole run:
+    segments of `pinned_empty` made as a batch first needs them and reused by every batch after,
+    each batch's chunks laid out from the first segment's start (`begin_batch`).
+
+    One `torch.empty(..., pin_memory=True)` a chunk went through the caching host allocator, which
+    rounds a block up to a power of two: ViT-B/32's 77 MB chunk held 128 MB, and at 524,288 on one
+    H200 with 45 GiB kept on the GPU the process tree peaked at 118 GiB of the host's 128
+    (results/bench_e2e_h200_b32_524k_keep45.json), where the design counts 28 GiB for these pixels.
+
+    A batch's writes begin after the previous batch's reads: pass 1's copies here wait for the
+    compute stream's work so far (`OnHost`), which waited for each of pass 2's copies from here.
+    A batch whose pass 1 stopped early leaves copies that nothing read: the next batch's first
+    copy also waits for the last one (`last_copy`)."""
+
+    SEGMENT_BYTES = GIB  # a segment holds a whole number of the chunk it is made for; a shorter tail stays unused
+    ALIGN = 64
+
+    def __init__(self):
+        self.segments: list[torch.Tensor] = []  # uint8, never freed before the run's end: copies may still read them
+        self.segment, self.offset = 0, 0  # where the batch's next chunk goes
+        self.last_copy: torch.cuda.Event | None = None
+        self.before_this_batch: torch.cuda.Event | None = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(len(segment) for segment in self.segments)
+
+    def _aligned(self, size: int) -> int:
+        return -(-size // self.ALIGN) * self.ALIGN
+
+    def begin_batch(self) -> None:
+        self.segment, self.offset = 0, 0
+        self.before_this_batch, self.last_copy = self.last_copy, None
+
+    def hold(self, chunk: torch.Tensor, copy_stream) -> OnHost:
+        """`chunk` copied into the next rows of the room."""
+        size = nbytes(chunk)
+        while True:
+            if self.segment == len(self.segments):  # as many of this chunk as fit SEGMENT_BYTES: none of it unused
+                room = max(1, self.SEGMENT_BYTES // self._aligned(size)) * self._aligned(size)
+                self.segments.append(pinned_empty((room,), torch.uint8))
+            if self.offset + size <= len(self.segments[self.segment]):
+                break
+            self.segment, self.offset = self.segment + 1, 0
+        host = self.segments[self.segment][self.offset:self.offset + size].view(chunk.dtype).view(chunk.shape)
+        self.offset += self._aligned(size)
+        if copy_stream is not None and self.before_this_batch is not None:
+            copy_stream.wait_event(self.before_this_batch)
+        held = OnHost(chunk, host, copy_stream)
+        self.last_copy = held.copied
+        return held
 
 
 class Rows(Protocol):
@@ -587,9 +653,9 @@ class ChunkSource:
         # Called as pass 2 asks for its first chunk: pass 1's copies from the host are over (BatchStream).
         self.before_pass_2: Callable[[], None] | None = None
         # Pass 1 hands each chunk's rows back (`Rows.on_device_before`) once the chunk is on the
-        # device, keeping it there or on the host (`OnHost`) where pass 2 asks for it again: the
-        # workers' arenas hold less than a batch (`WorkerArenas.holds_a_batch`).
-        self.hands_back_rows = False
+        # device, keeping it there or, where pass 2 asks for it again, in this room on the host
+        # (`OnHost`): the workers' arenas hold less than a batch (`WorkerArenas.holds_a_batch`).
+        self.waiting_room: HostWaitingRoom | None = None
         self.on_host: dict[tuple[int, int], OnHost] = {}  # pass 1's chunks for pass 2 that the budget could not keep
         self.released = False
         self.lock = threading.Lock()  # the thread preparing ahead and the step both reach `ahead`
@@ -625,6 +691,9 @@ class ChunkSource:
         between = self.between_chunks if all_kept else None
         if between is not None:
             self.rows.release()  # pass 2 reads only what pass 1 kept: the rows' host pixels can go now
+        hands_back = self.waiting_room is not None and pass_number == 1
+        if hands_back:
+            self.waiting_room.begin_batch()
         pending = deque(self._prepare(bound, pass_number) for bound in bounds[:LOOKAHEAD])
         later = iter(bounds[LOOKAHEAD:])
         for k, bound in enumerate(bounds):
@@ -639,9 +708,9 @@ class ChunkSource:
                 self.kept[bound] = (chunk, charged or nbytes(chunk))
             elif charged:
                 self.budget.give_back(charged)  # prepared ahead, not needed again: freed after this use
-            if self.hands_back_rows and pass_number == 1:
+            if hands_back:
                 if bound in asked_again and bound not in self.kept:
-                    self.on_host[bound] = OnHost(chunk, copy_stream)
+                    self.on_host[bound] = self.waiting_room.hold(chunk, copy_stream)
                 self.rows.on_device_before(bound[1])
             yield self.device_transform(chunk)
             if between is not None:  # the chunk's work is queued: the device computes while this thread works

@@ -43,7 +43,8 @@ import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from clipscale.caption_length import to_device_async  # a copy that never waits for the step's queued work
-from clipscale.data.chunks import Arrivals, ChunkSource, DeviceTransform, HostChunk, InArena, KeepBudget, Rows, WorkerArenas
+from clipscale.data.chunks import (Arrivals, ChunkSource, DeviceTransform, HostChunk, HostWaitingRoom, InArena, KeepBudget, Rows,
+                                   WorkerArenas)
 from clipscale.data.transforms import SplitTransform
 
 JPEG_START, JPEG_END = b"\xff\xd8", b"\xff\xd9"
@@ -504,6 +505,7 @@ class DeviceDecoder:
         self.count_lock = threading.Lock()
         self.images_decoded = 0
         self.decode_s = 0.0  # the threads' time in decoding calls, summed (their rows' arrival not counted)
+        self.waiting_room = HostWaitingRoom()  # pass 2's chunks on the host, every batch's, where arenas hold a window
 
     def column(self, batch_size: int, arrivals: Arrivals, device_transform: DeviceTransform | None,
                budget: KeepBudget | None) -> ChunkSource:
@@ -511,7 +513,8 @@ class DeviceDecoder:
         transform allow (a single random resized crop: every image's pixels are the same size)."""
         images = decoded_column(DeviceDecodedRows(batch_size, arrivals, self), self.split, self.chunk_size, arrivals,
                                 device_transform, budget, in_a_thread=self.thread is not None)
-        images.hands_back_rows = self.arenas is not None and self.thread is None and not self.arenas.holds_a_batch
+        if self.arenas is not None and self.thread is None and not self.arenas.holds_a_batch:
+            images.waiting_room = self.waiting_room
         return images
 
     def submit(self, encoded: EncodedBatch, arrivals: Arrivals, start: int, stop: int,

@@ -29,8 +29,8 @@ import torch
 from clipscale.config import Config, ConfigError
 from clipscale.data import prepare_data
 from clipscale.data.chunks import (LOOKAHEAD, Arrivals, ChunkSource, DeviceTransform, KeepBudget, PinnedRows,
-                                   PulledArrivals, WorkerArenas, aligned, arenas_page_locked, on_the_callers_device, page_lock,
-                                   paged)
+                                   PulledArrivals, WorkerArenas, aligned, arenas_page_locked, on_the_callers_device,
+                                   paged, pinned_empty)
 from clipscale.data.decoders import DECODE_THREADS, DecodePool, DeviceDecoder
 from clipscale.data.epoch import WorkList
 from clipscale.data.shards import SKIPS_NAMED, ShardStream, StreamState
@@ -398,18 +398,6 @@ class ImageDecoder(Protocol):
                budget: KeepBudget | None) -> ChunkSource: ...
 
     def close(self) -> None: ...
-
-
-def pinned_empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised host tensor, page-locked where CUDA is, at its exact size.
-
-    `torch.empty(..., pin_memory=True)` goes through the caching host allocator, which
-    rounds every block up to a power of two: a 4.9 GB batch would hold 8 GB. Registering
-    plain memory with CUDA pins exactly what the batch needs."""
-    tensor = torch.empty(shape, dtype=dtype)
-    if torch.cuda.is_available() and tensor.numel() and not page_lock(tensor):
-        return torch.empty(shape, dtype=dtype, pin_memory=True)  # CUDA refused: the caching allocator
-    return tensor
 
 
 @dataclass

@@ -492,8 +492,10 @@ def test_a_batch_larger_than_the_arenas_streams_through_them_on_the_same_curve(d
     pass 1 that kept the pieces until the step's end would wait for room forever (the alarm below).
     Pass 2 reads only what pass 1 kept, on the device or the host, so between its chunks it begins
     the next batch (`BatchStream._work_ahead`), decoding its chunks ahead where the budget has room
-    again: none with nothing kept, some with some of it."""
+    again: none with nothing kept, some with some of it. The host memory pass 2's chunks wait in
+    (`HostWaitingRoom`) is made as the first batches need it and reused: never more than a batch's."""
     import clipscale.data.pipeline as pipeline
+    from clipscale.data.chunks import HostWaitingRoom
 
     def stuck(signum, frame):
         raise TimeoutError("the run waited 120 s: a worker found no room in its arena")
@@ -508,10 +510,15 @@ def test_a_batch_larger_than_the_arenas_streams_through_them_on_the_same_curve(d
     windows, from_host = through_window_arenas(monkeypatch, batch, chunk, workers)
     reread = 6 * (batch - chunk)  # pass 2's rows a run: every chunk but the last (its graph reused)
     chunk_bytes = chunk * 3 * 32 * 32
+    monkeypatch.setattr(HostWaitingRoom, "SEGMENT_BYTES", 10 * chunk_bytes)
+    room_bytes = []  # the waiting room's bytes as each batch's pass 1 begins
+    begin_batch = HostWaitingRoom.begin_batch
+    monkeypatch.setattr(HostWaitingRoom, "begin_batch", lambda room: room_bytes.append(room.bytes) or begin_batch(room))
     for kept_chunks, on_host in ((0, lambda rows: rows == reread), (20, lambda rows: 0 < rows < reread),
                                  (10**4, lambda rows: rows == 0)):
         from_host.clear()
         ahead_rows.clear()
+        room_bytes.clear()
         previous = signal.signal(signal.SIGALRM, stuck)
         signal.alarm(120)
         try:
@@ -522,6 +529,8 @@ def test_a_batch_larger_than_the_arenas_streams_through_them_on_the_same_curve(d
             signal.signal(signal.SIGALRM, previous)
         assert windows[-1] is not None and not windows[-1].holds_a_batch, windows
         assert on_host(sum(from_host)), (kept_chunks, sum(from_host))
+        assert len(room_bytes) == 6 and room_bytes == sorted(room_bytes), room_bytes
+        assert room_bytes[-1] <= reread // 6 * chunk_bytes // chunk + 10 * chunk_bytes, (kept_chunks, room_bytes)
         assert ahead_rows and (sum(ahead_rows) > 0) == (kept_chunks > 0), (kept_chunks, ahead_rows)
         assert [m["loss"] for m in streamed] == [m["loss"] for m in copied], kept_chunks
         assert [m["skipped_samples_total"] for m in streamed] == [m["skipped_samples_total"] for m in copied]
