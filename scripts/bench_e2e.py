@@ -58,7 +58,8 @@ the compiled towers' attention only those kernels (clipscale.compile.ATTENTION_B
 Inductor's own TORCHINDUCTOR_* settings apply as they are. Cases past --budget seconds are
 recorded as not run; a case still running when the budget ends is stopped, after its training
 processes have printed where each of their threads was (SIGUSR2, clipscale.signals), kept in its
-`stacks_at_kill`.
+`stacks_at_kill`. SIGTERM (a machine's time limit) stops the running case at once, writes what ran
+(the case marked `stopped`) and ends the script with status 143.
 """
 
 from __future__ import annotations
@@ -283,6 +284,15 @@ def of_ceiling(result: dict, nproc: int, ceiling_nproc: int = 1) -> None:
     result["of_ceiling_median"] = statistics.median(window) if window else None
 
 
+class Terminated(Exception):
+    """SIGTERM reached this script (a machine's time limit, `timeout`): the running case stops at
+    once, without its stacks, and what ran is written before the script ends."""
+
+
+def on_sigterm(signum, frame):
+    raise Terminated
+
+
 def run_case(case: dict, args, timeout: float, number: int) -> dict:
     """`number`: the case's place on the command line, in the names of the traces it keeps."""
     out_dir = Path(tempfile.mkdtemp(prefix="bench_e2e_"))
@@ -298,22 +308,27 @@ def run_case(case: dict, args, timeout: float, number: int) -> dict:
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     sampler = Sampler(process.pid)
     sampler.start()
+    terminated = False
     try:
         log, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        if case["runner"] != "openclip":  # open_clip_train would die of SIGUSR2: no stacks from it
+    except (subprocess.TimeoutExpired, Terminated) as stop:
+        terminated = isinstance(stop, Terminated)
+        if case["runner"] != "openclip" and not terminated:  # open_clip_train would die of SIGUSR2: no stacks from it
             print_training_stacks(process.pid)
         kill_tree(process.pid)
         log, _ = process.communicate()
         stacks = stacks_in(log)
         if stacks:  # kept apart, so that the log's tail is still the run's own
             log = log[: len(log) - len(stacks)]
-        log += f"\n[bench_e2e: killed after {timeout:.0f} s]"
+        log += (f"\n[bench_e2e: stopped by SIGTERM after {time.perf_counter() - started:.0f} s]" if terminated
+                else f"\n[bench_e2e: killed after {timeout:.0f} s]")
     sampler.done.set()
     sampler.join()
     steps = steps_of(case, out_dir, log)
     result = {"case": case, "command": command, "exit_code": process.returncode, "wall_s": time.perf_counter() - started,
               "steps_done": len(steps), "peak_host_gib": sampler.host / GIB, "peak_gpu_used_gib": sampler.gpu / GIB}
+    if terminated:
+        result["stopped"] = "SIGTERM"
     if steps:
         result["first_step_s"] = steps[0]["step_s"]
         result["step_s"] = [s["step_s"] for s in steps]
@@ -525,6 +540,21 @@ def main(argv=None) -> None:
 
     record = {**provenance(argv), "shards": args.shards, "workers": args.workers, "cases": []}
     deadline = time.monotonic() + args.budget
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        run_cases(args, cases, record, deadline)
+    except Terminated:  # between two cases' processes: what ran is in the record
+        record["stopped"] = "SIGTERM"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    if record.get("stopped") or any(result.get("stopped") for result in record["cases"]):
+        sys.exit(128 + signal.SIGTERM)
+
+
+def run_cases(args, cases: list[dict], record: dict, deadline: float) -> None:
+    """Each case, and its ceiling beside a clipscale case, into `record`, written after each; the
+    rest not run once a case was stopped by SIGTERM."""
     for number, (spec, case) in enumerate(zip(args.case, cases)):
         left = deadline - time.monotonic()
         if left < 30:
@@ -533,10 +563,14 @@ def main(argv=None) -> None:
         result = run_case(case, args, left, number)
         record["cases"].append(result)
         report(spec, result)
+        if result.get("stopped"):
+            return
         if case["runner"] == "clipscale" and case.get("ceiling") != "0" and "samples_per_s" in result:
             left = deadline - time.monotonic()
             result["ceiling"] = run_case(ceiling_case(case, result, args), args, left, number) if left >= 30 else {"not_run": "time budget"}
             report(f"{spec} ceiling:", result["ceiling"])
+            if result["ceiling"].get("stopped"):
+                return
             if result["ceiling"].get("compiled") not in (None, result["compiled"]):
                 result["void"] = (f"the ceiling's towers were {'compiled' if result['ceiling']['compiled'] else 'eager'} "
                                   f"while the run's were {'compiled' if result['compiled'] else 'eager'}: not its ceiling")

@@ -6,10 +6,14 @@ killing the launcher alone would leave the benchmark waiting for that pipe forev
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -151,6 +155,42 @@ def test_a_case_stopped_by_the_budget_says_where_each_thread_of_its_run_was(shar
     stacks = result["stacks_at_kill"]  # wherever the run was (on a loaded machine, maybe still building its parts)
     assert stacks.startswith(("Thread 0x", "Current thread 0x")) and 'trainer.py", line' in stacks and "in main" in stacks, stacks
     assert "Thread 0x" not in result["log_tail"] and "[bench_e2e: killed after" in result["log_tail"][-40:]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_running_case_and_writes_what_it_ran(shards, tmp_path):
+    """A machine's time limit (`timeout`) sends SIGTERM to the whole process group: the benchmark
+    stops its case at once and still writes the steps it measured, instead of dying with nothing
+    written, and leaves no training process behind."""
+    out = tmp_path / "bench.json"
+    bench = subprocess.Popen([sys.executable, str(REPO / "scripts" / "bench_e2e.py"), "--shards", shards, "--workers", "1",
+                              "--set", "model.name=null", "--set", TINY_MODEL, "--case",
+                              "runner=clipscale,batch=16,chunk=8,steps=100000,resampled=1,ceiling=0", "--out", str(out)],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    started, training, metrics = time.monotonic(), set(), None  # train.py and its loader workers
+    while time.monotonic() - started < 240 and not (metrics and metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.5)
+        for pid in bench_e2e.process_tree(bench.pid)[1:]:
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+                if any(arg.endswith("train.py") for arg in argv):
+                    output = next(arg.split("=", 1)[1] for arg in argv if arg.startswith("run.output_dir="))
+                    training.add(pid)
+                    metrics = Path(output) / "bench" / "metrics.jsonl"
+    os.killpg(bench.pid, signal.SIGTERM)
+    log, _ = bench.communicate(timeout=60)
+    assert bench.returncode == 143, log[-2000:]
+    result = json.loads(out.read_text())["cases"][0]
+    assert result["stopped"] == "SIGTERM" and result["steps_done"] >= 3 and len(result["step_s"]) == result["steps_done"]
+    assert "[bench_e2e: stopped by SIGTERM after" in result["log_tail"][-60:] and "stacks_at_kill" not in result
+    time.sleep(1)  # killed workers are reaped by whoever adopted them
+
+    def running(pid: int) -> bool:  # a zombie is dead: a container's first process may never reap it
+        with contextlib.suppress(OSError):
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return False
+
+    assert len(training) >= 2 and not [pid for pid in training if running(pid)]
 
 
 @pytest.mark.slow
