@@ -3,7 +3,7 @@
 Each case launches the real entry point as its own process on the same webdataset shards
 and measures what a user sees: samples/s over a window of steps that leaves out the first (it compiles)
 and the last (the only one with no next batch being prepared beside it: it runs faster than the
-steps a long run is made of); a window under 10 steps is marked `short_window`, no speed claim. Also the first step's time, the
+steps a long run is made of; a run stopped before its end keeps its last finished step); a window under 10 steps is marked `short_window`, no speed claim. Also the first step's time, the
 process tree's peak host memory (PSS, loader workers included, sampled every 0.5 s) and
 the GPU's peak memory (`peak_gpu_reserved_gib`: train.py's `peak_memory_gib`, what its allocator
 took from the device, CUDA graphs' pools included; for both trainers `peak_gpu_used_gib`, the
@@ -265,12 +265,17 @@ def metrics_lines(path: Path, key: str) -> list[dict]:
 MIN_WINDOW = 10  # steps in a window that makes a speed claim
 
 
-def measured_window(case: dict, steps: list[dict]) -> list[dict]:
+def measured_window(case: dict, steps: list) -> list:
     """The steps a speed figure is taken over: all but the first (it compiles) and, for a training
-    run, but the last, which alone has no next batch being prepared beside it and so runs faster
-    than the steps a long run is made of. The ceiling prepares nothing: all but its first two (the
-    first compiles; in a plain step, one chunk a step, the second records the CUDA graphs)."""
-    return steps[2:] if case["runner"] == "ceiling" else steps[1:-1]
+    run that ran all its steps, but the last, which alone had no next batch being prepared beside
+    it and so ran faster than the steps a long run is made of. A run stopped before its end (its
+    budget, SIGTERM) was preparing the next batch beside its last finished step: that one counts
+    (a million samples a step on one GPU has time for three steps in a 10-minute call, not four).
+    The ceiling prepares nothing: all but its first two (the first compiles; in a plain step, one
+    chunk a step, the second records the CUDA graphs)."""
+    if case["runner"] == "ceiling":
+        return steps[2:]
+    return steps[1:] if len(steps) < int(case["steps"]) else steps[1:-1]
 
 
 def of_ceiling(result: dict, nproc: int, ceiling_nproc: int = 1) -> None:
@@ -280,7 +285,7 @@ def of_ceiling(result: dict, nproc: int, ceiling_nproc: int = 1) -> None:
     ceiling_step = result["ceiling"]["steady_step_s"]
     result["of_ceiling"] = result["samples_per_s"] / (nproc / ceiling_nproc * result["ceiling"]["samples_per_s"])
     result["of_ceiling_per_step"] = [round(ceiling_step / step, 3) for step in result["step_s"]]
-    window = result["of_ceiling_per_step"][1:-1]
+    window = measured_window(result["case"], result["of_ceiling_per_step"])
     result["of_ceiling_median"] = statistics.median(window) if window else None
 
 

@@ -99,11 +99,26 @@ def test_a_ceiling_of_several_processes_takes_each_ones_batch_and_scales_the_fra
     ceiling = bench_e2e.ceiling_case(case, {}, args)
     assert (ceiling["batch"], ceiling["nproc"]) == (64, "4")
     assert "nproc" not in bench_e2e.ceiling_case({**case, "ceiling_nproc": "1"}, {}, args)
-    result = {"samples_per_s": 300.0, "step_s": [1.0] * 4, "ceiling": {"samples_per_s": 400.0, "steady_step_s": 0.8}}
+    result = {"case": case, "samples_per_s": 300.0, "step_s": [1.0] * 4, "ceiling": {"samples_per_s": 400.0, "steady_step_s": 0.8}}
     bench_e2e.of_ceiling(result, 4, 4)
     assert result["of_ceiling"] == pytest.approx(0.75)
     bench_e2e.of_ceiling(result, 4)  # a ceiling of one process: four of them
     assert result["of_ceiling"] == pytest.approx(300 / 1600)
+
+
+def test_the_window_keeps_the_last_finished_step_only_of_a_run_stopped_before_its_end():
+    """The last step of a run that ran all its steps had no next batch beside it: out. A run stopped
+    by its budget was preparing the next batch beside its last finished step: in (the million's
+    third step in a 10-minute call). A ceiling drops its first two steps."""
+    steps = [10.0, 2.0, 2.1, 1.5]
+    assert bench_e2e.measured_window({"runner": "clipscale", "steps": "4"}, steps) == [2.0, 2.1]
+    assert bench_e2e.measured_window({"runner": "clipscale", "steps": "5"}, steps) == [2.0, 2.1, 1.5]
+    assert bench_e2e.measured_window({"runner": "openclip", "steps": "4"}, steps) == [2.0, 2.1]
+    assert bench_e2e.measured_window({"runner": "ceiling", "steps": "4"}, steps) == [2.1, 1.5]
+    result = {"case": {"runner": "clipscale", "steps": "5"}, "samples_per_s": 1.0, "step_s": steps,
+              "ceiling": {"samples_per_s": 1.0, "steady_step_s": 1.5}}
+    bench_e2e.of_ceiling(result, 1)
+    assert result["of_ceiling_median"] == 0.75  # 1.5 s over 2.0, 2.1 and 1.5 s: their median
 
 
 @pytest.mark.slow
