@@ -5,9 +5,12 @@
 # squares with short captions to /tmp/shards, with `web` as the second argument web-length captions
 # (make_synthetic_shards.py --captions web) to /tmp/shards-web, with `img` images as img2dataset
 # writes them and web-length captions (--images web --captions web) to /tmp/shards-img: what speed
-# claims use. py-spy (carried as a wheel) lands on the PATH. Then run scripts/bench_*.py as usual.
+# claims use. A third argument writes that many shards instead (64 take ~30 s: enough for a resampled
+# run, `data.resampled`). py-spy (carried as a wheel) lands on the PATH, and `spy_on_training FILE
+# SECONDS` dumps train.py's main thread and clipscale's own threads (page-locking, decoding, work
+# ahead) into FILE every SECONDS, in the background. Then run scripts/bench_*.py as usual.
 #
-#   source scripts/gpu_setup.sh <commit> [short|web|img]; wait; python3 scripts/bench_e2e.py ...
+#   source scripts/gpu_setup.sh <commit> [short|web|img] [shards]; wait; python3 scripts/bench_e2e.py ...
 install="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
 $install --target /tmp/site .whl/*.whl || return 1
 $install --target /tmp/oc .whl-oc/*.whl || return 1
@@ -19,7 +22,16 @@ case $kind in
     img) shards=/tmp/shards-img; made="--captions web --images web" ;;
     *) echo "gpu_setup.sh: unknown shard kind $kind (short, web or img)"; return 1 ;;
 esac
-if [ ! -f "$shards/synthetic-0259.tar" ]; then
-    python3 scripts/make_synthetic_shards.py --out "$shards" --shards 260 --size 224 $made --processes "$(nproc)" &
+count=${3:-260}
+if [ ! -f "$shards/synthetic-$(printf %04d $((count - 1))).tar" ]; then
+    python3 scripts/make_synthetic_shards.py --out "$shards" --shards "$count" --size 224 $made --processes "$(nproc)" &
 fi
+spy_on_training() {
+    ( started=$(date +%s)
+      while sleep "$2"; do
+          pid=$(pgrep -of 'train.py --config') || continue
+          echo "=== $(( $(date +%s) - started )) s, pid $pid"
+          py-spy dump --pid "$pid" 2>&1 | awk '/^Thread /{keep = /MainThread|clipscale-/} keep'
+      done ) > "$1" 2>&1 &
+}
 nvidia-smi -L
