@@ -492,6 +492,8 @@ class BatchStream:
         """Start reading: the loader's workers take the stream as it is now (a resumed run's cursors
         are in it by then, whenever they were restored), and the gathering thread starts."""
         self.loader = iter(self.loader_iterable)
+        if self.arenas is not None and not self.arenas.holds_a_batch:
+            self._page_lock_arenas()  # a window of them: at once (see there)
         if self.gather == "thread":
             self.thread = threading.Thread(target=on_the_callers_device(self._gather), args=(self.steps - self.state.batches,),
                                            name="clipscale-batches", daemon=True)
@@ -667,7 +669,12 @@ class BatchStream:
         """Page-lock the workers' arenas (`WorkerArenas.page_lock_in_background`) once the first
         batch's pass 1 is over: as its pass 2 begins (in a first step, while the backward graphs
         compile) or as the step is done with it. Every CUDA call of the process waits behind each
-        registration, so pass 1's copies of the first batch, its first decoded images, never do."""
+        registration, so pass 1's copies of the first batch, its first decoded images, never do.
+        A window of the arenas (a batch larger than they hold) is page-locked as reading starts,
+        while the first step compiles: pass 1 goes round it several times a batch, and until it is
+        page-locked the training thread stages every chunk's regions through pinned memory of its
+        own, a host copy of about twice the batch's pixels (at 524,288 on one H200, py-spy caught it
+        staging in 2 of 9 dumps of the first step), where registering the window costs its size once."""
         if self.arenas is not None and self.arenas.page_locking is None:
             self.arenas.page_lock_in_background()
 

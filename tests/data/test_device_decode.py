@@ -796,6 +796,29 @@ def _write_into_arena(arenas, worker: int, value: int) -> None:
     arenas.view(worker, 0, 4096).fill_(value)
 
 
+def test_a_window_of_the_arenas_is_page_locked_before_the_first_batchs_first_pass(digits_root, tmp_path, jpeg_shards,
+                                                                                   monkeypatch):
+    """A batch larger than the arenas goes round a window of them several times in its pass 1: the
+    window is page-locked as reading starts (once), instead of every chunk being staged through
+    pinned memory of its own until the first pass 2."""
+    from clipscale.data.chunks import WorkerArenas
+
+    events: list = []
+    real_chunks, real_lock = ChunkSource.chunks, WorkerArenas.page_lock_in_background
+
+    def chunks(source, bounds, device, pass_number=1, keep=()):
+        events.append(("asks", pass_number))
+        yield from real_chunks(source, bounds, device, pass_number, keep)
+
+    windows, _ = through_window_arenas(monkeypatch, 384, 8, 2)
+    monkeypatch.setattr(ChunkSource, "chunks", chunks)
+    monkeypatch.setattr(WorkerArenas, "page_lock_in_background", lambda arenas: events.append("page-lock") or real_lock(arenas))
+    train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "window", "train.batch_size=384", "train.chunk_size=8",
+                         "data.workers=2", "data.decoder=device", "data.worker_decode_share=1")
+    assert windows and not windows[-1].holds_a_batch
+    assert events.count("page-lock") == 1 and events[0] == "page-lock", events[:3]
+
+
 def test_a_worker_started_by_a_fork_server_writes_into_the_trainers_arenas():
     """A job's loader workers come from a fork server: the arenas reach them pickled, their memory
     as its file's descriptor, so what a worker writes lands in the trainer's memory file, mapped
