@@ -582,7 +582,8 @@ class HostWaitingRoom:
         host = self.segments[self.segment][self.offset:self.offset + size].view(chunk.dtype).view(chunk.shape)
         self.offset += self._aligned(size)
         if copy_stream is not None and self.before_this_batch is not None:
-            copy_stream.wait_event(self.before_this_batch)
+            copy_stream.wait_event(self.before_this_batch)  # once: the batch's later copies follow on its stream
+            self.before_this_batch = None
         held = OnHost(chunk, host, copy_stream)
         self.last_copy = held.copied
         return held
