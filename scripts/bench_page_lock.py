@@ -12,6 +12,11 @@ the arenas' window 24 s of the page-lock thread, both in the first step. Cases, 
   huge_pages          an anonymous mapping advised MADV_HUGEPAGE, written, then registered
   memfd_untouched     a `SharedPages` memfd mapping (the arenas'), registered at once
   memfd_touched       the same, written first
+  memfd_populated     the same, its pages brought in with madvise(MADV_POPULATE_WRITE) (Linux 5.14), which
+                      writes nothing: safe beside workers already writing there, as `zero_` is not
+  memfd_huge_populated
+                      the same, the mapping advised MADV_HUGEPAGE first (huge pages where the machine's
+                      shmem_enabled allows them)
   pin_memory          torch.empty(pin_memory=True): cudaHostAlloc through torch's caching host allocator
   stall               `untouched` registered in a second thread while this one times a tiny kernel's
                       round trip (launch, synchronize) again and again: whether a registration
@@ -49,6 +54,18 @@ def huge_page_memory(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
     return torch.frombuffer(mapping, dtype=torch.uint8), mapping
 
 
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Python 3.12's mmap may not name it
+STALL_LIMIT_S = 60.0  # the timing loop beside a registration stops here whatever happens to the registration
+
+
+def populated(shared: SharedPages, huge: bool) -> torch.Tensor:
+    mapping = mmap.mmap(shared.fd, shared.nbytes)
+    if huge:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    mapping.madvise(MADV_POPULATE_WRITE)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
 def timed(fn) -> tuple[float, object]:
     started = time.perf_counter()
     result = fn()
@@ -72,7 +89,7 @@ def round_trips(seconds: float | None, until: threading.Event | None, device: to
     """Times of a tiny kernel's launch and synchronize, for `seconds` or until `until` is set."""
     x = torch.zeros(1, device=device)
     times, started = [], time.perf_counter()
-    while (until is None and time.perf_counter() - started < seconds) or (until is not None and not until.is_set()):
+    while (time.perf_counter() - started < (seconds or STALL_LIMIT_S)) and not (until is not None and until.is_set()):
         began = time.perf_counter()
         x.add_(1)
         torch.cuda.synchronize(device)
@@ -92,9 +109,11 @@ def stall(nbytes: int, device: torch.device) -> dict:
     seconds = {}
 
     def register():
-        torch.cuda.set_device(device)
-        seconds["register_s"] = timed(lambda: page_lock(tensor))[0]
-        done.set()
+        try:
+            torch.cuda.set_device(device)
+            seconds["register_s"] = timed(lambda: page_lock(tensor))[0]
+        finally:
+            done.set()
 
     thread = threading.Thread(target=register)
     thread.start()
@@ -110,24 +129,31 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=8.0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.init()
     nbytes = int(args.gib * GIB)
     settings = {name: (THP / name).read_text().strip() for name in ("enabled", "defrag", "shmem_enabled")
                 if (THP / name).exists()}
+    print("transparent huge pages:", settings, flush=True)
     cases = {
         "untouched": lambda: registration(nbytes, lambda: torch.empty(nbytes, dtype=torch.uint8), touch=False),
         "touched": lambda: registration(nbytes, lambda: torch.empty(nbytes, dtype=torch.uint8), touch=True),
         "huge_pages": lambda: registration(nbytes, lambda: huge_page_memory(nbytes), touch=True),
         "memfd_untouched": lambda: registration(nbytes, lambda: SharedPages(nbytes).tensor, touch=False),
         "memfd_touched": lambda: registration(nbytes, lambda: SharedPages(nbytes).tensor, touch=True),
+        "memfd_populated": lambda: registration(nbytes, lambda: populated(SharedPages(nbytes), huge=False), touch=False),
+        "memfd_huge_populated": lambda: registration(nbytes, lambda: populated(SharedPages(nbytes), huge=True),
+                                                     touch=False),
         "pin_memory": lambda: {"gib": args.gib, "pin_memory_s": timed(
             lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))[0]},
         "stall": lambda: stall(nbytes, device),
     }
     results = {}
     for name, case in cases.items():
-        results[name] = case()
+        try:
+            results[name] = case()
+        except Exception as error:  # noqa: BLE001 - a case the machine refuses (an old kernel's madvise) is recorded
+            results[name] = {"error": repr(error)}
         print(name, json.dumps(results[name]), flush=True)
         torch.cuda.empty_cache()
         torch._C._host_emptyCache() if hasattr(torch._C, "_host_emptyCache") else None

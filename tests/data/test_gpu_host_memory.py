@@ -1,0 +1,39 @@
+"""Page-locked host memory of our own (`pinned_empty`): registered with CUDA at its exact size, so
+copies from and to it are asynchronous DMA, and holding what was copied in.
+
+On a CPU `pinned_empty` is a plain tensor and there is nothing to register: GPU only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clipscale.data.chunks import pinned_empty
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
+
+
+def test_pinned_empty_is_page_locked_at_its_exact_size_and_carries_copies_both_ways():
+    shape = (3, 1_001, 7)  # an odd size: no page or power of two
+    host = pinned_empty(shape, torch.float32)
+    assert host.shape == shape and host.dtype == torch.float32
+    assert host.is_pinned(), "CUDA does not know the memory as page-locked: copies would be staged"
+    assert host.untyped_storage().nbytes() == 3 * 1_001 * 7 * 4, "more host memory held than asked for"
+
+    sent = torch.randn(shape, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        host.copy_(sent, non_blocking=True)
+        back = host.to("cuda", non_blocking=True)
+    stream.synchronize()
+    assert torch.equal(host, sent.cpu())
+    assert torch.equal(back, sent)
+
+
+def test_pinned_empty_of_a_gibibyte_is_written_in_and_registered_at_once():
+    host = pinned_empty((2**30,), torch.uint8)
+    assert host.is_pinned()
+    host[::4096].fill_(1)  # a byte of every page: the memory is the process's to use
+    assert int(host[::4096].sum()) == 2**30 // 4096
