@@ -98,6 +98,8 @@ def round_trips(seconds: float | None, until: threading.Event | None, device: to
 
 
 def summary(times: list[float]) -> dict:
+    if not times:  # the registration was over before the first round trip (or failed at once: see `locked`)
+        return {"count": 0}
     return {"count": len(times), "median_ms": 1e3 * statistics.median(times), "max_ms": 1e3 * max(times),
             "over_10ms_s": sum(t for t in times if t > 0.01)}
 
@@ -111,7 +113,7 @@ def stall(nbytes: int, device: torch.device) -> dict:
     def register():
         try:
             torch.cuda.set_device(device)
-            seconds["register_s"] = timed(lambda: page_lock(tensor))[0]
+            seconds["register_s"], seconds["locked"] = timed(lambda: page_lock(tensor))
         finally:
             done.set()
 
