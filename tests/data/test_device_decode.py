@@ -768,6 +768,26 @@ def test_the_arenas_pages_come_into_being_as_written_and_are_locked_in_writing_o
     assert all(stop <= start for (_, stop), (start, _) in zip(spans, spans[1:]))  # no byte twice
 
 
+def test_populating_an_arena_brings_its_pages_in_and_leaves_what_workers_wrote():
+    """Before CUDA registers a segment of the arenas its pages are brought in (`populate`), with
+    the workers already writing there: every page comes into being, and nothing written changes
+    (writing zeros in, as `pinned_empty` does with memory of its own, would erase their pieces)."""
+    import os
+
+    from clipscale.data.chunks import PAGE, SharedPages, populate
+
+    shared = SharedPages(37 * PAGE + 5)
+    allocated = lambda: os.fstat(shared.fd).st_blocks * 512  # noqa: E731
+    written = torch.arange(3 * PAGE, dtype=torch.int64).remainder(251).to(torch.uint8) + 1
+    shared.tensor[5 * PAGE:8 * PAGE] = written  # a worker's piece, three pages
+    segment = shared.tensor[PAGE:]  # a segment of the arena, from its second page to its end
+    assert allocated() == 3 * PAGE
+    assert populate(segment)
+    assert allocated() == 37 * PAGE  # every page of the segment, not the first page before it
+    assert torch.equal(shared.tensor[5 * PAGE:8 * PAGE], written)
+    assert int(shared.tensor[PAGE:5 * PAGE].sum()) == 0 and populate(segment[:0])
+
+
 def test_the_arenas_are_page_locked_once_the_first_batchs_first_pass_is_over(digits_root, tmp_path, jpeg_shards, monkeypatch):
     """CUDA queues every other call of the process behind each registration, so the arenas are
     page-locked only once the first batch's pass 1 has copied all of its chunks: as its pass 2
