@@ -18,7 +18,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import reduction
 from typing import Callable, Iterator, Optional, Protocol, Sequence
@@ -584,8 +584,9 @@ class OnHost:
 
 class HostWaitingRoom:
     """Page-locked host memory where pass 1's chunks wait for pass 2 (`OnHost`), for the whole run:
-    segments of `pinned_empty` made as a batch first needs them and reused by every batch after,
-    each batch's chunks laid out from the first segment's start (`begin_batch`).
+    segments of `pinned_empty` made as a batch first needs them (the first batch's expected share
+    ahead, in a thread: `make_ahead`) and reused by every batch after, each batch's chunks laid
+    out from the first segment's start (`begin_batch`).
 
     One `torch.empty(..., pin_memory=True)` a chunk went through the caching host allocator, which
     rounds a block up to a power of two: ViT-B/32's 77 MB chunk held 128 MB, and at 524,288 on one
@@ -600,11 +601,23 @@ class HostWaitingRoom:
     SEGMENT_BYTES = GIB  # a segment holds a whole number of the chunk it is made for; a shorter tail stays unused
     ALIGN = 64
 
-    def __init__(self):
+    def __init__(self, make_ahead: int = 0, chunk_bytes: int = 0):
+        """`make_ahead`: bytes of segments for chunks of `chunk_bytes` made from the start, in a thread
+        of their own (while the first step compiles its towers), instead of in pass 1's thread as the
+        first batch reaches them: page-locking 1 GiB takes about 0.3 s there beside busy workers."""
         self.segments: list[torch.Tensor] = []  # uint8, never freed before the run's end: copies may still read them
         self.segment, self.offset = 0, 0  # where the batch's next chunk goes
         self.last_copy: torch.cuda.Event | None = None
         self.before_this_batch: torch.cuda.Event | None = None
+        self.ahead: deque[Future] = deque()  # segments being made, in order
+        if make_ahead > 0 and chunk_bytes > 0:
+            size = self._segment_bytes(chunk_bytes)
+            if torch.cuda.is_available():
+                torch.cuda.init()  # the thread registers with this device's context (on_the_callers_device)
+            maker = ThreadPoolExecutor(1, thread_name_prefix="clipscale-room")
+            make = on_the_callers_device(pinned_empty)
+            self.ahead.extend(maker.submit(make, (size,), torch.uint8) for _ in range(-(-make_ahead // size)))
+            maker.shutdown(wait=False)
 
     @property
     def bytes(self) -> int:
@@ -612,6 +625,18 @@ class HostWaitingRoom:
 
     def _aligned(self, size: int) -> int:
         return -(-size // self.ALIGN) * self.ALIGN
+
+    def _segment_bytes(self, chunk_bytes: int) -> int:
+        """As many of the chunk as fit SEGMENT_BYTES (at least one): none of a segment unused."""
+        return max(1, self.SEGMENT_BYTES // self._aligned(chunk_bytes)) * self._aligned(chunk_bytes)
+
+    def _new_segment(self, chunk_bytes: int) -> torch.Tensor:
+        """The next segment made ahead that holds the chunk, else one made now."""
+        while self.ahead:
+            segment = self.ahead.popleft().result()
+            if len(segment) >= chunk_bytes:
+                return segment
+        return pinned_empty((self._segment_bytes(chunk_bytes),), torch.uint8)
 
     def begin_batch(self) -> None:
         self.segment, self.offset = 0, 0
@@ -621,9 +646,8 @@ class HostWaitingRoom:
         """`chunk` copied into the next rows of the room."""
         size = nbytes(chunk)
         while True:
-            if self.segment == len(self.segments):  # as many of this chunk as fit SEGMENT_BYTES: none of it unused
-                room = max(1, self.SEGMENT_BYTES // self._aligned(size)) * self._aligned(size)
-                self.segments.append(pinned_empty((room,), torch.uint8))
+            if self.segment == len(self.segments):
+                self.segments.append(self._new_segment(size))
             if self.offset + size <= len(self.segments[self.segment]):
                 break
             self.segment, self.offset = self.segment + 1, 0

@@ -495,7 +495,7 @@ class DeviceDecoder:
     counted by their batch's rows at their chunk's first decode (`DeviceDecodedRows.trained_black`)."""
 
     def __init__(self, split: SplitTransform, device: torch.device, chunk_size: int | None = None,
-                 threads: int = DECODE_THREADS, arenas: WorkerArenas | None = None):
+                 threads: int = DECODE_THREADS, arenas: WorkerArenas | None = None, room_ahead: int = 0):
         self.split, self.device, self.chunk_size, self.arenas = split, device, chunk_size, arenas
         self.own = threading.local()  # each thread's CUDA stream
         self.streams: list = []  # every thread's, for `wait_for_copies`
@@ -505,7 +505,10 @@ class DeviceDecoder:
         self.count_lock = threading.Lock()
         self.images_decoded = 0
         self.decode_s = 0.0  # the threads' time in decoding calls, summed (their rows' arrival not counted)
-        self.waiting_room = HostWaitingRoom()  # pass 2's chunks on the host, every batch's, where arenas hold a window
+        # Pass 2's chunks on the host, every batch's, where arenas hold a window: `room_ahead` bytes of
+        # it made from the start (`HostWaitingRoom`), for chunks of `chunk_size` at the crop's size.
+        height, width = split.only_random_resized_crop().size if room_ahead else (0, 0)
+        self.waiting_room = HostWaitingRoom(room_ahead, (chunk_size or 0) * 3 * height * width)
 
     def column(self, batch_size: int, arrivals: Arrivals, device_transform: DeviceTransform | None,
                budget: KeepBudget | None) -> ChunkSource:

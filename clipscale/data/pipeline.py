@@ -159,6 +159,7 @@ class ArenaWindow(NamedTuple):
     arena_bytes: int
     segment_bytes: int
     holds_a_batch: bool
+    on_host_bytes: int = 0  # a window's: the pixels pass 2 needs beyond the device's keep, waiting on the host
 
 
 def arena_in_segments(pieces: int, piece_bytes: int, whole: bool) -> ArenaWindow:
@@ -189,7 +190,7 @@ def arena_window(workers: int, per_rank_batch: int, piece: int, chunk: int, heig
     fits = max(0, int(min(room, STEP_HOST_FRACTION * host_bytes - on_host) / max(1, workers)) // piece_bytes)
     window = arena_in_segments(fits, piece_bytes, whole=False) if fits else None
     holds = window.arena_bytes // window.segment_bytes * (window.segment_bytes // piece_bytes) if window else 0
-    return window if holds >= least else None
+    return window._replace(on_host_bytes=on_host) if holds >= least else None
 
 
 def arenas_room() -> float:
@@ -297,7 +298,7 @@ class TrainingBatches:
         if self.path.decoder == "device":
             threads = DECODE_THREADS if cfg.data.decode_workers is None else cfg.data.decode_workers
             self.decoder = DeviceDecoder(split, world.device, chunk_size=chunk, threads=0 if self.arenas else max(1, threads),
-                                         arenas=self.arenas)
+                                         arenas=self.arenas, room_ahead=self.path.arena_window.on_host_bytes if self.arenas else 0)
         elif self.path.offload:
             if cfg.data.decode_workers == 0:
                 raise ConfigError("data.decode_workers=0 (the training thread decodes) needs data.decoder=device; with "

@@ -536,6 +536,32 @@ def test_a_batch_larger_than_the_arenas_streams_through_them_on_the_same_curve(d
         assert [m["skipped_samples_total"] for m in streamed] == [m["skipped_samples_total"] for m in copied]
 
 
+def test_the_waiting_rooms_first_segments_are_made_ahead_in_a_thread_of_their_own(monkeypatch):
+    """Where a window of the arenas is planned, the room's segments for the first batch's pixels
+    beyond the device are made from the start in a thread of its own (`HostWaitingRoom(make_ahead)`),
+    while the towers compile, and taken in order as pass 1 reaches them; past them the room makes
+    more where it is, as before. Every chunk lands in rows of its own."""
+    import threading
+
+    from clipscale.data import chunks
+    from clipscale.data.chunks import HostWaitingRoom
+
+    made_in = []
+    real = chunks.pinned_empty
+    monkeypatch.setattr(chunks, "pinned_empty", lambda shape, dtype: made_in.append(threading.current_thread().name)
+                        or real(shape, dtype))
+    monkeypatch.setattr(HostWaitingRoom, "SEGMENT_BYTES", 4_000)  # three chunks of 1,000 bytes (1,024 aligned) a segment
+    room = HostWaitingRoom(make_ahead=6_000, chunk_bytes=1_000)  # two segments
+    sent = [torch.full((1_000,), k, dtype=torch.uint8) for k in range(7)]
+    held = [room.hold(chunk, None) for chunk in sent]
+    assert made_in == ["clipscale-room_0", "clipscale-room_0", threading.current_thread().name], made_in
+    assert len(room.segments) == 3 and room.bytes == 3 * 3_072
+    assert all(torch.equal(chunk.host, expected) for chunk, expected in zip(held, sent))
+    room.begin_batch()  # the next batch reuses them: nothing made
+    held = [room.hold(chunk, None) for chunk in sent[:6]]
+    assert len(made_in) == 3 and all(torch.equal(chunk.host, expected) for chunk, expected in zip(held, sent))
+
+
 def test_the_training_thread_decodes_the_next_batch_between_pass_twos_chunks_on_the_same_curve(digits_root, tmp_path,
                                                                                                 jpeg_shards, monkeypatch):
     """data.decode_workers=0 with every chunk kept on the device: between pass 2's chunks the
