@@ -147,8 +147,8 @@ def pinned_empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     every block up to a power of two: a 4.9 GB batch would hold 8 GB. Registering memory of our
     own with CUDA pins exactly what is needed. The memory is advised huge pages and written in by
     several threads first (`write_pages_in`): CUDA then pins pages that are there, in 2 MiB pages
-    where the machine's transparent huge pages allow. On an H200 host 4 GiB took 0.23 s so (17
-    GiB/s), against 2.3 s (1.7 GiB/s) for registering plain untouched memory, which faults every
+    where the machine's transparent huge pages allow. On an H200 host 4 GiB took 0.23-0.25 s so
+    (16-17 GiB/s), against 1.5-2.3 s for registering plain untouched memory, which faults every
     4 KiB page in itself, one at a time, while the process's other CUDA calls wait
     (results/bench_page_lock_h200.json): pass 2's waiting room took 24 s of a first step so."""
     nbytes = math.prod(shape) * dtype.itemsize
