@@ -92,29 +92,32 @@ def test_a_batch_larger_than_its_arenas_takes_a_window_of_them_while_pass_twos_p
     (131,072 and 262,144 a GPU, where the pixels pass 2 needs beyond the GPU's 35 GiB fit beside
     it in three quarters of the host); none at a million with a quarter of the GPU kept (112 GiB
     beyond it), but a window in what those pixels leave of three quarters of the host where the
-    GPU keeps more; none where the room is too small for a worker's pieces in flight."""
+    GPU keeps more; none where the room is too small for a worker's pieces in flight. A window
+    says what waits on the host for pass 2 (the room made ahead); whole arenas, nothing."""
     from clipscale.data.pipeline import STEP_HOST_FRACTION, arena_sample_bytes, arena_window
 
     gib, sample = 2**30, arena_sample_bytes(224, 224)
     host, room, kept = 128 * gib, 64 * gib, 35 * gib
     piece = 512 * sample  # the largest: every region at REGION_LIMIT, whole pages (147 a region, 2 the tokens)
-    arena, segment, whole = arena_window(14, 65536, 512, 512, 224, 224, kept, room, host)
-    assert whole and segment == piece and arena == 10 * piece and 14 * arena < 41 * gib  # 128 pieces: at most 10 a worker
+    arena, segment, whole, on_host = arena_window(14, 65536, 512, 512, 224, 224, kept, room, host)
+    assert whole and on_host == 0 and segment == piece and arena == 10 * piece and 14 * arena < 41 * gib  # 128 pieces: at most 10 a worker
     for batch in (131072, 262144):
-        arena, segment, whole = arena_window(14, batch, 512, 512, 224, 224, kept, room, host)
+        arena, segment, whole, on_host = arena_window(14, batch, 512, 512, 224, 224, kept, room, host)
+        assert on_host == max(0, batch * 3 * 224 * 224 - kept)
         assert not whole and arena % segment == 0 and room - 14 * segment < 14 * arena <= room
     assert arena_window(14, 1048576, 512, 512, 224, 224, kept, room, host) is None
     assert arena_window(14, 262144, 512, 512, 224, 224, kept, room, 4 * gib) is None  # 2 GiB of 3: no room for a window
     for kept_gib in (80, 100):  # a million, most of pass 2's pixels on the GPU: a window in what the rest leaves
         on_host = 1048576 * 3 * 224 * 224 - kept_gib * gib
-        arena, segment, whole = arena_window(14, 1048576, 512, 512, 224, 224, kept_gib * gib, room, host)
+        arena, segment, whole, on_host_bytes = arena_window(14, 1048576, 512, 512, 224, 224, kept_gib * gib, room, host)
+        assert on_host_bytes == on_host
         assert not whole and STEP_HOST_FRACTION * host - on_host - 14 * segment < 14 * arena <= STEP_HOST_FRACTION * host - on_host
     # A worker's window holds twice its pieces in flight (6 chunks' pieces over 14 workers, one more) and its next
     least = 2 * ((1 + 1) + 1) * piece
-    assert arena_window(14, 262144, 512, 512, 224, 224, kept, 14 * least, host) == (least, piece, False)
+    assert arena_window(14, 262144, 512, 512, 224, 224, kept, 14 * least, host)[:3] == (least, piece, False)
     assert arena_window(14, 262144, 512, 512, 224, 224, kept, 14 * least - 14 * 8, host) is None
     # Small pieces share a segment of about PAGE_LOCK_SEGMENT bytes: an arena of whole segments
-    arena, segment, whole = arena_window(14, 4096, 64, 512, 224, 224, kept, room, host)
+    arena, segment, whole, _ = arena_window(14, 4096, 64, 512, 224, 224, kept, room, host)
     assert whole and segment == arena == 5 * 64 * sample  # 5 pieces of 64 a worker: one segment
 
 
