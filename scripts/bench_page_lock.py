@@ -85,14 +85,14 @@ def registration(nbytes: int, make, touch: bool) -> dict:
     return record
 
 
-def round_trips(seconds: float | None, until: threading.Event | None, device: torch.device) -> list[float]:
-    """Times of a tiny kernel's launch and synchronize, for `seconds` or until `until` is set."""
-    x = torch.zeros(1, device=device)
+def round_trips(seconds: float | None, until: threading.Event | None, x: torch.Tensor) -> list[float]:
+    """Times of a tiny kernel's launch and synchronize on `x` (made beforehand, so the loop's first
+    check runs before any CUDA call), for `seconds` or until `until` is set."""
     times, started = [], time.perf_counter()
     while (time.perf_counter() - started < (seconds or STALL_LIMIT_S)) and not (until is not None and until.is_set()):
         began = time.perf_counter()
         x.add_(1)
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(x.device)
         times.append(time.perf_counter() - began)
     return times
 
@@ -105,7 +105,12 @@ def summary(times: list[float]) -> dict:
 
 
 def stall(nbytes: int, device: torch.device) -> dict:
-    alone = round_trips(3.0, None, device)
+    """A count of 0 beside the registration would mean this thread never got the interpreter back
+    while it ran (the binding releases the GIL); one long round trip, that the registration held the
+    launch or the synchronize (the H100 run of 2026-12-07, before `x` was made here, counted 0: its
+    loop's first CUDA call, making `x`, returned only after the registration)."""
+    x = torch.zeros(1, device=device)
+    alone = round_trips(3.0, None, x)
     done = threading.Event()
     tensor = torch.empty(nbytes, dtype=torch.uint8)
     seconds = {}
@@ -119,7 +124,7 @@ def stall(nbytes: int, device: torch.device) -> dict:
 
     thread = threading.Thread(target=register)
     thread.start()
-    beside = round_trips(None, done, device)
+    beside = round_trips(None, done, x)
     thread.join()
     del tensor
     gc.collect()
