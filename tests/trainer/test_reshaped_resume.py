@@ -2,9 +2,10 @@
 rank's whole process group, its loader workers too, as Slurm sends it) and started again on
 another shape each time: 2 processes x 2 loader workers -> 3 x 0 -> 1 x 3 -> 2 x 2. Each rank
 records the (epoch, key) of every sample its steps used; over the run, the samples of the
-first epoch are those of one epoch, each as often as the epoch holds it: on webdataset shards
-(each once) and on two CSV tables `a::b` drawn 1::3 with replacement (the epoch's draws, so the
-sources' mix too). The console says where each resume goes on. A same-shape resume's loss curve
+first epoch are those of one epoch, each once, on webdataset shards. The other sources and
+draws (CSV tables, `a::b` drawn with replacement) change shape in the loader's own test,
+tests/data/test_reshaped_resume.py, without train.py's processes. The console says where each
+resume goes on. A same-shape resume's loss curve
 is the uninterrupted one's: tests/trainer/test_resume.py.
 """
 
@@ -26,22 +27,17 @@ from clipscale.distributed import World
 from tests.helpers.tiny_runs import DIGITS_YAML
 from tests.helpers.trainer_harness import checked, launch, shard_run, step_checkpoints, write_shards
 from tests.helpers.trainer_plugins import USED_TO
-from tests.helpers.user_data import write_csv
 
 pytestmark = pytest.mark.slow
 
 BATCH, STEPS, EPOCH = 24, 10, 192  # an epoch is 8 steps: the run ends 2 steps into the second
-# (processes, data.workers) of each launch; each but the last stopped after 2 steps. The CSV run
-# stops twice (its shapes are tested more in tests/data/test_reshaped_resume.py): two minutes in all.
-SHAPES = {"webdataset": [(2, 2), (3, 0), (1, 3), (2, 2)], "csv": [(2, 2), (3, 0), (1, 3)]}
+# (processes, data.workers) of each launch; each but the last stopped after 2 steps.
+SHAPES = [(2, 2), (3, 0), (1, 3), (2, 2)]
 
 
-def _data(root, kind) -> list[str]:
-    """The data's overrides, data.train_shards first: 192 samples of webdataset shards, or two CSV tables of 96 rows drawn 1::3."""
-    if kind == "webdataset":
-        return [f"data.train_shards={write_shards(root / 'shards', shards=8, per_shard=24)}"]
-    tables = "::".join(str(write_csv(root / name, rows=EPOCH // 2)) for name in "ab")
-    return [f"data.train_shards={tables}", "data.kind=csv", "data.resampled=true", "data.upsampling_factors=1::3"]
+def _data(root) -> list[str]:
+    """The data's overrides: 192 samples of webdataset shards."""
+    return [f"data.train_shards={write_shards(root / 'shards', shards=8, per_shard=24)}"]
 
 
 def _overrides(root, data, workers, stops) -> list[str]:
@@ -53,14 +49,14 @@ def _overrides(root, data, workers, stops) -> list[str]:
                      f"loss.options={{inner: vanilla, {faults}}}")
 
 
-@pytest.fixture(scope="module", params=["webdataset", "csv"])
-def reshaped(request, module_tmp):
+@pytest.fixture(scope="module")
+def reshaped(module_tmp):
     """(the run's data overrides, its shapes, [(epoch, key) of each used sample], each launch's stdout)."""
-    root = module_tmp(f"reshaped-{request.param}")
-    data = _data(root, request.param)
+    root = module_tmp("reshaped")
+    data = _data(root)
     used = root / "used"
     used.mkdir()
-    said, shapes = [], SHAPES[request.param]
+    said, shapes = [], SHAPES
     with pytest.MonkeyPatch.context() as env:
         env.setenv(USED_TO, str(used))
         for launch_number, (processes, workers) in enumerate(shapes):
@@ -95,8 +91,7 @@ def test_every_sample_of_the_epoch_is_used_once_across_three_changes_of_shape(re
     expected = _one_consumers_epochs(data)
     assert used[0] == expected[0], f"epoch 0: missing {expected[0] - used[0]}, extra {used[0] - expected[0]}"
     assert not used[1] - expected[1], f"used more often than epoch 1 holds them: {used[1] - expected[1]}"
-    if "data.resampled=true" not in data:
-        assert set(used[0].values()) == {1} and len(used[0]) == EPOCH
+    assert set(used[0].values()) == {1} and len(used[0]) == EPOCH
 
 
 def test_each_resume_says_how_far_into_the_epoch_it_goes_on(reshaped):
