@@ -166,7 +166,7 @@ def mounted(tmp_path):
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject): one worker more than the cores. Much of the suite is real runs whose
     processes wait on one another (a torchrun world starting, a Slurm requeue, a kill point), and a
-    third worker fills those waits: on CI's two cores the whole suite took 1,521 s with three
+    third worker fills those waits: on two cores, as CI has, the whole suite took 1,521 s with three
     workers against 1,614 s with two (2026-12-07)."""
     return len(os.sched_getaffinity(0)) + 1
 
