@@ -142,10 +142,11 @@ if __name__ == "__main__":  # not again in the worker, which imports this module
     loader = torch.utils.data.DataLoader(ParentOfWorker(), batch_size=None, num_workers=1,
                                          worker_init_fn=ignore_stop_signals, multiprocessing_context=context)
     parent = next(iter(loader))
-    # One string, so one write: the two ranks share the job's stdout, and print's separate writes of
-    # each argument (unbuffered, as the job runs) interleaved once ("rankrank 0 ...").
+    # One string with its newline, so one write: the two ranks share the job's stdout, and print's
+    # separate writes of each argument and of `end` (unbuffered, as the job runs) interleaved
+    # ("rankrank 0 ...", and a line run into the next: "forked Truerank 0 ...").
     print(f"rank {dist.get_rank()} trainer {os.getpid()} parent {parent} served {context is not None} "
-          f"forked {command_line(parent) == command_line(os.getpid())}", flush=True)
+          f"forked {command_line(parent) == command_line(os.getpid())}\\n", end="", flush=True)
     dist.destroy_process_group()
 """
 
