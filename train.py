@@ -8,6 +8,7 @@ import argparse
 
 from clipscale.config import check_names, load_config, schema_help
 from clipscale.errors import run_main
+from clipscale.optional_libraries import leave_out_unused_libraries
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -23,6 +24,7 @@ def main() -> int:
     cfg = load_config(args.config, args.overrides)
     # torch and open_clip take seconds to import: a mistake in the YAML, a key or a name is reported before them.
     check_names(cfg)
+    leave_out_unused_libraries(cfg.model)
     from clipscale.checks import check_config
     from clipscale.trainer import train
 
