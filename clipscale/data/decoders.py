@@ -45,7 +45,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from clipscale.caption_length import to_device_async  # a copy that never waits for the step's queued work
 from clipscale.data.chunks import (Arrivals, ChunkSource, DeviceTransform, HostChunk, HostWaitingRoom, InArena, KeepBudget, Rows,
                                    WorkerArenas)
-from clipscale.data.transforms import SplitTransform
+from clipscale.data.transforms import SplitTransform, uint8_image_bytes
 
 JPEG_START, JPEG_END = b"\xff\xd8", b"\xff\xd9"
 # Frame headers (SOFn) whose JPEGs the device decodes: baseline, extended and progressive Huffman
@@ -508,7 +508,7 @@ class DeviceDecoder:
         # Pass 2's chunks on the host, every batch's, where arenas hold a window: `room_ahead` bytes of
         # it made from the start (`HostWaitingRoom`), for chunks of `chunk_size` at the crop's size.
         height, width = split.only_random_resized_crop().size if room_ahead else (0, 0)
-        self.waiting_room = HostWaitingRoom(room_ahead, (chunk_size or 0) * 3 * height * width)
+        self.waiting_room = HostWaitingRoom(room_ahead, (chunk_size or 0) * uint8_image_bytes(height, width))
 
     def column(self, batch_size: int, arrivals: Arrivals, device_transform: DeviceTransform | None,
                budget: KeepBudget | None) -> ChunkSource:

@@ -34,7 +34,7 @@ from clipscale.data.chunks import (LOOKAHEAD, Arrivals, ChunkSource, DeviceTrans
 from clipscale.data.decoders import DECODE_THREADS, DecodePool, DeviceDecoder
 from clipscale.data.epoch import WorkList
 from clipscale.data.shards import SKIPS_NAMED, ShardStream, StreamState
-from clipscale.data.transforms import REGION_LIMIT, CaptionTokenizer, SplitTransform
+from clipscale.data.transforms import REGION_LIMIT, CaptionTokenizer, SplitTransform, uint8_image_bytes
 from clipscale.distributed import World, all_reduce_sum_list
 from clipscale.errors import UserError
 from clipscale.signals import ignore_stop_signals
@@ -144,7 +144,7 @@ def auto_worker_share(workers: int, per_rank_batch: int, image_bytes: int, host_
 def arena_sample_bytes(height: int, width: int) -> int:
     """The room a sample takes in the workers' arenas: its crop's region at its largest
     (`REGION_LIMIT` outputs' pixels: a piece's samples may all be large) and its tokens."""
-    return int(REGION_LIMIT * 3 * height * width) + ARENA_TOKENS_BYTES
+    return int(REGION_LIMIT * uint8_image_bytes(height, width)) + ARENA_TOKENS_BYTES
 
 
 def pieces_per_worker(per_rank_batch: int, piece: int, workers: int) -> int:
@@ -184,7 +184,7 @@ def arena_window(workers: int, per_rank_batch: int, piece: int, chunk: int, heig
     whole = arena_in_segments(pieces_per_worker(per_rank_batch, piece, workers), piece_bytes, whole=True)
     if workers * whole.arena_bytes <= room:
         return whole
-    on_host = max(0, per_rank_batch * 3 * height * width - keep_bytes)
+    on_host = max(0, per_rank_batch * uint8_image_bytes(height, width) - keep_bytes)
     taken = -(-HANDED_BACK_CHUNKS * -(-chunk // piece) // max(1, workers)) + 1  # a worker's pieces in flight, at most
     least = HANDED_BACK_SPARE * (taken + 1)
     fits = max(0, int(min(room, STEP_HOST_FRACTION * host_bytes - on_host) / max(1, workers)) // piece_bytes)
@@ -236,7 +236,7 @@ def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.d
     if share == "auto":
         # A worker's image is its crop's region (SplitTransform.crop_region): about 1.7 outputs' worth
         # on img2dataset's 256-px images, at most REGION_LIMIT; counted as two.
-        share, note = auto_worker_share(cfg.data.workers, per_rank_batch, 2 * 3 * height * width, host_bytes_per_rank(),
+        share, note = auto_worker_share(cfg.data.workers, per_rank_batch, 2 * uint8_image_bytes(height, width), host_bytes_per_rank(),
                                         towers_samples_per_s(flops_per_sample, device), window is not None)
         notes += [note] if note else []
     return DataPath("device", True, notes, share, arena_window=window)

@@ -41,6 +41,11 @@ from PIL import Image
 REGION_LIMIT = 4  # crop_region: the most pixels a worker hands over unresized, in outputs' worth
 
 
+def uint8_image_bytes(height: int, width: int) -> int:
+    """An RGB image of height x width as the host and the device hold it before it is made float."""
+    return 3 * height * width
+
+
 def no_try_fits(height: int, width: int, scale, ratio) -> bool:
     """Whether none of `RandomResizedCrop.get_params`'s ten tries can fit the image, whatever it
     draws: it then returns its central crop, having spent ~20 us of scalar torch calls a try.

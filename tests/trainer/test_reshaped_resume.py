@@ -35,15 +35,10 @@ BATCH, STEPS, EPOCH = 24, 10, 192  # an epoch is 8 steps: the run ends 2 steps i
 SHAPES = [(2, 2), (3, 0), (1, 3), (2, 2)]
 
 
-def _data(root) -> list[str]:
-    """The data's overrides: 192 samples of webdataset shards."""
-    return [f"data.train_shards={write_shards(root / 'shards', shards=8, per_shard=24)}"]
-
-
-def _overrides(root, data, workers, stops) -> list[str]:
+def _overrides(root, shards, workers, stops) -> list[str]:
     faults = (f"signal_calls: [2], signal_rank: 0, signal_name: SIGTERM, signal_group: true, "
               f"signal_times: {stops}, signal_marker: {root / 'signalled'}")
-    return shard_run(data[0].split("=", 1)[1], root, "reshaped", *data[1:], f"train.steps={STEPS}",
+    return shard_run(shards, root, "reshaped", f"train.steps={STEPS}",
                      f"train.batch_size={BATCH}", "train.checkpoint_every=100", "train.log_every=2",
                      "data.shuffle_buffer=2", f"data.workers={workers}", "loss.name=scripted_faults",
                      f"loss.options={{inner: vanilla, {faults}}}")
@@ -51,17 +46,17 @@ def _overrides(root, data, workers, stops) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reshaped(module_tmp):
-    """(the run's data overrides, its shapes, [(epoch, key) of each used sample], each launch's stdout)."""
+    """(the run's shards: 192 samples, [(epoch, key) of each used sample], each launch's stdout)."""
     root = module_tmp("reshaped")
-    data = _data(root)
+    shards = write_shards(root / "shards", shards=8, per_shard=24)
     used = root / "used"
     used.mkdir()
-    said, shapes = [], SHAPES
+    said = []
     with pytest.MonkeyPatch.context() as env:
         env.setenv(USED_TO, str(used))
-        for launch_number, (processes, workers) in enumerate(shapes):
-            run = launch(_overrides(root, data, workers, len(shapes) - 1), nproc=processes, timeout=300)
-            if launch_number < len(shapes) - 1:  # stopped after its second step (torchrun exits 1 for any rank's stop)
+        for launch_number, (processes, workers) in enumerate(SHAPES):
+            run = launch(_overrides(root, shards, workers, len(SHAPES) - 1), nproc=processes, timeout=300)
+            if launch_number < len(SHAPES) - 1:  # stopped after its second step (torchrun exits 1 for any rank's stop)
                 checked(run, 128 + signal.SIGTERM if processes == 1 else 1)
                 assert max(step_checkpoints(root / "reshaped")) == 2 * (launch_number + 1), run.stderr[-3000:]
             else:
@@ -69,12 +64,12 @@ def reshaped(module_tmp):
             said.append(run.stdout)
     samples = [tuple(sample) for path in used.iterdir() for line in path.read_text().splitlines()
                for sample in json.loads(line)]
-    return data, shapes, samples, said
+    return shards, samples, said
 
 
-def _one_consumers_epochs(data) -> dict[int, Counter]:
+def _one_consumers_epochs(shards) -> dict[int, Counter]:
     """{epoch: Counter of keys} of the first two epochs as one consumer never stopped reads them."""
-    source = prepare_data(load_config(DIGITS_YAML, ["data.kind=webdataset", *data]).data, World()).train_shards
+    source = prepare_data(load_config(DIGITS_YAML, ["data.kind=webdataset", f"data.train_shards={shards}"]).data, World()).train_shards
     stream = ShardStream(source, piece_size=BATCH, rank=0, world_size=1, num_workers=0, seed=0,
                          image_transform=T.ToTensor(), tokenizer=list, shuffle_buffer=2, keep_keys=True)
     epochs: dict[int, Counter] = {}
@@ -85,17 +80,17 @@ def _one_consumers_epochs(data) -> dict[int, Counter]:
 
 
 def test_every_sample_of_the_epoch_is_used_once_across_three_changes_of_shape(reshaped):
-    data, _, samples, _ = reshaped
+    shards, samples, _ = reshaped
     assert len(samples) == STEPS * BATCH, "the steps used other than a batch each"
     used = {epoch: Counter(key for e, key in samples if e == epoch) for epoch in (0, 1)}
-    expected = _one_consumers_epochs(data)
+    expected = _one_consumers_epochs(shards)
     assert used[0] == expected[0], f"epoch 0: missing {expected[0] - used[0]}, extra {used[0] - expected[0]}"
     assert not used[1] - expected[1], f"used more often than epoch 1 holds them: {used[1] - expected[1]}"
     assert set(used[0].values()) == {1} and len(used[0]) == EPOCH
 
 
 def test_each_resume_says_how_far_into_the_epoch_it_goes_on(reshaped):
-    _, shapes, _, said = reshaped
-    for launch_number, (processes, workers) in enumerate(shapes[1:], start=1):
+    _, _, said = reshaped
+    for launch_number, (processes, workers) in enumerate(SHAPES[1:], start=1):
         ranks = f"{processes} rank{'s' * (processes != 1)}, {workers} worker{'s' * (workers != 1)} each"
         assert f"resuming at sample {2 * launch_number * BATCH} of epoch 0 on {ranks}" in said[launch_number]
