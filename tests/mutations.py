@@ -42,6 +42,12 @@ class Mutation:
 
 
 MUTATIONS = [
+    Mutation("timm_left_out_of_a_timm_tower", "a run whose image tower is timm's starts as if timm were not installed",
+             "clipscale/optional_libraries.py", '    if "timm_model_name" in vision_cfg:', "    if False:",
+             ("tests/test_optional_libraries.py",)),
+    Mutation("optional_library_unloaded_after_import", "a library already imported is marked absent all the same",
+             "clipscale/optional_libraries.py", " and name not in sys.modules]", "]",
+             ("tests/test_optional_libraries.py::test_a_timm_tower_gets_timm_and_a_library_already_imported_stays",)),
     Mutation("auto_chunk_not_measured", "train.chunk_size=auto takes the line's chunk without measuring its pass",
              "clipscale/memory.py", "        if measured is not None and measured <= probe.room_for_a_chunk():",
              "        if True:", ("tests/test_memory.py",)),
