@@ -18,6 +18,7 @@ Entry points run their main function through `run_main`:
 from __future__ import annotations
 
 import errno
+import gc
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -119,4 +120,9 @@ def run_main(main: Callable[[], object]) -> None:
             print("stopped: another process of this job ended while they worked together (the launcher says which)",
                   file=sys.stderr, flush=True)
         sys.exit(PEER_ENDED_EXIT)
+    finally:
+        # What the process leaves is torch's and open_clip's objects, which the interpreter's last
+        # collections would walk for over a second (1.5 s -> 0.3 s a process on a CPU, docs/benchmarks.md
+        # "Starting"); what must end has ended (files closed, processes joined), and atexit's functions still run.
+        gc.freeze()
     sys.exit(status if isinstance(status, int) else 0)
