@@ -1,8 +1,8 @@
 """Start without the libraries a run's towers do not use.
 
 open_clip imports transformers and timm when it is imported (its Hugging Face and timm towers),
-whatever the model: about 2.5 s of the 8-9 s a process of train.py takes to start on a CPU (three
-runs each, docs/benchmarks.md, "Starting"), paid again by every process of a torchrun job and every
+whatever the model: about 2.3 s of the 9.6 s a tiny run of train.py took on a CPU (five runs
+each, docs/benchmarks.md, "Starting"), paid again by every process of a torchrun job and every
 restart. A run whose model config is known before open_clip is imported (`model.custom`, or one of
 open_clip's own architecture files) and names neither kind of tower starts as if they were not
 installed: open_clip then skips them, as it does where they are missing. Anything else (a
