@@ -24,6 +24,8 @@ and written into the run folder.
 matrix product over the unfolded patches (`PatchMatmul`), with the same weight under the same
 state_dict key: checkpoints load both ways with open_clip. `auto` (the default) does so where the
 towers are compiled (a GPU), where it was measured faster; eager towers keep the convolution.
+`model.attention: short` computes the blocks' self-attention of short sequences with clipscale's
+own kernels (`clipscale.attention`), with the same parameters and keys.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from open_clip.factory import load_state_dict
 from open_clip.tokenizer import HFTokenizer
 from open_clip.transformer import VisionTransformer
 
+from clipscale.attention import use_short_attention
 from clipscale.checkpoint import refusing_pickled_objects
 from clipscale.config import ModelConfig
 from clipscale.errors import UserError
@@ -88,6 +91,8 @@ def build_model(cfg: ModelConfig, compiled: bool = False) -> Towers:
         load_timm_trunk(model.visual, cfg.pretrained_image)
     if cfg.patch_embed == "matmul" or (cfg.patch_embed == "auto" and compiled and has_patch_convolution(model.visual)):
         embed_patches_by_matmul(model.visual)
+    if cfg.attention == "short":
+        use_short_attention(model)
     if cfg.force_image_size is not None and hasattr(model.visual, "trunk"):
         model.visual.set_input_size(cfg.force_image_size)  # a timm trunk's own size, after its weights (as open_clip)
     if cfg.lock_image:

@@ -36,7 +36,7 @@ default the config's: auto; openclip: 1 adds --torchcompile), cache (clipscale: 
 model.compile_cache folder, so a second case reuses what the first compiled), resampled
 (clipscale: 1 draws shards with replacement, so a batch may be larger than the shards), parallel
 (clipscale: ddp or fsdp), fsdp_offload and grad_checkpointing (clipscale: 0/1), patch_embed (clipscale: auto, conv
-or matmul, default the config's: auto; issue 49), worker_share (clipscale: data.worker_decode_share, default the config's: auto; 0 for the GPU alone),
+or matmul, default the config's: auto; issue 49), attention (clipscale: auto, sdpa or short: model.attention), worker_share (clipscale: data.worker_decode_share, default the config's: auto; 0 for the GPU alone),
 decode_threads (clipscale: data.decode_workers; 0: the training thread decodes, the workers' share into arenas), nproc (torchrun
 processes, default 1; openclip and ceiling too: a ceiling of several processes computes its share of the batch in each, under
 train.parallel, the loss across them), ceiling_nproc (clipscale: its ceiling's processes, default 1; the case's nproc gives
@@ -194,7 +194,7 @@ CONFIG = REPO / "configs" / "vit_b16_infcl.yaml"
 OPTIONAL = {"chunk": "train.chunk_size", "decoder": "data.decoder",
             "compile": "model.compile", "cuda_graphs": "model.cuda_graphs", "cache": "model.compile_cache", "resampled": "data.resampled",
             "parallel": "train.parallel", "fsdp_offload": "train.fsdp_offload", "grad_checkpointing": "model.grad_checkpointing",
-            "patch_embed": "model.patch_embed", "worker_share": "data.worker_decode_share", "profile_step": "train.profile_step",
+            "patch_embed": "model.patch_embed", "attention": "model.attention", "worker_share": "data.worker_decode_share", "profile_step": "train.profile_step",
             "decode_threads": "data.decode_workers"}
 FLAGS = ("compile", "cuda_graphs", "resampled", "fsdp_offload", "grad_checkpointing")  # 0/1 in a case: false/true
 

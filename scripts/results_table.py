@@ -93,6 +93,8 @@ def row(result: dict, record: dict, path: Path) -> tuple[tuple, str]:
     trainer = "open_clip_train" if not clipscale else f"clipscale, loss {case['loss']}" if "loss" in case else "clipscale"
     if "patch_embed" in case:  # model.patch_embed set by the case (issue 49); auto's choice otherwise
         trainer += f", patch_embed {case['patch_embed']}"
+    if "attention" in case:  # model.attention set by the case (issue 49)
+        trainer += f", attention {case['attention']}"
     if case.get("parallel") == "fsdp":
         trainer += ", FSDP" + (" with offload" if case.get("fsdp_offload") == "1" else "")
     cells = [trainer, case["model"], f"{gpus} × {short(record['device'])} ({record['workers']})", images_of(record), f"{batch:,}",

@@ -1,0 +1,162 @@
+"""`model.attention: short`: the towers' self-attention in one Triton program per (sample, head)
+for sequences of at most `MAX_TOKENS` tokens (`attention_programs.py` has the kernels and math).
+
+Each open_clip `ResidualAttentionBlock`'s `nn.MultiheadAttention` becomes a `ShortAttention`: the
+same module with the same parameters and state_dict keys (checkpoints load both ways with
+open_clip), whose forward computes the packed projection, the attention (`short_attention`, a
+custom operator with its own backward, visible to torch.compile) and the output projection, as
+nn.MultiheadAttention does with F.scaled_dot_product_attention. What it does not cover it hands to
+nn.MultiheadAttention unchanged: longer sequences, a mask that is not the causal hint's, key
+padding masks, dropout, attention weights asked for, cross-attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch import nn
+from torch.library import custom_op
+
+from clipscale.errors import UserError
+from clipscale.losses.infcl.precision import torch_allows_tf32
+from clipscale.triton_modes import interpreting, programs
+
+MAX_TOKENS = 64
+LOG2_E = 1.4426950408889634
+
+
+def token_block(tokens: int) -> int:
+    """The programs' tile height for `tokens` (a power of two, at least 16: `tl.dot`'s least)."""
+    for block in (16, 32, 64):
+        if tokens <= block:  # comparisons, not next_power_of_2: a dynamic length gets a range guard
+            return block
+    raise ValueError(f"short attention takes at most {MAX_TOKENS} tokens, got {tokens}")
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """`tl.dot`'s input_precision: IEEE float32 for float32 inputs unless PyTorch allows TF32 for
+    its own matmuls; bf16/fp16 inputs accumulate in float32 either way."""
+    if interpreting():
+        return "ieee"
+    return "tf32" if dtype != torch.float32 or torch_allows_tf32() else "ieee"
+
+
+def _forward_outputs(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's output [b, s, width] and its rows' log-sum-exp (base 2) [b * heads, BLOCK]."""
+    b, s, width3 = qkv.shape
+    lse_dtype = torch.float64 if qkv.dtype == torch.float64 else torch.float32
+    return (qkv.new_empty((b, s, width3 // 3)), qkv.new_empty((b * heads, token_block(s)), dtype=lse_dtype))
+
+
+# Custom operators, opaque to torch.compile (Inductor calls them between its own kernels; CUDA graphs
+# capture their launches), so that the same programs also run in Triton's interpreter on the CPU.
+@custom_op("clipscale::short_attention_forward", mutates_args=())
+def _forward(qkv: torch.Tensor, heads: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    b, s, width3 = qkv.shape
+    head_dim, block = width3 // (3 * heads), token_block(s)
+    out, lse = _forward_outputs(qkv, heads)
+    kernel = programs("clipscale.attention_programs", interpreting()).attention_fwd_kernel
+    kernel[(b * heads,)](
+        qkv, out, lse, s, heads, head_dim, qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1),
+        LOG2_E / math.sqrt(head_dim), CAUSAL=causal, BLOCK=block, HEAD_BLOCK=triton.next_power_of_2(head_dim),
+        PREC=_precision(qkv.dtype), num_warps=4 if block <= 32 else 8)
+    return out, lse
+
+
+@custom_op("clipscale::short_attention_backward", mutates_args=())
+def _backward(qkv: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, heads: int,
+              causal: bool) -> torch.Tensor:
+    b, s, width3 = qkv.shape
+    head_dim, block = width3 // (3 * heads), token_block(s)
+    grad_qkv = torch.empty((b, s, width3), dtype=qkv.dtype, device=qkv.device)
+    kernel = programs("clipscale.attention_programs", interpreting()).attention_bwd_kernel
+    kernel[(b * heads,)](
+        qkv, out, grad_out, lse, grad_qkv, s, heads, head_dim, qkv.stride(0), qkv.stride(1), out.stride(0),
+        out.stride(1), grad_out.stride(0), grad_out.stride(1), 1 / math.sqrt(head_dim), LOG2_E / math.sqrt(head_dim),
+        CAUSAL=causal, BLOCK=block, HEAD_BLOCK=triton.next_power_of_2(head_dim), PREC=_precision(qkv.dtype),
+        num_warps=4 if block <= 32 else 8)
+    return grad_qkv
+
+
+@_forward.register_fake
+def _forward_fake(qkv, heads, causal):
+    return _forward_outputs(qkv, heads)
+
+
+@_backward.register_fake
+def _backward_fake(qkv, out, grad_out, lse, heads, causal):
+    return torch.empty_like(qkv, memory_format=torch.contiguous_format)
+
+
+def _save_for_backward(ctx, inputs, output):
+    qkv, heads, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(qkv, out, lse)
+    ctx.heads, ctx.causal = heads, causal
+
+
+def _attention_backward(ctx, grad_out, _grad_lse):
+    qkv, out, lse = ctx.saved_tensors
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    return _backward(qkv, out, grad_out, lse, ctx.heads, ctx.causal), None, None
+
+
+_forward.register_autograd(_attention_backward, setup_context=_save_for_backward)
+
+
+def short_attention(qkv: torch.Tensor, heads: int, causal: bool = False) -> torch.Tensor:
+    """Multi-head self-attention of a packed projection `qkv` [b, s, 3 * width] (queries, keys,
+    values side by side; head h at columns h * head_dim of each), s <= MAX_TOKENS, scale
+    1 / sqrt(head_dim): [b, s, width], as F.scaled_dot_product_attention over the heads."""
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    return _forward(qkv, heads, causal)[0]
+
+
+def reference_attention(qkv: torch.Tensor, heads: int, causal: bool = False) -> torch.Tensor:
+    """`short_attention` in plain PyTorch (the tests' reference, in float64)."""
+    b, s, width3 = qkv.shape
+    q, k, v = qkv.view(b, s, 3, heads, width3 // (3 * heads)).permute(2, 0, 3, 1, 4)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2).reshape(b, s, width3 // 3)
+
+
+class ShortAttention(nn.MultiheadAttention):
+    """nn.MultiheadAttention (batch_first, packed projection) with `short_attention` for the
+    self-attention of sequences up to MAX_TOKENS; everything else as nn.MultiheadAttention."""
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        tokens = query.shape[1]
+        covered = (query is key and key is value and query.dim() == 3 and key_padding_mask is None
+                   and not need_weights and (attn_mask is None or is_causal)
+                   and (self.dropout == 0.0 or not self.training) and tokens <= MAX_TOKENS)
+        if not covered:
+            return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                   average_attn_weights, is_causal)
+        qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)
+        out = short_attention(qkv, self.num_heads, causal=is_causal)
+        return F.linear(out, self.out_proj.weight, self.out_proj.bias), None
+
+
+def use_short_attention(model: nn.Module) -> int:
+    """model.attention: short. Make each open_clip ResidualAttentionBlock's nn.MultiheadAttention
+    of `model` a ShortAttention in place (the same parameters, hooks and state_dict keys); the
+    number of blocks changed. Call before compiling and wrapping the model."""
+    from open_clip.transformer import ResidualAttentionBlock
+
+    changed = 0
+    for block in model.modules():
+        attention = getattr(block, "attn", None)
+        if isinstance(block, ResidualAttentionBlock) and type(attention) is nn.MultiheadAttention:
+            if not (attention.batch_first and attention._qkv_same_embed_dim and attention.bias_k is None):
+                continue
+            attention.__class__ = ShortAttention
+            changed += 1
+    if not changed:
+        raise UserError("model.attention: short applies to open_clip's transformer towers (nn.MultiheadAttention "
+                        "in ResidualAttentionBlock); this model has none: use model.attention: sdpa")
+    return changed
