@@ -3,8 +3,8 @@
 Float32 inputs (IEEE products) against float64 at ViT-B/32's 50 tokens and caption lengths, causal
 and not; bf16 inputs no further from float64 than torch's own bf16 attention (twice its error and a
 rounding step); a ViT-B/32 CLIP compiled with Inductor and CUDA graphs as train.py compiles it,
-short against sdpa, text at several cut lengths (dynamic shapes), features and gradients to bf16's
-rounding.
+short against sdpa, text cut to several lengths (dynamic shapes; the full 77 falls back to sdpa),
+features and gradients to bf16's rounding.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from clipscale.attention import reference_attention, short_attention, use_short_attention
-from clipscale.caption_length import use_causal_kernel
+from clipscale.caption_length import cut_padding, use_causal_kernel
 from clipscale.compile import begin_graph_step, compile_towers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -64,14 +64,14 @@ def test_compiled_clip_with_cuda_graphs_matches_sdpa(tmp_path):
     short = copy.deepcopy(sdpa)
     use_short_attention(short)
     for model, name in ((sdpa, "sdpa"), (short, "short")):
-        assert use_causal_kernel(model) is None
+        assert cut_padding(model) is None and use_causal_kernel(model) is None
         compile_towers(model, tmp_path / name, cuda_graphs=True)
     images = torch.randn(64, 3, 224, 224, device="cuda")
     tokens = torch.randint(1, 49000, (64, 77), device="cuda")
     results = {}
     for name, model in (("sdpa", sdpa), ("short", short)):
         rows = []
-        for length in (20, 28, 41, 64):  # cut lengths: the text blocks' dynamic shapes
+        for length in (20, 28, 41, 64, 77):  # cut lengths (the text blocks' dynamic shapes); 77: sdpa
             text = tokens[:, :length].clone()
             text[:, -1] = 49407  # the end-of-text token (open_clip pools at the largest id)
             model.zero_grad(set_to_none=True)
