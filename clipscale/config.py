@@ -126,8 +126,8 @@ class ModelConfig:
     # The towers' self-attention (open_clip's nn.MultiheadAttention): "sdpa", as open_clip computes it
     # (F.scaled_dot_product_attention, torch's kernel choice), or "short": sequences of at most 64
     # tokens (ViT-B/32's 50, captions cut to their length) in one Triton program per sample and head
-    # (clipscale/attention.py), the same parameters; longer ones as sdpa. "auto": sdpa (issue 49
-    # measures short before it becomes anyone's default).
+    # (clipscale/attention.py), the same parameters; longer ones as sdpa. "auto": short where the
+    # towers are compiled on a GPU (1.21x a ViT-B/32 step through train.py on an H100), else sdpa.
     attention: Literal["auto", "sdpa", "short"] = may_change("auto")
     # The text tower at its captions' own length (clipscale.caption_length): each step encodes its
     # texts in length order, each chunk only up to its longest caption, where that gives the same

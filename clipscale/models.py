@@ -25,7 +25,8 @@ matrix product over the unfolded patches (`PatchMatmul`), with the same weight u
 state_dict key: checkpoints load both ways with open_clip. `auto` (the default) does so where the
 towers are compiled (a GPU), where it was measured faster; eager towers keep the convolution.
 `model.attention: short` computes the blocks' self-attention of short sequences with clipscale's
-own kernels (`clipscale.attention`), with the same parameters and keys.
+own kernels (`clipscale.attention`), with the same parameters and keys; `auto` (the default) does
+so where the towers are compiled on a GPU, where it was measured faster.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from open_clip.factory import load_state_dict
 from open_clip.tokenizer import HFTokenizer
 from open_clip.transformer import VisionTransformer
 
-from clipscale.attention import use_short_attention
+from clipscale.attention import has_short_attention, use_short_attention
 from clipscale.checkpoint import refusing_pickled_objects
 from clipscale.config import ModelConfig
 from clipscale.errors import UserError
@@ -70,9 +71,10 @@ class Towers:
     open_clip_config: dict  # what open_clip's `local-dir:` loader needs to rebuild the model
 
 
-def build_model(cfg: ModelConfig, compiled: bool = False) -> Towers:
+def build_model(cfg: ModelConfig, compiled: bool = False, gpu: bool = False) -> Towers:
     """The towers of `cfg`, on the CPU. `compiled`: whether they will be compiled
-    (`compile.compile_enabled`), which model.patch_embed: auto follows."""
+    (`compile.compile_enabled`), which model.patch_embed: auto follows; `gpu`: whether they will
+    run on a GPU, which model.attention: auto follows too."""
     # A named architecture with model.force_* set is registered like a custom one: the config
     # written into the run folder is then the one the model was built from.
     forced = cfg.custom is not None or _forces(cfg)
@@ -91,7 +93,7 @@ def build_model(cfg: ModelConfig, compiled: bool = False) -> Towers:
         load_timm_trunk(model.visual, cfg.pretrained_image)
     if cfg.patch_embed == "matmul" or (cfg.patch_embed == "auto" and compiled and has_patch_convolution(model.visual)):
         embed_patches_by_matmul(model.visual)
-    if cfg.attention == "short":
+    if cfg.attention == "short" or (cfg.attention == "auto" and compiled and gpu and has_short_attention(model)):
         use_short_attention(model)
     if cfg.force_image_size is not None and hasattr(model.visual, "trunk"):
         model.visual.set_input_size(cfg.force_image_size)  # a timm trunk's own size, after its weights (as open_clip)

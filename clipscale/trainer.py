@@ -102,7 +102,8 @@ class Run:
         """`checkpoint`: the one the run resumes from, or None. Nothing is written to the run
         folder before every part is built: a mistake found here leaves it as it was."""
         torch.manual_seed(cfg.run.seed)  # the model's initial weights: the same on every rank
-        towers = build_model(cfg.model, compiled=compile_enabled(cfg.model.compile, world.device))
+        towers = build_model(cfg.model, compiled=compile_enabled(cfg.model.compile, world.device),
+                             gpu=world.device.type == "cuda")
         train = cfg.train
         text_order, text_notes = text_lengths_for_run(towers.model, cfg.model.cut_text_padding,
                                                       cfg.model.causal_text_attention)

@@ -228,7 +228,7 @@ def main(argv=None) -> None:
     host_threads_for(device)  # the training process's host threads, as train.py sets them
     plan = plan_run(cfg, world)
 
-    towers = build_model(cfg.model, compiled=compile_enabled(cfg.model.compile, device))
+    towers = build_model(cfg.model, compiled=compile_enabled(cfg.model.compile, device), gpu=device.type == "cuda")
     text_order, notes = text_lengths_for_run(towers.model, cfg.model.cut_text_padding, cfg.model.causal_text_attention)
     model = towers.model.to(device).train()
     # The towers' FLOPs a sample, as train.py hands them to the data path: its worker_decode_share=auto reads them.

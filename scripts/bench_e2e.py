@@ -386,7 +386,8 @@ def ceiling_case(case: dict, result: dict, args) -> dict:
     batch (in each of `ceiling_nproc` processes), the chunk it used (auto's choice read from its
     console), its text positions (all of them, unless its metrics logged fewer)."""
     nproc, ceiling_nproc = int(case.get("nproc", 1)), int(case.get("ceiling_nproc", 1))
-    ceiling = {key: case[key] for key in ("model", "loss", "compile", "cuda_graphs", "cache", "grad_checkpointing") if key in case}
+    ceiling = {key: case[key] for key in ("model", "loss", "compile", "cuda_graphs", "cache", "grad_checkpointing", "patch_embed",
+                                              "attention") if key in case}
     ceiling.update(runner="ceiling", batch=case.get("ceiling_batch", int(case["batch"]) // nproc * ceiling_nproc),
                    steps=case.get("ceiling_steps", 5), text=case.get("ceiling_text", "full"))
     if ceiling_nproc > 1:
@@ -445,7 +446,7 @@ def measure_ceiling(case: dict, shards: str, extra: list[str], out: Path) -> Non
     world = init_distributed(group_of_one=cfg.train.parallel == "fsdp")  # and the host threads, as train.py sets them
     device = world.device
     torch.manual_seed(0)  # the same initial weights on every rank
-    towers = build_model(cfg.model, compiled=compile_enabled(cfg.model.compile, device))
+    towers = build_model(cfg.model, compiled=compile_enabled(cfg.model.compile, device), gpu=device.type == "cuda")
     placed = parallelize(towers.model.train(), world, parallel=cfg.train.parallel, precision=cfg.train.precision,
                          reduce=cfg.train.fsdp_reduce, offload=cfg.train.fsdp_offload)
     model = placed.module
