@@ -47,6 +47,7 @@ def attend(module: nn.Module, x: torch.Tensor, causal: bool) -> torch.Tensor:
 
 
 def measure(name: str, samples: int, tokens: int, width: int, heads: int, causal: bool, repeats: int) -> dict:
+    torch._dynamo.reset()  # each shape's four graphs (two modules, two grad modes) within dynamo's recompile limit
     torch.manual_seed(0)
     sdpa = nn.MultiheadAttention(width, heads, batch_first=True).cuda()
     short = copy.deepcopy(sdpa)
