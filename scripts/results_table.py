@@ -128,8 +128,8 @@ def text_positions(result: dict, clipscale: bool) -> str:
 
 def sibling_ceiling(result: dict, record: dict) -> float | None:
     """The samples/s of a ceiling measured beside another case of the same command with the same
-    model, batch, chunk and processes (a case run with ceiling=0 to save the command's time)."""
-    same = ("model", "batch", "chunk", "nproc")
+    model, batch, chunk, processes and tower settings (a case run with ceiling=0 to save the command's time)."""
+    same = ("model", "batch", "chunk", "nproc", "patch_embed", "attention")
     for other in record["cases"]:
         ceiling = other.get("ceiling") or {}
         if other is not result and "samples_per_s" in ceiling and all(other["case"].get(k) == result["case"].get(k) for k in same):
