@@ -25,11 +25,12 @@ from clipscale.losses.infcl.precision import torch_allows_tf32
 from clipscale.triton_modes import interpreting, programs
 
 MAX_TOKENS = 64
+MAX_HEAD_DIM = 128  # beyond it, a program's [64, head_dim] float32 tiles outgrow its registers
 LOG2_E = 1.4426950408889634
 
 
 def token_block(tokens: int) -> int:
-    """The programs' tile height for `tokens` (a power of two, at least 16: `tl.dot`'s least)."""
+    """The programs' tile height for `tokens` (a power of two, at least 16: `tl.dot`'s least side)."""
     for block in (16, 32, 64):
         if tokens <= block:  # comparisons, not next_power_of_2: a dynamic length gets a range guard
             return block
@@ -53,31 +54,34 @@ def _forward_outputs(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch
 
 # Custom operators, opaque to torch.compile (Inductor calls them between its own kernels; CUDA graphs
 # capture their launches), so that the same programs also run in Triton's interpreter on the CPU.
-@custom_op("clipscale::short_attention_forward", mutates_args=())
-def _forward(qkv: torch.Tensor, heads: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(qkv: torch.Tensor, heads: int, causal: bool) -> tuple[tuple[int], int, dict]:
+    """A launch's grid (one program per sample and head), head width and compile-time settings."""
     b, s, width3 = qkv.shape
     head_dim, block = width3 // (3 * heads), token_block(s)
+    settings = dict(CAUSAL=causal, BLOCK=block, HEAD_BLOCK=max(16, triton.next_power_of_2(head_dim)),
+                    PREC=_precision(qkv.dtype), num_warps=4 if block <= 32 else 8)
+    return (b * heads,), head_dim, settings
+
+
+@custom_op("clipscale::short_attention_forward", mutates_args=())
+def _forward(qkv: torch.Tensor, heads: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    grid, head_dim, settings = _launch(qkv, heads, causal)
     out, lse = _forward_outputs(qkv, heads)
     kernel = programs("clipscale.attention_programs", interpreting()).attention_fwd_kernel
-    kernel[(b * heads,)](
-        qkv, out, lse, s, heads, head_dim, qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1),
-        LOG2_E / math.sqrt(head_dim), CAUSAL=causal, BLOCK=block, HEAD_BLOCK=triton.next_power_of_2(head_dim),
-        PREC=_precision(qkv.dtype), num_warps=4 if block <= 32 else 8)
+    kernel[grid](qkv, out, lse, qkv.shape[1], heads, head_dim, qkv.stride(0), qkv.stride(1), out.stride(0),
+                 out.stride(1), LOG2_E / math.sqrt(head_dim), **settings)
     return out, lse
 
 
 @custom_op("clipscale::short_attention_backward", mutates_args=())
 def _backward(qkv: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, heads: int,
               causal: bool) -> torch.Tensor:
-    b, s, width3 = qkv.shape
-    head_dim, block = width3 // (3 * heads), token_block(s)
-    grad_qkv = torch.empty((b, s, width3), dtype=qkv.dtype, device=qkv.device)
+    grid, head_dim, settings = _launch(qkv, heads, causal)
+    grad_qkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
     kernel = programs("clipscale.attention_programs", interpreting()).attention_bwd_kernel
-    kernel[(b * heads,)](
-        qkv, out, grad_out, lse, grad_qkv, s, heads, head_dim, qkv.stride(0), qkv.stride(1), out.stride(0),
-        out.stride(1), grad_out.stride(0), grad_out.stride(1), 1 / math.sqrt(head_dim), LOG2_E / math.sqrt(head_dim),
-        CAUSAL=causal, BLOCK=block, HEAD_BLOCK=triton.next_power_of_2(head_dim), PREC=_precision(qkv.dtype),
-        num_warps=4 if block <= 32 else 8)
+    kernel[grid](qkv, out, grad_out, lse, grad_qkv, qkv.shape[1], heads, head_dim, qkv.stride(0), qkv.stride(1),
+                 out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1), 1 / math.sqrt(head_dim),
+                 LOG2_E / math.sqrt(head_dim), **settings)
     return grad_qkv
 
 
@@ -133,7 +137,8 @@ class ShortAttention(nn.MultiheadAttention):
         tokens = query.shape[1]
         covered = (query is key and key is value and query.dim() == 3 and key_padding_mask is None
                    and not need_weights and (attn_mask is None or is_causal)
-                   and (self.dropout == 0.0 or not self.training) and tokens <= MAX_TOKENS)
+                   and (self.dropout == 0.0 or not self.training) and tokens <= MAX_TOKENS
+                   and self.head_dim <= MAX_HEAD_DIM)
         if not covered:
             return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                                    average_attn_weights, is_causal)
