@@ -157,23 +157,17 @@ def _attention_blocks(model: nn.Module) -> list[nn.MultiheadAttention]:
             and block.attn.batch_first and block.attn._qkv_same_embed_dim and block.attn.bias_k is None]
 
 
-def has_short_attention(model: nn.Module) -> bool:
-    """Whether `model` has blocks for model.attention: short (what auto asks before choosing it).
-    auto chooses it where the towers are compiled on a GPU: ViT-B/32 at 32,768 through train.py,
-    7,635 samples/s against sdpa's 6,293 (1.21x) on an H100
-    (results/bench_e2e_h100_b32_32k_attention.json)."""
-    return bool(_attention_blocks(model))
-
-
-def use_short_attention(model: nn.Module) -> int:
+def use_short_attention(model: nn.Module, where_possible: bool = False) -> int:
     """model.attention: short. Make each open_clip ResidualAttentionBlock's nn.MultiheadAttention
     of `model` a ShortAttention in place (the same parameters, hooks and state_dict keys); the
-    number of blocks changed. Call before compiling and wrapping the model."""
-    changed = 0
-    for attention in _attention_blocks(model):
+    number of blocks changed. A model with none is refused, unless `where_possible` (model.attention:
+    auto, which chooses short where the towers are compiled on a GPU: ViT-B/32 at 32,768 through
+    train.py, 7,635 samples/s against sdpa's 6,293 (1.21x) on an H100,
+    results/bench_e2e_h100_b32_32k_attention.json). Call before compiling and wrapping the model."""
+    blocks = _attention_blocks(model)
+    for attention in blocks:
         attention.__class__ = ShortAttention
-        changed += 1
-    if not changed:
+    if not blocks and not where_possible:
         raise UserError("model.attention: short applies to open_clip's transformer towers (nn.MultiheadAttention "
                         "in ResidualAttentionBlock); this model has none: use model.attention: sdpa")
-    return changed
+    return len(blocks)

@@ -48,7 +48,6 @@ from open_clip.factory import load_state_dict
 from open_clip.tokenizer import HFTokenizer
 from open_clip.transformer import VisionTransformer
 
-from clipscale.attention import has_short_attention, use_short_attention
 from clipscale.checkpoint import refusing_pickled_objects
 from clipscale.config import ModelConfig
 from clipscale.errors import UserError
@@ -93,8 +92,10 @@ def build_model(cfg: ModelConfig, compiled: bool = False, gpu: bool = False) -> 
         load_timm_trunk(model.visual, cfg.pretrained_image)
     if cfg.patch_embed == "matmul" or (cfg.patch_embed == "auto" and compiled and has_patch_convolution(model.visual)):
         embed_patches_by_matmul(model.visual)
-    if cfg.attention == "short" or (cfg.attention == "auto" and compiled and gpu and has_short_attention(model)):
-        use_short_attention(model)
+    if cfg.attention == "short" or (cfg.attention == "auto" and compiled and gpu):
+        from clipscale.attention import use_short_attention  # imports Triton: only where its kernels run
+
+        use_short_attention(model, where_possible=cfg.attention == "auto")
     if cfg.force_image_size is not None and hasattr(model.visual, "trunk"):
         model.visual.set_input_size(cfg.force_image_size)  # a timm trunk's own size, after its weights (as open_clip)
     if cfg.lock_image:

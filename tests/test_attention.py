@@ -121,11 +121,16 @@ def test_the_kernels_run_for_what_they_cover():
         attention.short_attention = real
 
 
-def test_the_config_key_builds_it_and_a_model_without_blocks_is_refused():
+def test_the_config_key_and_auto_build_it_and_a_model_without_blocks_is_refused():
     custom = {"embed_dim": 16, "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 32, "layers": 1, "head_width": 16},
               "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
     model = build_model(ModelConfig(custom=custom, attention="short")).model
     assert type(model.visual.transformer.resblocks[0].attn) is ShortAttention
-    assert type(build_model(ModelConfig(custom=custom)).model.visual.transformer.resblocks[0].attn) is nn.MultiheadAttention
+    def attention_of(**where):
+        return type(build_model(ModelConfig(custom=custom), **where).model.visual.transformer.resblocks[0].attn)
+
+    assert attention_of(compiled=True, gpu=True) is ShortAttention  # auto: compiled on a GPU
+    assert attention_of(compiled=True) is attention_of(gpu=True) is attention_of() is nn.MultiheadAttention
     with pytest.raises(UserError, match="model.attention: short applies to open_clip's transformer towers"):
         use_short_attention(nn.Sequential(nn.Linear(2, 2)))
+    assert use_short_attention(nn.Sequential(nn.Linear(2, 2)), where_possible=True) == 0  # auto leaves it as it is
