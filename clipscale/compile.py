@@ -43,7 +43,8 @@ PORTABLE_CACHE = "portable_cache.bin"
 # The attention kernels F.scaled_dot_product_attention may choose from (torch.backends.cuda's
 # switches): all of them, torch's choice, unless CLIPSCALE_ATTENTION names some, comma-separated.
 # A benchmark's switch (issue 49): at ViT-B/32's 50 tokens, cuDNN's flash kernels took 17% of the
-# ceiling's kernel time for about 1% of its FLOPs (results/bench_ceiling_h200_kernel_account_b32_b16.json).
+# ceiling's kernel time for about 1% of its FLOPs (results/bench_ceiling_h200_kernel_account_b32_b16.json);
+# none of them beat it, and such sequences now take clipscale's own kernel (model.attention, clipscale/attention.py).
 ATTENTION_BACKENDS = {"flash": "enable_flash_sdp", "cudnn": "enable_cudnn_sdp", "efficient": "enable_mem_efficient_sdp",
                       "math": "enable_math_sdp"}
 
