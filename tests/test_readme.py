@@ -139,7 +139,7 @@ def test_a_case_measured_beside_its_ceiling_shows_the_fraction(tmp_path):
 def test_a_case_shows_its_text_positions_and_a_ceiling_measured_beside_its_twin(tmp_path):
     """The text positions a sample, the run's median; a case run without a ceiling (ceiling=0) gets
     the fraction of the ceiling measured beside another case of the command with the same model,
-    batch and chunk, and says so; one with another batch gets none."""
+    batch, chunk and towers, and says so; one with another batch or attention gets none."""
     (tmp_path / "results").mkdir()
     base = {"exit_code": 0, "steps_done": 12, "window": "steps 2..11 of 12", "first_step_s": 70.0, "steady_step_s": 8.0,
             "peak_host_gib": 7.0, "peak_gpu_used_gib": 26.0}
@@ -148,9 +148,11 @@ def test_a_case_shows_its_text_positions_and_a_ceiling_measured_beside_its_twin(
                 "text_positions_per_sample": [27.9, 28.1, 27.9, 50.0], "ceiling": {"samples_per_s": 5400.0}}
     twin = {**base, "case": {**case, "decode_in": "process", "ceiling": "0"}, "samples_per_s": 4050.0}
     other = {**base, "case": {**case, "batch": "65536", "ceiling": "0"}, "samples_per_s": 3900.0}
-    record = {"device": "NVIDIA H100 80GB HBM3", "workers": 14, "cases": [measured, twin, other]}
+    other_towers = {**base, "case": {**case, "attention": "short", "ceiling": "0"}, "samples_per_s": 4800.0}
+    record = {"device": "NVIDIA H100 80GB HBM3", "workers": 14, "cases": [measured, twin, other, other_towers]}
     (tmp_path / "results" / "bench_e2e_twins.json").write_text(json.dumps(record))
     table = results_table().table(tmp_path)
     assert "| 28.0 | 4,000 (74% of its towers' ceiling, same command) |" in table
     assert "| 4,050 (75% of the ceiling measured beside another case of the command) |" in table
     assert "| 3,900 |" in table
+    assert "| 4,800 |" in table  # another attention than the ceiling's: not its twin

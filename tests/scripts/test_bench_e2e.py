@@ -64,7 +64,7 @@ def test_a_clipscale_case_reports_its_ceiling_and_the_numbers_of_each_row(shards
     assert result["of_ceiling"] == pytest.approx(result["samples_per_s"] / ceiling["samples_per_s"])
 
 
-def test_the_ceiling_follows_the_runs_text_positions_chunk_and_per_process_batch(shards):
+def test_the_ceiling_follows_the_runs_towers_text_positions_chunk_and_per_process_batch(shards):
     args = args_for(shards)
     ran_full = {"text_positions_per_sample": [None, None]}
     case = {"runner": "clipscale", "batch": "64", "chunk": "16", "steps": "3", "loss": "vanilla"}
@@ -76,6 +76,8 @@ def test_the_ceiling_follows_the_runs_text_positions_chunk_and_per_process_batch
     ceiling = bench_e2e.ceiling_case(auto, {"auto_chunk": "train.chunk_size=auto: 24 samples per encoder pass (...)"}, args)
     assert (ceiling["chunk"], ceiling["batch"], ceiling["text"]) == ("24", 32, "cut")
     assert bench_e2e.ceiling_case({**case, "chunk": "none"}, ran_full, args)["chunk"] == "64"
+    towers = {"patch_embed": "conv", "attention": "short"}  # the run's towers are the ceiling's (issue 49's switches)
+    assert towers.items() <= bench_e2e.ceiling_case({**case, **towers}, ran_full, args).items()
 
 
 def test_each_ranks_data_wait_is_read_where_the_run_logged_it(tmp_path):
