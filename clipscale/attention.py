@@ -4,7 +4,7 @@ for sequences of at most `MAX_TOKENS` tokens (`attention_programs.py` has the ke
 Each open_clip `ResidualAttentionBlock`'s `nn.MultiheadAttention` becomes a `ShortAttention`: the
 same module with the same parameters and state_dict keys (checkpoints load both ways with
 open_clip), whose forward computes the packed projection, the attention (`short_attention`, a
-custom operator with its own backward, visible to torch.compile) and the output projection, as
+custom operator with its own backward, which torch.compile calls as it is) and the output projection, as
 nn.MultiheadAttention does with F.scaled_dot_product_attention. What it does not cover it hands to
 nn.MultiheadAttention unchanged: longer sequences, a mask that is not the causal hint's, key
 padding masks, dropout, attention weights asked for, cross-attention.
@@ -52,8 +52,6 @@ def _forward_outputs(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch
     return (qkv.new_empty((b, s, width3 // 3)), qkv.new_empty((b * heads, token_block(s)), dtype=lse_dtype))
 
 
-# Custom operators, opaque to torch.compile (Inductor calls them between its own kernels; CUDA graphs
-# capture their launches), so that the same programs also run in Triton's interpreter on the CPU.
 def _launch(qkv: torch.Tensor, heads: int, causal: bool) -> tuple[tuple[int], int, dict]:
     """A launch's grid (one program per sample and head), head width and compile-time settings."""
     b, s, width3 = qkv.shape
@@ -63,6 +61,8 @@ def _launch(qkv: torch.Tensor, heads: int, causal: bool) -> tuple[tuple[int], in
     return (b * heads,), head_dim, settings
 
 
+# Custom operators, opaque to torch.compile (Inductor calls them between its own kernels; CUDA graphs
+# capture their launches), so that the same programs also run in Triton's interpreter on the CPU.
 @custom_op("clipscale::short_attention_forward", mutates_args=())
 def _forward(qkv: torch.Tensor, heads: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     grid, head_dim, settings = _launch(qkv, heads, causal)
