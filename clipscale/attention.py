@@ -21,7 +21,7 @@ from torch import nn
 from torch.library import custom_op
 
 from clipscale.errors import UserError
-from clipscale.losses.infcl.precision import torch_allows_tf32
+from clipscale.losses.infcl.kernels import dot_precision
 from clipscale.triton_modes import interpreting, programs
 
 MAX_TOKENS = 64
@@ -37,14 +37,6 @@ def token_block(tokens: int) -> int:
     raise ValueError(f"short attention takes at most {MAX_TOKENS} tokens, got {tokens}")
 
 
-def _precision(dtype: torch.dtype) -> str:
-    """`tl.dot`'s input_precision: IEEE float32 for float32 inputs unless PyTorch allows TF32 for
-    its own matmuls; bf16/fp16 inputs accumulate in float32 either way."""
-    if interpreting():
-        return "ieee"
-    return "tf32" if dtype != torch.float32 or torch_allows_tf32() else "ieee"
-
-
 def _forward_outputs(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward's output [b, s, width] and its rows' log-sum-exp (base 2) [b * heads, BLOCK]."""
     b, s, width3 = qkv.shape
@@ -57,7 +49,7 @@ def _launch(qkv: torch.Tensor, heads: int, causal: bool) -> tuple[tuple[int], in
     b, s, width3 = qkv.shape
     head_dim, block = width3 // (3 * heads), token_block(s)
     settings = dict(CAUSAL=causal, BLOCK=block, HEAD_BLOCK=max(16, triton.next_power_of_2(head_dim)),
-                    PREC=_precision(qkv.dtype), num_warps=4 if block <= 32 else 8)
+                    PREC=dot_precision(qkv.dtype, exact=False), num_warps=4 if block <= 32 else 8)
     return (b * heads,), head_dim, settings
 
 

@@ -68,8 +68,8 @@ def image_and_text_step(model: nn.Module, images: torch.Tensor, texts: torch.Ten
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_clip_gives_open_clips_features_and_gradients(compiled):
-    """Both towers changed (the text tower's causal mask with the causal hint, as caption_length sets
-    it, and without: then the mask is not the hint's and nn.MultiheadAttention computes it)."""
+    """Both towers changed, the text tower's causal mask with the causal hint, as caption_length sets
+    it (a mask without the hint: test_the_kernels_run_for_what_they_cover)."""
     from clipscale.caption_length import use_causal_kernel
 
     want_model = tiny_clip(dropout=0.0).double()
@@ -91,7 +91,7 @@ def test_a_clip_gives_open_clips_features_and_gradients(compiled):
     assert got.keys() == want.keys() and relative_error(got, want) < 1e-11
 
 
-def test_the_kernels_run_for_what_they_cover():
+def test_the_kernels_run_for_what_they_cover(monkeypatch):
     """A forward of ViT-like self-attention runs the program; each case outside falls back to
     nn.MultiheadAttention (their own computation, the same result)."""
     from clipscale import attention
@@ -103,22 +103,19 @@ def test_the_kernels_run_for_what_they_cover():
     x = torch.randn(2, 9, 32, dtype=torch.float64)
     calls = []
     real = attention.short_attention
-    attention.short_attention = lambda *a, **k: calls.append(a[0].shape) or real(*a, **k)
-    try:
-        covered = short(x, x, x, need_weights=False)[0]
-        assert calls == [torch.Size([2, 9, 96])]
-        torch.testing.assert_close(covered, module(x, x, x, need_weights=False)[0], rtol=1e-12, atol=1e-13)
-        long_x = torch.randn(2, MAX_TOKENS + 1, 32, dtype=torch.float64)
-        additive = torch.zeros(9, 9, dtype=torch.float64)
-        for args, kwargs in [((x, x, x), {"need_weights": True}),
-                             ((x, x, x), {"need_weights": False, "attn_mask": additive}),
-                             ((x, x, x), {"need_weights": False, "key_padding_mask": torch.zeros(2, 9, dtype=torch.bool)}),
-                             ((x, x.clone(), x), {"need_weights": False}),
-                             ((long_x, long_x, long_x), {"need_weights": False})]:
-            torch.testing.assert_close(short(*args, **kwargs)[0], module(*args, **kwargs)[0], rtol=1e-12, atol=1e-13)
-        assert len(calls) == 1
-    finally:
-        attention.short_attention = real
+    monkeypatch.setattr(attention, "short_attention", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    covered = short(x, x, x, need_weights=False)[0]
+    assert calls == [torch.Size([2, 9, 96])]
+    torch.testing.assert_close(covered, module(x, x, x, need_weights=False)[0], rtol=1e-12, atol=1e-13)
+    long_x = torch.randn(2, MAX_TOKENS + 1, 32, dtype=torch.float64)
+    additive = torch.zeros(9, 9, dtype=torch.float64)
+    for args, kwargs in [((x, x, x), {"need_weights": True}),
+                         ((x, x, x), {"need_weights": False, "attn_mask": additive}),
+                         ((x, x, x), {"need_weights": False, "key_padding_mask": torch.zeros(2, 9, dtype=torch.bool)}),
+                         ((x, x.clone(), x), {"need_weights": False}),
+                         ((long_x, long_x, long_x), {"need_weights": False})]:
+        torch.testing.assert_close(short(*args, **kwargs)[0], module(*args, **kwargs)[0], rtol=1e-12, atol=1e-13)
+    assert len(calls) == 1
 
 
 def test_the_config_key_and_auto_build_it_and_a_model_without_blocks_is_refused():
