@@ -24,42 +24,57 @@ from clipscale.errors import UserError
 from clipscale.losses.infcl.kernels import dot_precision
 from clipscale.triton_modes import interpreting, programs
 
-MAX_TOKENS = 64
+ONE_TILE_TOKENS = 64  # up to here one program holds a (sample, head) whole; beyond, it loops over key blocks
+MAX_TOKENS = 256  # ViT-B/16's 197 image tokens; longer sequences stay with F.scaled_dot_product_attention
+LOOP_BLOCK = 64  # the loop programs' query and key blocks
 MAX_HEAD_DIM = 128  # beyond it, a program's [64, head_dim] float32 tiles outgrow its registers
 LOG2_E = 1.4426950408889634
 
 
 def token_block(tokens: int) -> int:
-    """The programs' tile height for `tokens` (a power of two, at least 16: `tl.dot`'s least side)."""
+    """The one-tile programs' tile height for `tokens` (a power of two, at least 16: `tl.dot`'s least
+    side); the loop programs' block (LOOP_BLOCK) for longer sequences."""
     for block in (16, 32, 64):
         if tokens <= block:  # comparisons, not next_power_of_2: a dynamic length gets a range guard
             return block
+    if tokens <= MAX_TOKENS:
+        return LOOP_BLOCK
     raise ValueError(f"short attention takes at most {MAX_TOKENS} tokens, got {tokens}")
 
 
+def _blocks(tokens: int) -> int:
+    """How many blocks of `token_block(tokens)` rows the sequence takes (1 up to ONE_TILE_TOKENS)."""
+    return 1 if tokens <= ONE_TILE_TOKENS else -(-tokens // LOOP_BLOCK)
+
+
 def _forward_outputs(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward's output [b, s, width] and its rows' log-sum-exp (base 2) [b * heads, BLOCK]."""
+    """The forward's output [b, s, width] and its rows' log-sum-exp (base 2) [b * heads, rows padded to blocks]."""
     b, s, width3 = qkv.shape
     lse_dtype = torch.float64 if qkv.dtype == torch.float64 else torch.float32
-    return (qkv.new_empty((b, s, width3 // 3)), qkv.new_empty((b * heads, token_block(s)), dtype=lse_dtype))
+    padded = _blocks(s) * token_block(s)
+    return qkv.new_empty((b, s, width3 // 3)), qkv.new_empty((b * heads, padded), dtype=lse_dtype)
 
 
-def _launch(qkv: torch.Tensor, heads: int, causal: bool) -> tuple[tuple[int], int, dict]:
-    """A launch's grid (one program per sample and head), head width and compile-time settings."""
+def _launch(qkv: torch.Tensor, heads: int, causal: bool, direction: str):
+    """A launch's program (one-tile or loop, `direction` fwd or bwd), grid (one program per sample,
+    head and block), head width and compile-time settings."""
     b, s, width3 = qkv.shape
     head_dim, block = width3 // (3 * heads), token_block(s)
     settings = dict(CAUSAL=causal, BLOCK=block, HEAD_BLOCK=max(16, triton.next_power_of_2(head_dim)),
-                    PREC=dot_precision(qkv.dtype, exact=False), num_warps=4 if block <= 32 else 8)
-    return (b * heads,), head_dim, settings
+                    PREC=dot_precision(qkv.dtype, exact=False))
+    device = programs("clipscale.attention_programs", interpreting())
+    if s <= ONE_TILE_TOKENS:
+        settings["num_warps"] = 4 if block <= 32 else 8
+        return getattr(device, f"attention_{direction}_kernel"), (b * heads,), head_dim, settings
+    return getattr(device, f"attention_{direction}_loop_kernel"), (b * heads, _blocks(s)), head_dim, settings
 
 
 # Custom operators, opaque to torch.compile (Inductor calls them between its own kernels; CUDA graphs
 # capture their launches), so that the same programs also run in Triton's interpreter on the CPU.
 @custom_op("clipscale::short_attention_forward", mutates_args=())
 def _forward(qkv: torch.Tensor, heads: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    grid, head_dim, settings = _launch(qkv, heads, causal)
+    kernel, grid, head_dim, settings = _launch(qkv, heads, causal, "fwd")
     out, lse = _forward_outputs(qkv, heads)
-    kernel = programs("clipscale.attention_programs", interpreting()).attention_fwd_kernel
     kernel[grid](qkv, out, lse, qkv.shape[1], heads, head_dim, qkv.stride(0), qkv.stride(1), out.stride(0),
                  out.stride(1), LOG2_E / math.sqrt(head_dim), **settings)
     return out, lse
@@ -68,9 +83,8 @@ def _forward(qkv: torch.Tensor, heads: int, causal: bool) -> tuple[torch.Tensor,
 @custom_op("clipscale::short_attention_backward", mutates_args=())
 def _backward(qkv: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, heads: int,
               causal: bool) -> torch.Tensor:
-    grid, head_dim, settings = _launch(qkv, heads, causal)
+    kernel, grid, head_dim, settings = _launch(qkv, heads, causal, "bwd")
     grad_qkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-    kernel = programs("clipscale.attention_programs", interpreting()).attention_bwd_kernel
     kernel[grid](qkv, out, grad_out, lse, grad_qkv, qkv.shape[1], heads, head_dim, qkv.stride(0), qkv.stride(1),
                  out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1), 1 / math.sqrt(head_dim),
                  LOG2_E / math.sqrt(head_dim), **settings)

@@ -1,6 +1,6 @@
 """The towers' self-attention alone on the GPU: open_clip's nn.MultiheadAttention (F.scaled_dot_product_attention,
 torch's kernel choice) against `model.attention: short` (clipscale/attention.py), at the shapes of a
-ViT-B/32 chunk (50 tokens, width 768, 12 heads) and of its text chunks cut to their length (width 512,
+ViT-B/32 chunk (50 tokens, width 768, 12 heads), a ViT-B/16 chunk (197 tokens) and of text chunks cut to their length (width 512,
 8 heads, causal), compiled as the towers are, under bf16 autocast: the forward without autograd
 (Gradient Cache's pass 1) and forward plus backward (pass 2), milliseconds per call by CUDA events,
 and how far short's outputs and gradients lie from sdpa's (both against a float32 reference).
@@ -23,6 +23,7 @@ from clipscale.provenance import provenance
 
 SHAPES = {  # name: (samples, tokens, width, heads, causal)
     "ViT-B/32 image chunk": (512, 50, 768, 12, False),
+    "ViT-B/16 image chunk": (256, 197, 768, 12, False),
     "text chunk, 28 positions": (512, 28, 512, 8, True),
     "text chunk, 64 positions": (512, 64, 512, 8, True),
 }

@@ -2,8 +2,8 @@
 Triton programs (clipscale/attention.py), run here in Triton's interpreter on CPU tensors.
 
 Held to F.scaled_dot_product_attention in float64: the output and the packed projection's gradient
-at awkward sizes (1, 5, 7, 33, 50 and 64 tokens, head widths 8 to 64 and one not a power of two,
-causal and not, a strided input); a whole open_clip CLIP with every block changed gives the same
+at awkward sizes (1, 5, 7, 33, 50 and 64 tokens in one tile; 65, 100, 197 and 256 through the key
+loop; head widths 8 to 64 and one not a power of two, causal and not, a strided input); a whole open_clip CLIP with every block changed gives the same
 features and every parameter's gradient as open_clip's own, eager and compiled (aot_eager), with the
 same state_dict; what the kernels do not cover falls back to nn.MultiheadAttention.
 """
@@ -33,7 +33,8 @@ def interpreted(monkeypatch):
 
 @pytest.mark.parametrize("samples, tokens, heads, head_dim, causal", [
     (3, 50, 3, 64, False), (2, 7, 2, 32, True), (2, 1, 1, 16, False), (1, 64, 2, 64, True), (2, 33, 3, 24, False),
-    (2, 17, 2, 16, True), (2, 5, 2, 8, True)])
+    (2, 17, 2, 16, True), (2, 5, 2, 8, True),
+    (2, 65, 2, 16, False), (2, 197, 2, 32, False), (2, 100, 2, 24, True), (1, 256, 1, 16, True)])  # key loop
 def test_output_and_gradient_equal_sdpa_in_float64(samples, tokens, heads, head_dim, causal):
     torch.manual_seed(tokens)
     qkv = torch.randn(samples, tokens, 3 * heads * head_dim, dtype=torch.float64, requires_grad=True)

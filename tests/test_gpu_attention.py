@@ -1,9 +1,9 @@
 """model.attention: short on the GPU (issue 49): the compiled programs at the towers' real sizes.
 
-Float32 inputs (IEEE products) against float64 at ViT-B/32's 50 tokens and caption lengths, causal
-and not; bf16 inputs no further from float64 than torch's own bf16 attention (twice its error and a
-rounding step); a ViT-B/32 CLIP compiled with Inductor and CUDA graphs as train.py compiles it,
-short against sdpa, text cut to several lengths (dynamic shapes; the full 77 falls back to sdpa),
+Float32 inputs (IEEE products) against float64 at ViT-B/32's 50 tokens, ViT-B/16's 197 and caption
+lengths, causal and not (one tile up to 64 tokens, the key loop beyond); bf16 inputs no further from
+float64 than torch's own bf16 attention (twice its error and a rounding step); a ViT-B/32 CLIP compiled with Inductor and CUDA graphs as train.py compiles it,
+short against sdpa, text cut to several lengths (dynamic shapes; the full 77 through the key loop),
 features and gradients to bf16's rounding.
 """
 
@@ -23,7 +23,8 @@ from clipscale.compile import begin_graph_step, compile_towers
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.timeout(600)]
 
-SIZES = [(512, 50, 12, 64, False), (512, 28, 8, 64, True), (256, 64, 8, 64, True), (7, 33, 3, 64, False), (5, 17, 2, 32, True)]
+SIZES = [(512, 50, 12, 64, False), (512, 28, 8, 64, True), (256, 64, 8, 64, True), (256, 197, 12, 64, False),
+         (64, 77, 8, 64, True), (7, 33, 3, 64, False), (5, 17, 2, 32, True), (3, 130, 2, 64, False)]
 
 
 @pytest.mark.parametrize("samples, tokens, heads, head_dim, causal", SIZES)
@@ -40,7 +41,7 @@ def test_float32_against_float64(samples, tokens, heads, head_dim, causal):
     torch.testing.assert_close(got_grad.double(), want_grad, rtol=1e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("samples, tokens, heads, head_dim, causal", SIZES[:3])
+@pytest.mark.parametrize("samples, tokens, heads, head_dim, causal", SIZES[:5])
 def test_bf16_no_further_from_float64_than_torchs_bf16_attention(samples, tokens, heads, head_dim, causal):
     torch.manual_seed(tokens)
     qkv = torch.randn(samples, tokens, 3 * heads * head_dim, device="cuda", dtype=torch.float64)
@@ -71,7 +72,7 @@ def test_compiled_clip_with_cuda_graphs_matches_sdpa(tmp_path):
     results = {}
     for name, model in (("sdpa", sdpa), ("short", short)):
         rows = []
-        for length in (20, 28, 41, 64, 77):  # cut lengths (the text blocks' dynamic shapes); 77: sdpa
+        for length in (20, 28, 41, 64, 77):  # cut lengths (the text blocks' dynamic shapes); 77: the loop programs
             text = tokens[:, :length].clone()
             text[:, -1] = 49407  # the end-of-text token (open_clip pools at the largest id)
             model.zero_grad(set_to_none=True)

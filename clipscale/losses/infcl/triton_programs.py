@@ -42,7 +42,6 @@ on the FMA units) or "tf32"; bf16/fp16 inputs always accumulate in float32.
 
 from __future__ import annotations
 
-import inspect
 import os
 from types import MappingProxyType
 
@@ -50,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from clipscale.triton_modes import interpreting
+from clipscale.triton_modes import KEEP_TUNING, interpreting
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): natural-log scores to base 2
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): base-2 LSEs back to natural log
@@ -69,12 +68,6 @@ _UPCAST = tl.constexpr(INTERPRET)
 
 # Autotune the tile configs (False: one default config per precision).
 TUNE = os.environ.get("CLIPSCALE_TUNE", "1") != "0"
-# The tuning's timings kept in Triton's cache (TRITON_CACHE_DIR, else ~/.triton/cache), keyed by
-# the program's source, the GPU's architecture, the size class and the configs: a later process (a
-# resumed or requeued job) launches the best config at once instead of compiling and timing every
-# one again, 12-15 s of a first step at 65,536 on an H200 (results/pyspy_h200_b32_65k_first_step_2467fba.txt).
-# Triton keeps them from 3.4 on; older ones tune in every process.
-KEEP_TUNING = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
 def bucket(x: int) -> int:
