@@ -1,5 +1,7 @@
-"""`model.attention: short`: the towers' self-attention in one Triton program per (sample, head)
-for sequences of at most `MAX_TOKENS` tokens (`attention_programs.py` has the kernels and math).
+"""`model.attention: short`: the towers' self-attention of sequences of at most `MAX_TOKENS` tokens in
+clipscale's Triton programs (`attention_programs.py` has the kernels and math): up to ONE_TILE_TOKENS
+one program per (sample, head) holds the whole problem; beyond, one per (sample, head, block of
+LOOP_BLOCK queries) loops over the key blocks.
 
 Each open_clip `ResidualAttentionBlock`'s `nn.MultiheadAttention` becomes a `ShortAttention`: the
 same module with the same parameters and state_dict keys (checkpoints load both ways with

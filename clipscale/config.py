@@ -124,10 +124,11 @@ class ModelConfig:
     # tower is an open_clip ViT (1.15x a ViT-B/32 step on an H200, docs/models.md), else conv.
     patch_embed: Literal["auto", "conv", "matmul"] = may_change("auto")
     # The towers' self-attention (open_clip's nn.MultiheadAttention): "sdpa", as open_clip computes it
-    # (F.scaled_dot_product_attention, torch's kernel choice), or "short": sequences of at most 64
-    # tokens (ViT-B/32's 50, captions cut to their length) in one Triton program per sample and head
-    # (clipscale/attention.py), the same parameters; longer ones as sdpa. "auto": short where the
-    # towers are compiled on a GPU (1.21x a ViT-B/32 step through train.py on an H100), else sdpa.
+    # (F.scaled_dot_product_attention, torch's kernel choice), or "short": sequences of at most 256
+    # tokens (ViT-B/32's 50, ViT-B/16's 197, captions cut to their length) in clipscale's Triton
+    # programs (clipscale/attention.py), the same parameters; longer ones as sdpa. "auto": short where
+    # the towers are compiled on a GPU (1.21x a ViT-B/32 step through train.py, ViT-B/16's ceiling
+    # 1.08x, on an H100), else sdpa.
     attention: Literal["auto", "sdpa", "short"] = may_change("auto")
     # The text tower at its captions' own length (clipscale.caption_length): each step encodes its
     # texts in length order, each chunk only up to its longest caption, where that gives the same

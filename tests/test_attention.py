@@ -47,13 +47,14 @@ def test_output_and_gradient_equal_sdpa_in_float64(samples, tokens, heads, head_
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-13)
 
 
-def test_a_strided_projection_is_read_in_place():
+@pytest.mark.parametrize("tokens", [25, 70])  # one tile; the key loop
+def test_a_strided_projection_is_read_in_place(tokens):
     """A view whose samples lie apart (a slice of a longer sequence) gives the contiguous copy's results."""
     torch.manual_seed(0)
-    longer = torch.randn(2, 40, 3 * 2 * 16, dtype=torch.float64)
-    qkv = longer[:, 5:30].requires_grad_()
+    longer = torch.randn(2, tokens + 15, 3 * 2 * 16, dtype=torch.float64)
+    qkv = longer[:, 5:5 + tokens].requires_grad_()
     assert not qkv.is_contiguous()
-    probe = torch.randn(2, 25, 32, dtype=torch.float64)
+    probe = torch.randn(2, tokens, 32, dtype=torch.float64)
     got_grad, = torch.autograd.grad(short_attention(qkv, 2), qkv, probe)
     want_grad, = torch.autograd.grad(reference_attention(qkv, 2), qkv, probe)
     torch.testing.assert_close(short_attention(qkv, 2), reference_attention(qkv, 2), rtol=1e-12, atol=1e-13)
