@@ -3,9 +3,10 @@ Triton programs (clipscale/attention.py), run here in Triton's interpreter on CP
 
 Held to F.scaled_dot_product_attention in float64: the output and the packed projection's gradient
 at awkward sizes (1, 5, 7, 33, 50 and 64 tokens in one tile; 65, 100, 197 and 256 through the key
-loop; head widths 8 to 64 and one not a power of two, causal and not, a strided input); a whole open_clip CLIP with every block changed gives the same
-features and every parameter's gradient as open_clip's own, eager and compiled (aot_eager), with the
-same state_dict; what the kernels do not cover falls back to nn.MultiheadAttention.
+loop; head widths 8 to 64 and one not a power of two, causal and not, a strided input); a whole
+open_clip CLIP with every block changed gives the same features and every parameter's gradient as
+open_clip's own, eager and compiled (aot_eager), with the same state_dict; what the kernels do not
+cover falls back to nn.MultiheadAttention.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 Float32 inputs (IEEE products) against float64 at ViT-B/32's 50 tokens, ViT-B/16's 197 and caption
 lengths, causal and not (one tile up to 64 tokens, the key loop beyond); bf16 inputs no further from
-float64 than torch's own bf16 attention (twice its error and a rounding step); a ViT-B/32 CLIP compiled with Inductor and CUDA graphs as train.py compiles it,
-short against sdpa, text cut to several lengths (dynamic shapes; the full 77 through the key loop),
-features and gradients to bf16's rounding.
+float64 than torch's own bf16 attention (twice its error and a rounding step); a ViT-B/32 CLIP
+compiled with Inductor and CUDA graphs as train.py compiles it, short against sdpa, text cut to
+several lengths (dynamic shapes; the full 77 through the key loop), features and gradients to bf16's
+rounding.
 """
 
 from __future__ import annotations
