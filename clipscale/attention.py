@@ -68,6 +68,7 @@ def _launch(qkv: torch.Tensor, heads: int, causal: bool, direction: str):
     if s <= ONE_TILE_TOKENS:
         settings["num_warps"] = 4 if block <= 32 else 8
         return getattr(device, f"attention_{direction}_kernel"), (b * heads,), head_dim, settings
+    settings["length_class"] = triton.next_power_of_2(s)  # the autotuner's key: one tuning for 65-128, one for 129-256
     return getattr(device, f"attention_{direction}_loop_kernel"), (b * heads, _blocks(s)), head_dim, settings
 
 

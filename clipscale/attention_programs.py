@@ -125,7 +125,9 @@ def attention_bwd_kernel(QKV, O, dO, LSE, dQKV, seq_len, heads, head_dim, stride
 # over the query blocks) and then its dQ (looping over the key blocks), recomputing P each time, so
 # that no two programs write the same gradient and no atomics are needed. Causal programs stop at the
 # diagonal block. delta_i = sum_d dO_id O_id is recomputed wherever a query block is loaded.
-# BLOCK is 64 (the LSE rows are padded to it); the warps and the loads' pipeline depth are tuned.
+# BLOCK is 64 (the LSE rows are padded to it); the warps and the loads' pipeline depth are tuned, once
+# per head width and `length_class` (the length's next power of two), not per length: the text
+# tower's chunks come in many lengths, and each new one would tune again in the middle of training.
 
 
 def _loop_configs():
@@ -134,10 +136,10 @@ def _loop_configs():
     return [triton.Config({}, num_warps=warps, num_stages=stages) for warps in (4, 8) for stages in (1, 2, 3)]
 
 
-@triton.autotune(configs=_loop_configs(), key=["seq_len", "head_dim"], **KEEP_TUNING)
+@triton.autotune(configs=_loop_configs(), key=["length_class", "head_dim"], **KEEP_TUNING)
 @triton.jit
 def attention_fwd_loop_kernel(QKV, O, LSE, seq_len, heads, head_dim, stride_qkv_b, stride_qkv_s, stride_o_b,
-                              stride_o_s, scale_log2, CAUSAL: tl.constexpr, BLOCK: tl.constexpr,
+                              stride_o_s, scale_log2, length_class, CAUSAL: tl.constexpr, BLOCK: tl.constexpr,
                               HEAD_BLOCK: tl.constexpr, PREC: tl.constexpr):
     """Program (sample * heads + head, query block): that block's rows of O and of LSE [b * heads, padded]."""
     program, block = tl.program_id(0), tl.program_id(1)
@@ -167,11 +169,12 @@ def attention_fwd_loop_kernel(QKV, O, LSE, seq_len, heads, head_dim, stride_qkv_
     tl.store(LSE + program * tl.num_programs(1) * BLOCK + rows, row_max + tl.log2(row_sum))
 
 
-@triton.autotune(configs=_loop_configs(), key=["seq_len", "head_dim"], **KEEP_TUNING)
+@triton.autotune(configs=_loop_configs(), key=["length_class", "head_dim"], **KEEP_TUNING)
 @triton.jit
 def attention_bwd_loop_kernel(QKV, O, dO, LSE, dQKV, seq_len, heads, head_dim, stride_qkv_b, stride_qkv_s, stride_o_b,
-                              stride_o_s, stride_do_b, stride_do_s, scale, scale_log2, CAUSAL: tl.constexpr,
-                              BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr, PREC: tl.constexpr):
+                              stride_o_s, stride_do_b, stride_do_s, scale, scale_log2, length_class,
+                              CAUSAL: tl.constexpr, BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr,
+                              PREC: tl.constexpr):
     """Program (sample * heads + head, block n): block n's dK, dV and dQ into dQKV, laid out as QKV (contiguous)."""
     program, block = tl.program_id(0), tl.program_id(1)
     sample, head = program // heads, program % heads
