@@ -46,7 +46,9 @@ from clipscale.caption_length import to_device_async
 from clipscale.triton_modes import interpreting, programs
 
 INTERPRET = interpreting()  # the mode @triton.jit decorates these programs in, read as it reads it
-BLOCK_R, BLOCK_X = (8, 64) if not INTERPRET else (4, 16)  # a program's tile: rows x output columns
+BLOCK_R, BLOCK_X = (8, 64) if not INTERPRET else (8, 16)  # a program's tile: rows x output columns (the
+# interpreter's narrower, so that the tests' small outputs still span several tiles across; each of its
+# programs costs milliseconds, and (4, 16) took 66 s of a CI worker for one test)
 
 # The per-image table's columns (int64 [n, TABLE]): where the image's uint8 pixels are, the
 # strides of its channels, rows and columns (pixel (c, y, x) at address + c * CHANNEL_STRIDE +
