@@ -186,6 +186,8 @@ class DataConfig:
     worker_decode_share: float | Literal["auto"] = may_change("auto")
     # GiB of a step's pass-1 chunks (uint8 pixels, tokens) kept on the device for Gradient Cache's
     # pass 2, which then neither decodes nor copies them again; null: a quarter of the GPU's memory.
+    # Beyond it they wait on the host and, where the host has no room (a million samples on one
+    # GPU), on disk in $TMPDIR (docs/architecture.md).
     keep_on_device_gib: Optional[float] = may_change(None)
     # data.decoder=device: threads of the training process decoding the GPU's JPEGs (null: 2); 0:
     # none, the training thread decodes each chunk itself (the next batch's between this step's

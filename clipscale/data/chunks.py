@@ -11,16 +11,20 @@ preparing chunks before their pass asks (`prepare_ahead`), and the time the step
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import math
 import mmap
 import os
+import tempfile
 import threading
 import time
 import weakref
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from multiprocessing import reduction
+from pathlib import Path
 from typing import Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
@@ -573,6 +577,10 @@ class OnHost:
             self.copied = copy_stream.record_event()
         chunk.record_stream(copy_stream)  # its device memory is not reused before the copy has run
 
+    def prepared(self) -> "OnHost":
+        """As pass 2 prepares it: nothing to start, its pixels are on the host."""
+        return self
+
     def on_device(self, device: torch.device, copy_stream) -> torch.Tensor:
         if copy_stream is not None:
             copy_stream.wait_event(self.copied)
@@ -601,12 +609,17 @@ class HostWaitingRoom:
     SEGMENT_BYTES = GIB  # a segment holds a whole number of the chunk it is made for; a shorter tail stays unused
     ALIGN = 64
 
-    def __init__(self, make_ahead: int = 0, chunk_bytes: int = 0):
+    def __init__(self, make_ahead: int = 0, chunk_bytes: int = 0, spill: "SpillFile | None" = None):
         """`make_ahead`: bytes of segments for chunks of `chunk_bytes` made from the start, in a thread
         of their own (while the first step compiles its towers), instead of in pass 1's thread as the
-        first batch reaches them: page-locking 1 GiB takes about 0.3 s there beside busy workers."""
+        first batch reaches them: page-locking 1 GiB takes about 0.3 s there beside busy workers.
+        With a `spill`, the room holds about `make_ahead` bytes (at most a segment more), and the
+        chunks beyond it wait on disk, spread over the batch (`SpillFile.share`)."""
         self.segments: list[torch.Tensor] = []  # uint8, never freed before the run's end: copies may still read them
         self.segment, self.offset = 0, 0  # where the batch's next chunk goes
+        self.spill = spill
+        self.limit = max(make_ahead, 1) if spill is not None else None
+        self.held_bytes = self.spilled_bytes = 0  # the batch's, so far
         self.last_copy: torch.cuda.Event | None = None
         self.before_this_batch: torch.cuda.Event | None = None
         self.ahead: deque[Future] = deque()  # segments being made, in order
@@ -641,10 +654,28 @@ class HostWaitingRoom:
     def begin_batch(self) -> None:
         self.segment, self.offset = 0, 0
         self.before_this_batch, self.last_copy = self.last_copy, None
+        self.held_bytes = self.spilled_bytes = 0
+        if self.spill is not None:
+            self.spill.begin_batch()
 
-    def hold(self, chunk: torch.Tensor, copy_stream) -> OnHost:
-        """`chunk` copied into the next rows of the room."""
+    def _fits(self, size: int) -> bool:
+        """The room holds `size` more bytes of the batch in its segments, or in a new one while it
+        holds less than its limit (so at most a segment more)."""
+        if self.limit is None or self.segment < len(self.segments) and (
+                self.offset + size <= len(self.segments[self.segment]) or self.segment + 1 < len(self.segments)):
+            return True
+        return self.bytes < self.limit
+
+    def hold(self, chunk: torch.Tensor, copy_stream) -> "OnHost | OnDisk":
+        """`chunk` copied into the next rows of the room, or, with a spill file, to disk where the
+        room is full or the batch's chunks on disk so far fall behind the spill's share (so the
+        disk writes spread over pass 1 rather than stall its end)."""
         size = nbytes(chunk)
+        if self.spill is not None and (not self._fits(size) or
+                                       self.spilled_bytes + size <= self.spill.share * (self.spilled_bytes + self.held_bytes + size)):
+            self.spilled_bytes += size
+            return self.spill.hold(chunk, copy_stream)
+        self.held_bytes += size
         while True:
             if self.segment == len(self.segments):
                 self.segments.append(self._new_segment(size))
@@ -659,6 +690,178 @@ class HostWaitingRoom:
         held = OnHost(chunk, host, copy_stream)
         self.last_copy = held.copied
         return held
+
+
+def spill_directory() -> str:
+    """Where pass 2's chunks beyond the host's room wait (`SpillFile`): the temporary folder
+    ($TMPDIR), which is the node's own disk on most clusters."""
+    return tempfile.gettempdir()
+
+
+def spill_room(directory: str) -> int:
+    """Bytes a rank may spill in `directory`: 0 where its file system keeps files in memory (tmpfs:
+    spilling there would take the very memory it spares), else 90% of its free space shared by the
+    node's ranks."""
+    try:
+        real = os.path.realpath(directory)
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+        kind = max(((point, kind) for point, kind in mounts if real == point or real.startswith(point.rstrip("/") + "/")),
+                   key=lambda found: len(found[0]), default=(None, None))[1]
+        free = os.statvfs(real).f_bavail * os.statvfs(real).f_frsize
+    except OSError:
+        return 0
+    if kind in ("tmpfs", "ramfs"):
+        return 0
+    return int(0.9 * free) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+class SpillFile:
+    """Pass 1's chunks for pass 2 beyond what the device keeps and the host's `HostWaitingRoom`
+    holds, on disk: a batch too large for both (a million samples on one 80 GB GPU). Each chunk is
+    copied to a page-locked staging buffer on the copy stream and written by a thread of its own;
+    pass 2 has it read back as it prepares the chunk, `LOOKAHEAD` ahead, and copied to the device
+    from the buffer (`OnDisk`). The pixels come back bit for bit: no decode runs again.
+
+    The file is unlinked at once, so nothing is left behind whatever ends the run, and opened with
+    O_DIRECT where the file system takes it: the pixels do not also fill the page cache of a host
+    whose memory they are there to spare. One I/O thread runs every write and read in the order
+    they were asked for, so a batch's writes (from offset 0 again) follow the last batch's reads.
+    Buffers are taken in turn; one is reused once its last write or read is over and its copy to
+    the device has run."""
+
+    ALIGN = PAGE  # O_DIRECT's alignment of offsets, lengths and buffers
+    BUFFERS = LOOKAHEAD + 2  # reads in flight, the chunk being copied, one spare
+
+    def __init__(self, directory: str, share: float):
+        self.directory, self.share = directory, share
+        descriptor, path = tempfile.mkstemp(prefix="clipscale-spill-", dir=directory)
+        os.unlink(path)
+        self.fd = descriptor
+        try:
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) | os.O_DIRECT)
+        except OSError:  # a file system without direct I/O: through the page cache
+            pass
+        self.io = ThreadPoolExecutor(1, thread_name_prefix="clipscale-spill",
+                                     initializer=on_the_callers_device(lambda: None))
+        self.buffers: list[torch.Tensor] = []  # made at the first chunk, each a chunk's aligned size
+        self.last_io: list[Future | None] = []
+        self.copied_out: list = []  # each buffer's last copy to the device (a CUDA event), or None
+        self.turn = 0
+        self.offset = 0  # where the batch's next chunk goes in the file
+        weakref.finalize(self, os.close, self.fd)
+
+    def begin_batch(self) -> None:
+        self.offset = 0
+
+    def _buffer(self, size: int) -> int:
+        """The next buffer in turn, once its last use is over."""
+        if not self.buffers or len(self.buffers[0]) < size:
+            wait([f for f in self.last_io if f is not None])
+            for event in self.copied_out:
+                if event is not None:
+                    event.synchronize()
+            self.buffers = [self._new_buffer(-(-size // self.ALIGN) * self.ALIGN) for _ in range(self.BUFFERS)]
+            self.last_io, self.copied_out = [None] * self.BUFFERS, [None] * self.BUFFERS
+        k, self.turn = self.turn, (self.turn + 1) % self.BUFFERS
+        if self.last_io[k] is not None:
+            wait([self.last_io[k]])
+        if self.copied_out[k] is not None:
+            self.copied_out[k].synchronize()
+            self.copied_out[k] = None
+        return k
+
+    @staticmethod
+    def _new_buffer(nbytes: int) -> torch.Tensor:
+        """Page-aligned (what O_DIRECT asks), page-locked where CUDA is."""
+        buffer = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
+        page_lock(buffer)
+        return buffer
+
+    def hold(self, chunk: torch.Tensor, copy_stream) -> "OnDisk":
+        """`chunk` copied to a buffer after the compute stream's work so far, and written."""
+        size = nbytes(chunk)
+        k = self._buffer(size)
+        staging = self.buffers[k][:size].view(chunk.dtype).view(chunk.shape)
+        copied = None
+        if copy_stream is None:
+            staging.copy_(chunk)
+        else:
+            copy_stream.wait_stream(torch.cuda.current_stream(chunk.device))
+            with torch.cuda.stream(copy_stream):
+                staging.copy_(chunk, non_blocking=True)
+                copied = copy_stream.record_event()
+            chunk.record_stream(copy_stream)
+        length = -(-size // self.ALIGN) * self.ALIGN
+        written = self.io.submit(self._write, self.buffers[k][:length], self.offset, copied)
+        self.last_io[k] = written
+        held = OnDisk(self, self.offset, chunk.shape, chunk.dtype, written)
+        self.offset += length
+        return held
+
+    def read(self, held: "OnDisk") -> tuple[int, Future]:
+        """`held`'s bytes read back into the next buffer, in the I/O thread: (the buffer, the read)."""
+        k = self._buffer(held.nbytes)
+        length = -(-held.nbytes // self.ALIGN) * self.ALIGN
+        self.last_io[k] = self.io.submit(self._read, self.buffers[k][:length], held.offset, held.written)
+        return k, self.last_io[k]
+
+    def _write(self, buffer: torch.Tensor, offset: int, copied) -> None:
+        if copied is not None:
+            copied.synchronize()
+        self._transfer(os.pwrite, memoryview(buffer.numpy()), offset)
+
+    def _read(self, buffer: torch.Tensor, offset: int, written: Future) -> None:
+        written.result()  # ran before (one thread, in order): its error is this chunk's
+        self._transfer(os.preadv, [memoryview(buffer.numpy())], offset)
+
+    def _transfer(self, call: Callable, view, offset: int) -> None:
+        """All of `view` written or read at `offset` (the calls may move fewer bytes than asked)."""
+        whole = view[0] if isinstance(view, list) else view
+        done = 0
+        while done < len(whole):
+            rest = whole[done:]
+            try:
+                moved = call(self.fd, [rest] if isinstance(view, list) else rest, offset + done)
+            except OSError as error:
+                if error.errno == errno.EINVAL and fcntl.fcntl(self.fd, fcntl.F_GETFL) & os.O_DIRECT:
+                    fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                    continue  # direct I/O refused this length or place: through the page cache
+                raise UserError(f"the spill file for pass 2's images in {self.directory}: {error.strerror} "
+                                "(set TMPDIR to a local disk with room, or data.keep_on_device_gib higher)") from error
+            if moved == 0:
+                raise UserError(f"the spill file for pass 2's images in {self.directory}: read past its end")
+            done += moved
+
+    def close(self) -> None:
+        self.io.shutdown(wait=True)
+
+
+class OnDisk:
+    """A chunk of pass 1 that pass 2 asks for again, in the `SpillFile`: read back into a staging
+    buffer as pass 2 prepares it (`prepared`), copied to the device from there."""
+
+    def __init__(self, spill: SpillFile, offset: int, shape: torch.Size, dtype: torch.dtype, written: Future):
+        self.spill, self.offset, self.shape, self.dtype, self.written = spill, offset, shape, dtype, written
+        self.nbytes = math.prod(shape) * dtype.itemsize
+        self.buffer: int | None = None
+        self.read: Future | None = None
+
+    def prepared(self) -> "OnDisk":
+        self.buffer, self.read = self.spill.read(self)
+        return self
+
+    def on_device(self, device: torch.device, copy_stream) -> torch.Tensor:
+        self.read.result()
+        host = self.spill.buffers[self.buffer][:self.nbytes].view(self.dtype).view(self.shape)
+        if device.type == "cpu":
+            return host.clone()  # `to` would hand out the buffer itself, which a later read fills again
+        moved = copy_to_device(host, device, copy_stream)
+        if copy_stream is not None:
+            self.spill.copied_out[self.buffer] = copy_stream.record_event()
+        return moved
+
+    def cancel(self) -> None:
+        """Nothing to stop: the buffer's next use waits for the read to end."""
 
 
 class Rows(Protocol):
@@ -729,7 +932,7 @@ class ChunkSource:
         # device, keeping it there or, where pass 2 asks for it again, in this room on the host
         # (`OnHost`): the workers' arenas hold less than a batch (`WorkerArenas.holds_a_batch`).
         self.waiting_room: HostWaitingRoom | None = None
-        self.on_host: dict[tuple[int, int], OnHost] = {}  # pass 1's chunks for pass 2 that the budget could not keep
+        self.on_host: dict[tuple[int, int], OnHost | OnDisk] = {}  # pass 1's chunks for pass 2 that the budget could not keep
         self.released = False
         self.lock = threading.Lock()  # the thread preparing ahead and the step both reach `ahead`
         self.wait_s = 0.0  # time the step spent waiting for this column's chunks
@@ -806,7 +1009,7 @@ class ChunkSource:
             return OnDevice(tensor), 0
         on_host = self.on_host.pop(bound, None) if pass_number > 1 else None
         if on_host is not None:
-            return on_host, 0
+            return on_host.prepared(), 0
         return self.rows.prepare(*bound, pass_number), 0
 
     def prepare_ahead(self, chunk_size: int, row_bytes: int, arrivals: Arrivals) -> None:

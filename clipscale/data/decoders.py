@@ -44,7 +44,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 
 from clipscale.caption_length import to_device_async  # a copy that never waits for the step's queued work
 from clipscale.data.chunks import (Arrivals, ChunkSource, DeviceTransform, HostChunk, HostWaitingRoom, InArena, KeepBudget, Rows,
-                                   WorkerArenas)
+                                   SpillFile, WorkerArenas, spill_directory)
 from clipscale.data.transforms import SplitTransform, uint8_image_bytes
 
 JPEG_START, JPEG_END = b"\xff\xd8", b"\xff\xd9"
@@ -495,7 +495,7 @@ class DeviceDecoder:
     counted by their batch's rows at their chunk's first decode (`DeviceDecodedRows.trained_black`)."""
 
     def __init__(self, split: SplitTransform, device: torch.device, chunk_size: int | None = None,
-                 threads: int = DECODE_THREADS, arenas: WorkerArenas | None = None, room_ahead: int = 0):
+                 threads: int = DECODE_THREADS, arenas: WorkerArenas | None = None, room_ahead: int = 0, spilled: int = 0):
         self.split, self.device, self.chunk_size, self.arenas = split, device, chunk_size, arenas
         self.own = threading.local()  # each thread's CUDA stream
         self.streams: list = []  # every thread's, for `wait_for_copies`
@@ -506,9 +506,12 @@ class DeviceDecoder:
         self.images_decoded = 0
         self.decode_s = 0.0  # the threads' time in decoding calls, summed (their rows' arrival not counted)
         # Pass 2's chunks on the host, every batch's, where arenas hold a window: `room_ahead` bytes of
-        # it made from the start (`HostWaitingRoom`), for chunks of `chunk_size` at the crop's size.
-        height, width = split.only_random_resized_crop().size if room_ahead else (0, 0)
-        self.waiting_room = HostWaitingRoom(room_ahead, (chunk_size or 0) * uint8_image_bytes(height, width))
+        # it made from the start (`HostWaitingRoom`), for chunks of `chunk_size` at the crop's size;
+        # where the host has no room for all of them, the room holds that much and `spilled` bytes
+        # wait on disk (`SpillFile`).
+        height, width = split.only_random_resized_crop().size if room_ahead or spilled else (0, 0)
+        spill = SpillFile(spill_directory(), spilled / (spilled + room_ahead)) if spilled else None
+        self.waiting_room = HostWaitingRoom(room_ahead, (chunk_size or 0) * uint8_image_bytes(height, width), spill)
 
     def column(self, batch_size: int, arrivals: Arrivals, device_transform: DeviceTransform | None,
                budget: KeepBudget | None) -> ChunkSource:
@@ -567,6 +570,8 @@ class DeviceDecoder:
     def close(self) -> None:
         if self.thread is not None:
             self.thread.shutdown(wait=False, cancel_futures=True)
+        if self.waiting_room.spill is not None:
+            self.waiting_room.spill.close()
 
 
 class DecodedChunk:

@@ -30,7 +30,7 @@ from clipscale.config import Config, ConfigError
 from clipscale.data import prepare_data
 from clipscale.data.chunks import (LOOKAHEAD, Arrivals, ChunkSource, DeviceTransform, KeepBudget, PinnedRows,
                                    PulledArrivals, WorkerArenas, aligned, arenas_page_locked, on_the_callers_device,
-                                   paged, pinned_empty)
+                                   paged, pinned_empty, spill_directory, spill_room)
 from clipscale.data.decoders import DECODE_THREADS, DecodePool, DeviceDecoder
 from clipscale.data.epoch import WorkList
 from clipscale.data.shards import SKIPS_NAMED, ShardStream, StreamState
@@ -160,6 +160,7 @@ class ArenaWindow(NamedTuple):
     segment_bytes: int
     holds_a_batch: bool
     on_host_bytes: int = 0  # a window's: the pixels pass 2 needs beyond the device's keep, waiting on the host
+    spilled_bytes: int = 0  # and beyond the host's room, waiting on disk (`SpillFile`)
 
 
 def arena_in_segments(pieces: int, piece_bytes: int, whole: bool) -> ArenaWindow:
@@ -174,12 +175,14 @@ def arena_in_segments(pieces: int, piece_bytes: int, whole: bool) -> ArenaWindow
 
 
 def arena_window(workers: int, per_rank_batch: int, piece: int, chunk: int, height: int, width: int,
-                 keep_bytes: int, room: float, host_bytes: int) -> ArenaWindow | None:
+                 keep_bytes: int, room: float, host_bytes: int, spill_bytes: int = 0) -> ArenaWindow | None:
     """Each worker's arena at share 1 (`arena_in_segments`): one that holds the worker's pieces of
     a whole batch where the batch fits `room` with every region at its largest; else a window of
     the batch, while pass 1 hands its chunks back, in what the pixels pass 2 needs beyond
     `keep_bytes` on the device (waiting on the host) leave of `STEP_HOST_FRACTION` of
-    `host_bytes`, at most `room`, where that holds the chunks in flight; None where neither fits."""
+    `host_bytes`, at most `room`, where that holds the chunks in flight; else, with `spill_bytes`
+    of disk, the least window that does, and pass 2's pixels it leaves no room for on disk
+    (`SpillFile`); None where nothing fits."""
     piece_bytes = aligned(piece * arena_sample_bytes(height, width))
     whole = arena_in_segments(pieces_per_worker(per_rank_batch, piece, workers), piece_bytes, whole=True)
     if workers * whole.arena_bytes <= room:
@@ -187,10 +190,19 @@ def arena_window(workers: int, per_rank_batch: int, piece: int, chunk: int, heig
     on_host = max(0, per_rank_batch * uint8_image_bytes(height, width) - keep_bytes)
     taken = -(-HANDED_BACK_CHUNKS * -(-chunk // piece) // max(1, workers)) + 1  # a worker's pieces in flight, at most
     least = HANDED_BACK_SPARE * (taken + 1)
+
+    def holds(window: ArenaWindow | None) -> int:
+        return window.arena_bytes // window.segment_bytes * (window.segment_bytes // piece_bytes) if window else 0
+
     fits = max(0, int(min(room, STEP_HOST_FRACTION * host_bytes - on_host) / max(1, workers)) // piece_bytes)
     window = arena_in_segments(fits, piece_bytes, whole=False) if fits else None
-    holds = window.arena_bytes // window.segment_bytes * (window.segment_bytes // piece_bytes) if window else 0
-    return window._replace(on_host_bytes=on_host) if holds >= least else None
+    if holds(window) >= least:
+        return window._replace(on_host_bytes=on_host)
+    window = arena_in_segments(least, piece_bytes, whole=True)
+    in_room = max(0, int(STEP_HOST_FRACTION * host_bytes) - workers * window.arena_bytes)
+    if workers * window.arena_bytes > room or on_host - in_room > spill_bytes:
+        return None
+    return window._replace(holds_a_batch=False, on_host_bytes=in_room, spilled_bytes=on_host - in_room)
 
 
 def arenas_room() -> float:
@@ -232,7 +244,7 @@ def resolve_data_path(cfg: Config, split: SplitTransform | None, device: torch.d
     height, width = crop.size
     chunk = chunk or min(MAX_PIECE, per_rank_batch)
     window = arena_window(cfg.data.workers, per_rank_batch, piece_size_for(per_rank_batch, chunk), chunk, height,
-                          width, keep_bytes, arenas_room(), host_bytes_per_rank())
+                          width, keep_bytes, arenas_room(), host_bytes_per_rank(), spill_room(spill_directory()))
     if share == "auto":
         # A worker's image is its crop's region (SplitTransform.crop_region): about 1.7 outputs' worth
         # on img2dataset's 256-px images, at most REGION_LIMIT; counted as two.
@@ -298,7 +310,8 @@ class TrainingBatches:
         if self.path.decoder == "device":
             threads = DECODE_THREADS if cfg.data.decode_workers is None else cfg.data.decode_workers
             self.decoder = DeviceDecoder(split, world.device, chunk_size=chunk, threads=0 if self.arenas else max(1, threads),
-                                         arenas=self.arenas, room_ahead=self.path.arena_window.on_host_bytes if self.arenas else 0)
+                                         arenas=self.arenas, room_ahead=self.path.arena_window.on_host_bytes if self.arenas else 0,
+                                         spilled=self.path.arena_window.spilled_bytes if self.arenas else 0)
         elif self.path.offload:
             if cfg.data.decode_workers == 0:
                 raise ConfigError("data.decode_workers=0 (the training thread decodes) needs data.decoder=device; with "
@@ -336,10 +349,12 @@ class TrainingBatches:
                                    f"{STEP_HOST_FRACTION:.0%} of it for a window of the batch")
             return None
         if not window.holds_a_batch:
+            beyond = (f"beyond it {window.on_host_bytes / 2**30:.1f} GiB on the host and {window.spilled_bytes / 2**30:.1f} GiB "
+                      f"on disk in {spill_directory()} ($TMPDIR)" if window.spilled_bytes else "beyond it on the host")
             self.path.notes.append(
                 f"the loader workers' arenas hold a window of the batch ({cfg.data.workers * window.arena_bytes / 2**30:.1f} GiB): "
                 "pass 1 hands each chunk back to them as it goes; what pass 2 needs again stays on the GPU "
-                "(data.keep_on_device_gib) and beyond it on the host")
+                f"(data.keep_on_device_gib) and {beyond}")
         self.path.arenas = True
         return WorkerArenas(cfg.data.workers, window.arena_bytes, arena_sample_bytes(height, width), window.holds_a_batch,
                             window.segment_bytes)

@@ -562,6 +562,94 @@ def test_the_waiting_rooms_first_segments_are_made_ahead_in_a_thread_of_their_ow
     assert len(made_in) == 3 and all(torch.equal(chunk.host, expected) for chunk, expected in zip(held, sent))
 
 
+def test_pass_twos_chunks_beyond_the_rooms_limit_wait_on_disk_and_come_back_bit_for_bit(monkeypatch, tmp_path):
+    """With a spill file (a batch too large for the device's keep and the host's room together), the
+    room holds at most its planned bytes and the other chunks go to disk, spread over the batch at
+    the spill's share rather than all at its end; each comes back bit for bit as pass 2 prepares
+    it, `LOOKAHEAD` read ahead as `ChunkSource` does, though the disk is slower than the chunks
+    come (a staging buffer is filled only after its last write); the next batch writes over the
+    last one's from the file's start; the file is unlinked from the start (the folder stays
+    empty), and a failed write is one error naming the folder when its chunk is read."""
+    from collections import deque
+
+    from clipscale.data.chunks import LOOKAHEAD, HostWaitingRoom, OnDisk, OnHost, SpillFile
+    from clipscale.errors import UserError
+
+    monkeypatch.setattr(HostWaitingRoom, "SEGMENT_BYTES", 4_000)  # three chunks of 1,000 bytes (1,024 aligned) a segment
+    slow_write = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda *args: time.sleep(0.02) or slow_write(*args))  # a disk slower than pass 1
+    spill = SpillFile(str(tmp_path), share=0.5)
+    room = HostWaitingRoom(make_ahead=6_144, chunk_bytes=1_000, spill=spill)  # two segments: six chunks
+
+    def pass_two(held: list) -> list[torch.Tensor]:
+        pending, back = deque(chunk.prepared() for chunk in held[:LOOKAHEAD]), []
+        for chunk in held[LOOKAHEAD:] + [None] * LOOKAHEAD:
+            back.append(pending.popleft().on_device(torch.device("cpu"), None))
+            if chunk is not None:
+                pending.append(chunk.prepared())
+        return back
+
+    for batch in range(2):
+        room.begin_batch()
+        sent = [torch.randint(0, 256, (1_000,), dtype=torch.uint8) for _ in range(14)]
+        held = [room.hold(chunk, None) for chunk in sent]
+        kinds = "".join("d" if isinstance(chunk, OnDisk) else "h" for chunk in held if isinstance(chunk, (OnDisk, OnHost)))
+        assert kinds == "hd" * 6 + "dd", kinds  # every other chunk to disk until the room is full, then all
+        assert room.bytes == 6_144 and os.listdir(tmp_path) == []
+        assert all(torch.equal(back, chunk) for back, chunk in zip(pass_two(held), sent)), batch
+        assert os.fstat(spill.fd).st_size == 8 * SpillFile.ALIGN  # the second batch wrote over the first
+    assert len(spill.buffers) == SpillFile.BUFFERS
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    room.begin_batch()
+    held = [room.hold(torch.zeros(1_000, dtype=torch.uint8), None) for _ in range(2)]
+    with pytest.raises(UserError, match=f"spill file for pass 2's images in {tmp_path}: No space left on device"):
+        held[1].prepared().on_device(torch.device("cpu"), None)
+    spill.close()
+
+
+def test_a_batch_beyond_the_host_spills_to_disk_through_the_arenas_window_on_the_same_curve(digits_root, tmp_path,
+                                                                                              jpeg_shards, monkeypatch):
+    """Share 1 with a window of the arenas on a host too small for pass 2's pixels beside it (a
+    million samples on one 80 GB GPU, in miniature): the window takes the least it can, the host's
+    room holds what it has left, and the rest waits on disk in $TMPDIR (`SpillFile`); the run
+    equals, loss for loss, the same share through the gathering thread's copies, with pass 2's
+    chunks read back from disk and from the host, and leaves nothing in the folder."""
+    import tempfile
+
+    import clipscale.data.pipeline as pipeline
+    from clipscale.data.chunks import HostWaitingRoom, OnDisk
+
+    batch, chunk, workers = 384, 8, 2
+    sizes = (f"train.batch_size={batch}", f"train.chunk_size={chunk}", f"data.workers={workers}",
+             "data.decoder=device", "data.worker_decode_share=1", "data.keep_on_device_gib=0")
+    monkeypatch.setattr(pipeline, "arenas_room", lambda: 0.0)
+    copied = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "copied", *sizes)
+    windows, from_host = through_window_arenas(monkeypatch, batch, chunk, workers)
+    on_host = batch * 3 * 32 * 32  # pass 2's pixels, nothing kept on the device
+    # The host's three quarters: the least window (what a host of nothing but a disk gets) and half of pass 2's pixels.
+    least = workers * pipeline.arena_window(workers, batch, chunk, chunk, 32, 32, 0, pipeline.arenas_room(), 0, 2**40).arena_bytes
+    windows.clear()
+    monkeypatch.setattr(pipeline, "host_bytes_per_rank", lambda: int((least + on_host // 2) / pipeline.STEP_HOST_FRACTION))
+    monkeypatch.setattr(HostWaitingRoom, "SEGMENT_BYTES", 4 * chunk * 3 * 32 * 32)
+    spilled_to = tmp_path / "spill"
+    spilled_to.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spilled_to))
+    from_disk = []
+    real_on_device = OnDisk.on_device
+    monkeypatch.setattr(OnDisk, "on_device", lambda chunk, *args: from_disk.append(chunk.shape[0]) or real_on_device(chunk, *args))
+    spilled = train_on_jpeg_shards(digits_root, tmp_path, jpeg_shards, "spilled", *sizes)
+    window = windows[-1]
+    assert window is not None and not window.holds_a_batch and 0 < window.spilled_bytes < on_host, window
+    assert window.on_host_bytes + window.spilled_bytes == on_host
+    assert from_disk and from_host and sum(from_disk) + sum(from_host) == 6 * (batch - chunk), (from_disk, from_host)
+    assert [m["loss"] for m in spilled] == [m["loss"] for m in copied]
+    assert os.listdir(spilled_to) == []
+
+
 def test_the_training_thread_decodes_the_next_batch_between_pass_twos_chunks_on_the_same_curve(digits_root, tmp_path,
                                                                                                 jpeg_shards, monkeypatch):
     """data.decode_workers=0 with every chunk kept on the device: between pass 2's chunks the

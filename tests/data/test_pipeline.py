@@ -99,17 +99,17 @@ def test_a_batch_larger_than_its_arenas_takes_a_window_of_them_while_pass_twos_p
     gib, sample = 2**30, arena_sample_bytes(224, 224)
     host, room, kept = 128 * gib, 64 * gib, 35 * gib
     piece = 512 * sample  # the largest: every region at REGION_LIMIT, whole pages (147 a region, 2 the tokens)
-    arena, segment, whole, on_host = arena_window(14, 65536, 512, 512, 224, 224, kept, room, host)
+    arena, segment, whole, on_host, _ = arena_window(14, 65536, 512, 512, 224, 224, kept, room, host)
     assert whole and on_host == 0 and segment == piece and arena == 10 * piece and 14 * arena < 41 * gib  # 128 pieces: at most 10 a worker
     for batch in (131072, 262144):
-        arena, segment, whole, on_host = arena_window(14, batch, 512, 512, 224, 224, kept, room, host)
+        arena, segment, whole, on_host, _ = arena_window(14, batch, 512, 512, 224, 224, kept, room, host)
         assert on_host == max(0, batch * 3 * 224 * 224 - kept)
         assert not whole and arena % segment == 0 and room - 14 * segment < 14 * arena <= room
     assert arena_window(14, 1048576, 512, 512, 224, 224, kept, room, host) is None
     assert arena_window(14, 262144, 512, 512, 224, 224, kept, room, 4 * gib) is None  # 2 GiB of 3: no room for a window
     for kept_gib in (80, 100):  # a million, most of pass 2's pixels on the GPU: a window in what the rest leaves
         on_host = 1048576 * 3 * 224 * 224 - kept_gib * gib
-        arena, segment, whole, on_host_bytes = arena_window(14, 1048576, 512, 512, 224, 224, kept_gib * gib, room, host)
+        arena, segment, whole, on_host_bytes, _ = arena_window(14, 1048576, 512, 512, 224, 224, kept_gib * gib, room, host)
         assert on_host_bytes == on_host
         assert not whole and STEP_HOST_FRACTION * host - on_host - 14 * segment < 14 * arena <= STEP_HOST_FRACTION * host - on_host
     # A worker's window holds twice its pieces in flight (6 chunks' pieces over 14 workers, one more) and its next
@@ -117,8 +117,29 @@ def test_a_batch_larger_than_its_arenas_takes_a_window_of_them_while_pass_twos_p
     assert arena_window(14, 262144, 512, 512, 224, 224, kept, 14 * least, host)[:3] == (least, piece, False)
     assert arena_window(14, 262144, 512, 512, 224, 224, kept, 14 * least - 14 * 8, host) is None
     # Small pieces share a segment of about PAGE_LOCK_SEGMENT bytes: an arena of whole segments
-    arena, segment, whole, _ = arena_window(14, 4096, 64, 512, 224, 224, kept, room, host)
+    arena, segment, whole, _, _ = arena_window(14, 4096, 64, 512, 224, 224, kept, room, host)
     assert whole and segment == arena == 5 * 64 * sample  # 5 pieces of 64 a worker: one segment
+
+
+def test_a_million_on_an_80_gb_gpu_takes_the_least_window_and_spills_what_the_host_cannot_hold():
+    """ViT-B/32's million on one H100 (a quarter of its 80 GB kept for pass 2, a 128 GiB host): no
+    window without a disk, as before; with one, the least window that holds the chunks in flight,
+    the host's room in what it leaves of three quarters of the host, and the rest of pass 2's
+    pixels on disk, not more than the disk's room; where the host holds pass 2's pixels, nothing
+    spills even with a disk."""
+    from clipscale.data.pipeline import STEP_HOST_FRACTION, arena_sample_bytes, arena_window
+
+    gib, piece = 2**30, 512 * arena_sample_bytes(224, 224)
+    host, room, kept = 128 * gib, 64 * gib, 20 * gib
+    beyond = 1048576 * 3 * 224 * 224 - kept
+    assert arena_window(14, 1048576, 512, 512, 224, 224, kept, room, host) is None
+    window = arena_window(14, 1048576, 512, 512, 224, 224, kept, room, host, 200 * gib)
+    least = 2 * ((1 + 1) + 1)  # pieces: twice a worker's in flight (6 chunks' over 14 workers, one more) and its next
+    assert not window.holds_a_batch and window.arena_bytes // piece == least, window
+    assert window.on_host_bytes + 14 * window.arena_bytes == int(STEP_HOST_FRACTION * host)
+    assert window.on_host_bytes + window.spilled_bytes == beyond and window.spilled_bytes > 40 * gib
+    assert arena_window(14, 1048576, 512, 512, 224, 224, kept, room, host, window.spilled_bytes - 1) is None
+    assert arena_window(14, 262144, 512, 512, 224, 224, 35 * gib, room, host, 200 * gib).spilled_bytes == 0
 
 
 def test_vit_b32_on_an_h200_host_with_14_workers_takes_share_one_at_the_shipped_defaults(monkeypatch):
