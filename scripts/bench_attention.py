@@ -1,10 +1,13 @@
 """The towers' self-attention alone on the GPU: open_clip's nn.MultiheadAttention (F.scaled_dot_product_attention,
 torch's kernel choice) against `model.attention: short` (clipscale/attention.py), at the shapes of a
 ViT-B/32 chunk (50 tokens, width 768, 12 heads), a ViT-B/16 chunk (197 tokens) and of text chunks cut to their length (width 512,
-8 heads, causal), compiled as the towers are, under bf16 autocast: the forward without autograd
-(Gradient Cache's pass 1) and forward plus backward (pass 2), milliseconds per call by CUDA events,
-and how far short's outputs and gradients lie from sdpa's (both against a float32 reference).
-The projections are in both; the difference between the two is the attention's.
+8 heads, causal), compiled as the towers are and replayed as CUDA graphs as the trainer's towers
+are (`mode="reduce-overhead"`: without them the host's launches entered the timings, and two H100s
+disagreed by 1.5x on the same kernel, docs/benchmarks.md's seventeenth session), under bf16
+autocast: the forward without autograd (Gradient Cache's pass 1) and forward plus backward (pass
+2), milliseconds per call by CUDA events, and how far short's outputs and gradients lie from
+sdpa's (both against a float32 reference). The projections are in both; the difference between
+the two is the attention's.
 
     python scripts/bench_attention.py --out results/bench_attention.json
 """
@@ -58,13 +61,15 @@ def measure(name: str, samples: int, tokens: int, width: int, heads: int, causal
     row = {"shape": name, "samples": samples, "tokens": tokens, "width": width, "heads": heads, "causal": causal}
     outputs = {}
     for label, module in (("sdpa", sdpa), ("short", short)):
-        compiled = torch.compile(lambda y, m=module: attend(m, y, causal), dynamic=False)
+        compiled = torch.compile(lambda y, m=module: attend(m, y, causal), dynamic=False, mode="reduce-overhead")
 
         def forward():
+            torch.compiler.cudagraph_mark_step_begin()  # the last call's outputs may be written over
             with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
                 return compiled(x)
 
         def forward_backward():
+            torch.compiler.cudagraph_mark_step_begin()
             y = x.detach().requires_grad_()
             with torch.autocast("cuda", torch.bfloat16):
                 out = compiled(y)
@@ -75,7 +80,7 @@ def measure(name: str, samples: int, tokens: int, width: int, heads: int, causal
         row[f"{label}_forward_backward_ms"] = timed_ms(forward_backward, repeats)
         module.zero_grad(set_to_none=True)
         out, x_grad = forward_backward()
-        outputs[label] = (out.float(), x_grad.float(), module.in_proj_weight.grad.float())
+        outputs[label] = (out.float().clone(), x_grad.float().clone(), module.in_proj_weight.grad.float().clone())
     y = x.detach().requires_grad_()
     reference = attend(sdpa, y, causal)  # float32, torch's kernels
     reference_grad, = torch.autograd.grad(reference, y, grad)
