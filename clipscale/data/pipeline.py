@@ -346,7 +346,8 @@ class TrainingBatches:
             self.path.notes.append(f"the loader workers' pixels are copied by a thread of the trainer: their arenas would take "
                                    f"{whole / 2**30:.1f} GiB, over {ARENA_HOST_FRACTION:.0%} of the host's memory a rank, "
                                    "and the pixels pass 2 needs beyond data.keep_on_device_gib would leave too little of "
-                                   f"{STEP_HOST_FRACTION:.0%} of it for a window of the batch")
+                                   f"{STEP_HOST_FRACTION:.0%} of it for a window of the batch, with too little room on disk "
+                                   f"for the rest in {spill_directory()} ($TMPDIR; none where it is held in memory)")
             return None
         if not window.holds_a_batch:
             beyond = (f"beyond it {window.on_host_bytes / 2**30:.1f} GiB on the host and {window.spilled_bytes / 2**30:.1f} GiB "
