@@ -611,6 +611,40 @@ def test_pass_twos_chunks_beyond_the_rooms_limit_wait_on_disk_and_come_back_bit_
     spill.close()
 
 
+def mapped_in_a_forked_child(addresses: list[int]) -> list[bool]:
+    """Whether each address is mapped in a child forked now (read from its /proc/self/maps)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no Python beyond this, whatever happens
+        try:
+            with open("/proc/self/maps") as maps:
+                ranges = [[int(bound, 16) for bound in line.split()[0].split("-")] for line in maps]
+            os.write(write, bytes(any(low <= at < high for low, high in ranges) for at in addresses))
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read, "rb") as answer:
+        return [bool(byte) for byte in answer.read()]
+
+
+def test_host_memory_made_to_be_page_locked_is_left_out_of_forked_loader_workers(tmp_path):
+    """The waiting room's segments (`unforked_pages`, under `pinned_empty`) and the spill file's
+    staging buffers are not mapped in a forked child: Linux copies pinned pages into every child
+    at fork, and 14 loader workers forked while pass 2's room was page-locked each took a copy of
+    it (a million samples on one H100: the host's 128 GiB gone before the first chunk)."""
+    from clipscale.data.chunks import SpillFile, unforked_pages
+
+    segment = unforked_pages(8 * 2**20)
+    segment.fill_(1)
+    spill = SpillFile(str(tmp_path), share=1.0)
+    spill.hold(torch.zeros(4_096, dtype=torch.uint8), None).written.result()
+    made = [segment.data_ptr()] + [buffer.data_ptr() for buffer in spill.buffers]
+    plain = torch.ones(2**20, dtype=torch.uint8)  # a control: ordinary memory is the child's too
+    assert mapped_in_a_forked_child(made + [plain.data_ptr()]) == [False] * len(made) + [True]
+    spill.close()
+
+
 def test_a_batch_beyond_the_host_spills_to_disk_through_the_arenas_window_on_the_same_curve(digits_root, tmp_path,
                                                                                               jpeg_shards, monkeypatch):
     """Share 1 with a window of the arenas on a host too small for pass 2's pixels beside it (a
