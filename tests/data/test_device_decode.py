@@ -628,6 +628,7 @@ def mapped_in_a_forked_child(addresses: list[int]) -> list[bool]:
         return [bool(byte) for byte in answer.read()]
 
 
+@pytest.mark.filterwarnings("ignore:This process.*multi-threaded:DeprecationWarning")  # the child only writes to a pipe and exits
 def test_host_memory_made_to_be_page_locked_is_left_out_of_forked_loader_workers(tmp_path):
     """The waiting room's segments (`unforked_pages`, under `pinned_empty`) and the spill file's
     staging buffers are not mapped in a forked child: Linux copies pinned pages into every child

@@ -46,6 +46,7 @@ def anon_pages_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("AnonPages:"))
 
 
+@pytest.mark.filterwarnings("ignore:This process.*multi-threaded:DeprecationWarning")  # the child only writes to a pipe and exits
 def test_a_forked_child_takes_no_copy_of_page_locked_memory():
     """Linux copies pinned private pages into a child at fork, at once: 14 loader workers forked
     beside pass 2's page-locked waiting room each took a copy (a million samples on one H100 ran
