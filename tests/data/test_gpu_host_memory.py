@@ -7,6 +7,8 @@ On a CPU `pinned_empty` is a plain tensor and there is nothing to register: GPU 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -52,8 +54,6 @@ def test_a_forked_child_takes_no_copy_of_page_locked_memory():
     beside pass 2's page-locked waiting room each took a copy (a million samples on one H100 ran
     out of the host's 128 GiB). A child forked beside 2 GiB of `pinned_empty` adds almost nothing
     to the host's anonymous memory, where a copy would add the 2 GiB."""
-    import os
-
     host = pinned_empty((2 * 2**30,), torch.uint8)
     assert host.is_pinned()
     before = anon_pages_bytes()
