@@ -31,6 +31,7 @@ from clipscale.data.shards import ShardStream
 from clipscale.data.transforms import SplitTransform
 from clipscale.step import TrainStep
 
+from tests.helpers.forked_child import answer_in_a_forked_child
 from tests.helpers.gradients import float64_clip_loss, gradcache_grads, make_batch, relative_error, tiny_clip
 from tests.helpers.jpeg_shards import jpeg, through_window_arenas, train_on_jpeg_shards
 from tests.helpers.user_data import seeded_noise
@@ -613,19 +614,12 @@ def test_pass_twos_chunks_beyond_the_rooms_limit_wait_on_disk_and_come_back_bit_
 
 def mapped_in_a_forked_child(addresses: list[int]) -> list[bool]:
     """Whether each address is mapped in a child forked now (read from its /proc/self/maps)."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: no Python beyond this, whatever happens
-        try:
-            with open("/proc/self/maps") as maps:
-                ranges = [[int(bound, 16) for bound in line.split()[0].split("-")] for line in maps]
-            os.write(write, bytes(any(low <= at < high for low, high in ranges) for at in addresses))
-        finally:
-            os._exit(0)
-    os.close(write)
-    os.waitpid(pid, 0)
-    with os.fdopen(read, "rb") as answer:
-        return [bool(byte) for byte in answer.read()]
+    def mapped() -> bytes:
+        with open("/proc/self/maps") as maps:
+            ranges = [[int(bound, 16) for bound in line.split()[0].split("-")] for line in maps]
+        return bytes(any(low <= at < high for low, high in ranges) for at in addresses)
+
+    return [bool(byte) for byte in answer_in_a_forked_child(mapped)]
 
 
 @pytest.mark.filterwarnings("ignore:This process.*multi-threaded:DeprecationWarning")  # the child only writes to a pipe and exits

@@ -7,12 +7,11 @@ On a CPU `pinned_empty` is a plain tensor and there is nothing to register: GPU 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from clipscale.data.chunks import pinned_empty
+from tests.helpers.forked_child import answer_in_a_forked_child
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 
@@ -57,15 +56,5 @@ def test_a_forked_child_takes_no_copy_of_page_locked_memory():
     host = pinned_empty((2 * 2**30,), torch.uint8)
     assert host.is_pinned()
     before = anon_pages_bytes()
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.write(write, str(anon_pages_bytes()).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as answer:
-        in_the_child = int(answer.read())
-    os.waitpid(pid, 0)
+    in_the_child = int(answer_in_a_forked_child(lambda: str(anon_pages_bytes()).encode()))
     assert in_the_child - before < 2**29, f"the fork added {(in_the_child - before) / 2**30:.2f} GiB of anonymous memory"
