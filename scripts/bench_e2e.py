@@ -295,6 +295,9 @@ class Terminated(Exception):
 
 
 def on_sigterm(signum, frame):
+    # The first SIGTERM stops the run; later ones are ignored, or one landing while the case is being
+    # stopped would lose it: GNU timeout signals its child and then the child's whole process group.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated
 
 
@@ -546,13 +549,11 @@ def main(argv=None) -> None:
 
     record = {**provenance(argv), "shards": args.shards, "workers": args.workers, "cases": []}
     deadline = time.monotonic() + args.budget
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         run_cases(args, cases, record, deadline)
     except Terminated:  # between two cases' processes: what ran is in the record
         record["stopped"] = "SIGTERM"
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     if record.get("stopped") or any(result.get("stopped") for result in record["cases"]):
         sys.exit(128 + signal.SIGTERM)
