@@ -574,13 +574,15 @@ class OnDevice:
 
 class OnHost:
     """A chunk of pass 1 that pass 2 asks for again and the `KeepBudget` could not keep on the
-    device: copied into rows of the `HostWaitingRoom` (on `copy_stream`, after the compute stream's
+    device: copied into a slot of the `HostWaitingRoom` (on `copy_stream`, after the compute stream's
     work so far), and back for pass 2, once that copy has run. Where the workers' arenas hold less
     than a batch, pass 1 hands every chunk's rows back to them as it goes (`ChunkSource.waiting_room`):
-    what it could not keep waits here, as final uint8 pixels, instead of in the arenas."""
+    what it could not keep waits here, as final uint8 pixels, instead of in the arenas. A chunk of
+    the next batch prepared during pass 2 waits here too, for that batch's pass 1 and then its pass 2."""
 
-    def __init__(self, chunk: torch.Tensor, host: torch.Tensor, copy_stream):
-        self.host = host
+    def __init__(self, chunk: torch.Tensor, slot: torch.Tensor, room: "HostWaitingRoom", copy_stream):
+        self.slot, self.room = slot, room
+        self.host = slot[:nbytes(chunk)].view(chunk.dtype).view(chunk.shape)
         self.copied = None
         if copy_stream is None:
             self.host.copy_(chunk)
@@ -596,31 +598,42 @@ class OnHost:
         return self
 
     def on_device(self, device: torch.device, copy_stream) -> torch.Tensor:
+        if device.type == "cpu":
+            return self.host.clone()  # `to` would hand out the slot itself, which the next chunk there fills
         if copy_stream is not None:
             copy_stream.wait_event(self.copied)
         return copy_to_device(self.host, device, copy_stream)
 
+    def leave(self, copy_stream) -> None:
+        """Its last copy to the device is issued (on `copy_stream`): the slot takes another chunk
+        once that copy has run."""
+        self.room.free.append((self.slot, copy_stream.record_event() if copy_stream is not None else None))
+
     def cancel(self) -> None:
-        """Nothing is running for it."""
+        """Never read again (its batch released before pass 2 took it): the slot is free once the
+        copy into it has run."""
+        self.room.free.append((self.slot, self.copied))
 
 
 class HostWaitingRoom:
     """Page-locked host memory where pass 1's chunks wait for pass 2 (`OnHost`), for the whole run:
-    segments of `pinned_empty` made as a batch first needs them (the first batch's expected share
-    ahead, in a thread: `make_ahead`) and reused by every batch after, each batch's chunks laid
-    out from the first segment's start (`begin_batch`).
+    segments of `pinned_empty`, cut into slots of a chunk each, made as a batch first needs them
+    (the first batch's expected share ahead, in a thread: `make_ahead`) and reused by every batch
+    after. A slot is free again as soon as pass 2 has copied its chunk back to the device
+    (`OnHost.leave`): pass 2 reads the room in the order pass 1 wrote it, so the next batch's chunks
+    prepared between pass 2's chunks (`ChunkSource.prepare_some_ahead`) take the slots it has read
+    while it still runs (`hold_ahead`), and the loader's workers, whose arenas hold only a window
+    of a batch, keep working through pass 2 instead of waiting for the next step.
 
     One `torch.empty(..., pin_memory=True)` a chunk went through the caching host allocator, which
     rounds a block up to a power of two: ViT-B/32's 77 MB chunk held 128 MB, and at 524,288 on one
     H200 with 45 GiB kept on the GPU the process tree peaked at 118 GiB of the host's 128
     (results/bench_e2e_h200_b32_524k_keep45.json), where the design counts 28 GiB for these pixels.
 
-    A batch's writes begin after the previous batch's reads: pass 1's copies here wait for the
-    compute stream's work so far (`OnHost`), which waited for each of pass 2's copies from here.
-    A batch whose pass 1 stopped early leaves copies that nothing read: the next batch's first
-    copy also waits for the last one (`last_copy`)."""
+    A chunk is written into a slot only after the slot's last copy has run: each free slot carries
+    the event after it (the copy back to the device, or the copy in that nothing read)."""
 
-    SEGMENT_BYTES = GIB  # a segment holds a whole number of the chunk it is made for; a shorter tail stays unused
+    SEGMENT_BYTES = GIB  # a segment holds a whole number of slots; a shorter tail stays unused
     ALIGN = 64
 
     def __init__(self, make_ahead: int = 0, chunk_bytes: int = 0, spill: "SpillFile | None" = None):
@@ -628,17 +641,17 @@ class HostWaitingRoom:
         of their own (while the first step compiles its towers), instead of in pass 1's thread as the
         first batch reaches them: page-locking 1 GiB takes about 0.3 s there beside busy workers.
         With a `spill`, the room holds about `make_ahead` bytes (at most a segment more), and the
-        chunks beyond it wait on disk, spread over the batch (`SpillFile.share`)."""
+        chunks beyond it wait on disk, spread over the batch (`SpillFile.share`). `chunk_bytes`: a
+        slot's size (the first chunk's where it is 0)."""
         self.segments: list[torch.Tensor] = []  # uint8, never freed before the run's end: copies may still read them
-        self.segment, self.offset = 0, 0  # where the batch's next chunk goes
+        self.slot_bytes = self._aligned(chunk_bytes)
+        self.free: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()  # slots no chunk holds, and when they may be written
         self.spill = spill
         self.limit = max(make_ahead, 1) if spill is not None else None
-        self.held_bytes = self.spilled_bytes = 0  # the batch's, so far
-        self.last_copy: torch.cuda.Event | None = None
-        self.before_this_batch: torch.cuda.Event | None = None
+        self.held_bytes = self.spilled_bytes = 0  # the batch's pass 1's, so far
         self.ahead: deque[Future] = deque()  # segments being made, in order
         if make_ahead > 0 and chunk_bytes > 0:
-            size = self._segment_bytes(chunk_bytes)
+            size = self._segment_bytes()
             if torch.cuda.is_available():
                 torch.cuda.init()  # the thread registers with this device's context (on_the_callers_device)
             maker = ThreadPoolExecutor(1, thread_name_prefix="clipscale-room")
@@ -653,57 +666,55 @@ class HostWaitingRoom:
     def _aligned(self, size: int) -> int:
         return -(-size // self.ALIGN) * self.ALIGN
 
-    def _segment_bytes(self, chunk_bytes: int) -> int:
-        """As many of the chunk as fit SEGMENT_BYTES (at least one): none of a segment unused."""
-        return max(1, self.SEGMENT_BYTES // self._aligned(chunk_bytes)) * self._aligned(chunk_bytes)
+    def _segment_bytes(self) -> int:
+        """As many slots as fit SEGMENT_BYTES (at least one): none of a segment unused."""
+        return max(1, self.SEGMENT_BYTES // self.slot_bytes) * self.slot_bytes
 
-    def _new_segment(self, chunk_bytes: int) -> torch.Tensor:
-        """The next segment made ahead that holds the chunk, else one made now."""
-        while self.ahead:
-            segment = self.ahead.popleft().result()
-            if len(segment) >= chunk_bytes:
-                return segment
-        return pinned_empty((self._segment_bytes(chunk_bytes),), torch.uint8)
+    def _add_segment(self) -> None:
+        """The next segment made ahead, else one made now, cut into free slots."""
+        segment = self.ahead.popleft().result() if self.ahead else pinned_empty((self._segment_bytes(),), torch.uint8)
+        self.segments.append(segment)
+        self.free.extend((segment[start:start + self.slot_bytes], None)
+                         for start in range(0, len(segment) - self.slot_bytes + 1, self.slot_bytes))
 
     def begin_batch(self) -> None:
-        self.segment, self.offset = 0, 0
-        self.before_this_batch, self.last_copy = self.last_copy, None
+        """A batch's pass 1 begins: the spill's share counts its chunks from here."""
         self.held_bytes = self.spilled_bytes = 0
         if self.spill is not None:
             self.spill.begin_batch()
 
-    def _fits(self, size: int) -> bool:
-        """The room holds `size` more bytes of the batch in its segments, or in a new one while it
-        holds less than its limit (so at most a segment more)."""
-        if self.limit is None or self.segment < len(self.segments) and (
-                self.offset + size <= len(self.segments[self.segment]) or self.segment + 1 < len(self.segments)):
-            return True
-        return self.bytes < self.limit
+    def _fits(self) -> bool:
+        """A slot is free, or a new segment may be made: the room holds less than its limit (so at
+        most a segment more)."""
+        return bool(self.free) or self.limit is None or self.bytes < self.limit
 
     def hold(self, chunk: torch.Tensor, copy_stream) -> "OnHost | OnDisk":
-        """`chunk` copied into the next rows of the room, or, with a spill file, to disk where the
-        room is full or the batch's chunks on disk so far fall behind the spill's share (so the
+        """`chunk` (pass 1's) copied into a free slot of the room, or, with a spill file, to disk where
+        the room is full or the batch's chunks on disk so far fall behind the spill's share (so the
         disk writes spread over pass 1 rather than stall its end)."""
         size = nbytes(chunk)
-        if self.spill is not None and (not self._fits(size) or
+        if self.spill is not None and (not self._fits() or
                                        self.spilled_bytes + size <= self.spill.share * (self.spilled_bytes + self.held_bytes + size)):
             self.spilled_bytes += size
             return self.spill.hold(chunk, copy_stream)
         self.held_bytes += size
-        while True:
-            if self.segment == len(self.segments):
-                self.segments.append(self._new_segment(size))
-            if self.offset + size <= len(self.segments[self.segment]):
-                break
-            self.segment, self.offset = self.segment + 1, 0
-        host = self.segments[self.segment][self.offset:self.offset + size].view(chunk.dtype).view(chunk.shape)
-        self.offset += self._aligned(size)
-        if copy_stream is not None and self.before_this_batch is not None:
-            copy_stream.wait_event(self.before_this_batch)  # once: the batch's later copies follow on its stream
-            self.before_this_batch = None
-        held = OnHost(chunk, host, copy_stream)
-        self.last_copy = held.copied
-        return held
+        self.slot_bytes = self.slot_bytes or self._aligned(size)
+        if not self.free:
+            self._add_segment()
+        return self._into_free_slot(chunk, copy_stream)
+
+    def hold_ahead(self, chunk: torch.Tensor, copy_stream) -> "OnHost | None":
+        """`chunk` (the next batch's, prepared during pass 2) copied into a slot pass 2 has read, or
+        None where there is none: the room neither grows nor spills for it."""
+        return self._into_free_slot(chunk, copy_stream) if self.free else None
+
+    def _into_free_slot(self, chunk: torch.Tensor, copy_stream) -> OnHost:
+        if nbytes(chunk) > self.slot_bytes:
+            raise RuntimeError(f"a chunk of {nbytes(chunk)} bytes does not fit the host room's slots of {self.slot_bytes}")
+        slot, writable = self.free.popleft()
+        if copy_stream is not None and writable is not None:
+            copy_stream.wait_event(writable)
+        return OnHost(chunk, slot, self, copy_stream)
 
 
 def spill_directory() -> str:
@@ -935,7 +946,8 @@ class ChunkSource:
         self.ahead: dict[tuple[int, int], tuple[Prepared, int]] = {}  # pass 1's chunks prepared before it asked
         self.asked_until = 0  # pass 1 has asked for rows [0, asked_until): nothing there is prepared ahead
         self.ahead_until = 0  # rows [0, ahead_until) prepared ahead by `prepare_some_ahead`
-        self.ahead_shape: tuple[int, int] | None = None  # (chunk rows, device bytes a row) for `prepare_some_ahead`
+        self.ahead_shape: tuple[int, int, torch.device] | None = None  # (chunk rows, device bytes a row, device) for `prepare_some_ahead`
+        self.ahead_copies = None  # the CUDA stream copying chunks prepared ahead into the waiting room
         # Called between two of pass 2's chunks with how many are still to come, when pass 2 reads
         # only chunks pass 1 kept (on the device or the host): work for the next batch while the
         # device computes (BatchStream).
@@ -945,6 +957,7 @@ class ChunkSource:
         # Pass 1 hands each chunk's rows back (`Rows.on_device_before`) once the chunk is on the
         # device, keeping it there or, where pass 2 asks for it again, in this room on the host
         # (`OnHost`): the workers' arenas hold less than a batch (`WorkerArenas.holds_a_batch`).
+        # Chunks prepared ahead beyond the budget wait there too (`prepare_some_ahead`).
         self.waiting_room: HostWaitingRoom | None = None
         self.on_host: dict[tuple[int, int], OnHost | OnDisk] = {}  # pass 1's chunks for pass 2 that the budget could not keep
         self.released = False
@@ -999,9 +1012,11 @@ class ChunkSource:
             elif charged:
                 self.budget.give_back(charged)  # prepared ahead, not needed again: freed after this use
             if hands_back:
-                if bound in asked_again and bound not in self.kept:
-                    self.on_host[bound] = self.waiting_room.hold(chunk, copy_stream)
+                if bound in asked_again and bound not in self.kept:  # one prepared ahead into the room stays there
+                    self.on_host[bound] = prepared if isinstance(prepared, OnHost) else self.waiting_room.hold(chunk, copy_stream)
                 self.rows.on_device_before(bound[1])
+            if isinstance(prepared, OnHost) and self.on_host.get(bound) is not prepared:
+                prepared.leave(copy_stream)  # read for the last time
             yield self.device_transform(chunk)
             if between is not None:  # the chunk's work is queued: the device computes while this thread works
                 between(len(bounds) - k - 1)
@@ -1054,24 +1069,34 @@ class ChunkSource:
 
     def prepare_some_ahead(self, calls_left: int) -> None:
         """Prepare, in the calling thread, pass 1's chunks (`ahead_shape`) not yet prepared or asked
-        for: an even share of them over `calls_left` calls, as far as the budget has room. Rows not
-        yet arrived are brought in by the preparation itself (`PulledArrivals`)."""
-        chunk_size, row_bytes = self.ahead_shape
+        for: an even share of them over `calls_left` calls, as far as the budget has room, and
+        beyond it as far as the waiting room has slots that the batch in use has read (a window of
+        the arenas: the workers then write the rest of this batch meanwhile). Rows not yet arrived
+        are brought in by the preparation itself (`PulledArrivals`)."""
+        chunk_size, row_bytes, device = self.ahead_shape
         start = max(self.ahead_until, self.asked_until)
         chunks_left = -(-(len(self) - start) // chunk_size)
         for _ in range(-(-chunks_left // max(1, calls_left))):
             stop = min(start + chunk_size, len(self))
             size = (stop - start) * row_bytes
-            if start >= stop or self.released or not self.budget.take(size):
+            if start >= stop or self.released:
                 return
-            try:
-                self.ahead[(start, stop)] = (self.rows.prepare(start, stop, 1), size)
-            except BaseException:
-                self.budget.give_back(size)
-                raise
+            if self.budget.take(size):
+                try:
+                    self.ahead[(start, stop)] = (self.rows.prepare(start, stop, 1), size)
+                except BaseException:
+                    self.budget.give_back(size)
+                    raise
+            elif self.waiting_room is not None and self.waiting_room.free:
+                if self.ahead_copies is None and device.type == "cuda":
+                    self.ahead_copies = torch.cuda.Stream(device)
+                chunk = self.rows.prepare(start, stop, 1).on_device(device, self.ahead_copies)
+                self.ahead[(start, stop)] = (self.waiting_room.hold_ahead(chunk, self.ahead_copies), 0)
+            else:
+                return
             start = self.ahead_until = stop
-            # Held in the budget, the chunk stays on the device until pass 1 has used it, then for
-            # pass 2 (kept with the bytes it holds) or for no one: its host rows are not read again.
+            # On the device in the budget or on the host in the room, the chunk stays there until
+            # pass 1 has used it, then for pass 2 or for no one: its host rows are not read again.
             self.rows.on_device_before(stop)
 
     def release(self) -> None:
@@ -1086,6 +1111,8 @@ class ChunkSource:
         for _, size in self.kept.values():
             self.budget.give_back(size)
         self.kept.clear()
+        for held in self.on_host.values():
+            held.cancel()
         self.on_host.clear()
         self.rows.release()
         if self.budget is not None:

@@ -468,7 +468,7 @@ def decoded_column(rows, split: SplitTransform, chunk_size: int | None, arrivals
         if in_a_thread:
             images.prepare_ahead(chunk_size, row_bytes, arrivals)
         else:
-            images.ahead_shape = (chunk_size, row_bytes)
+            images.ahead_shape = (chunk_size, row_bytes, rows.decoder.device)
     return images
 
 
@@ -509,7 +509,7 @@ class DeviceDecoder:
         # it made from the start (`HostWaitingRoom`), for chunks of `chunk_size` at the crop's size;
         # where the host has no room for all of them, the room holds that much and `spilled` bytes
         # wait on disk (`SpillFile`).
-        height, width = split.only_random_resized_crop().size if room_ahead or spilled else (0, 0)
+        height, width = split.only_random_resized_crop().size if split.only_random_resized_crop() is not None else (0, 0)
         spill = SpillFile(spill_directory(), spilled / (spilled + room_ahead)) if spilled else None
         self.waiting_room = HostWaitingRoom(room_ahead, (chunk_size or 0) * uint8_image_bytes(height, width), spill)
 

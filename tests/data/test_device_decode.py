@@ -492,9 +492,11 @@ def test_a_batch_larger_than_the_arenas_streams_through_them_on_the_same_curve(d
     of it, the run equals, loss for loss, the same share through the gathering thread's copies; a
     pass 1 that kept the pieces until the step's end would wait for room forever (the alarm below).
     Pass 2 reads only what pass 1 kept, on the device or the host, so between its chunks it begins
-    the next batch (`BatchStream._work_ahead`), decoding its chunks ahead where the budget has room
-    again: none with nothing kept, some with some of it. The host memory pass 2's chunks wait in
-    (`HostWaitingRoom`) is made as the first batches need it and reused: never more than a batch's."""
+    the next batch (`BatchStream._work_ahead`), preparing its chunks ahead on the device where the
+    budget has room again and beyond it into the host's slots pass 2 has read: every step after the
+    first finds all its chunks prepared, however little the device keeps, and the workers write the
+    rest of the next batch meanwhile. The host memory pass 2's chunks wait in (`HostWaitingRoom`) is
+    made as the first batches need it and reused: never more than a batch's."""
     import clipscale.data.pipeline as pipeline
     from clipscale.data.chunks import HostWaitingRoom
 
@@ -515,11 +517,16 @@ def test_a_batch_larger_than_the_arenas_streams_through_them_on_the_same_curve(d
     room_bytes = []  # the waiting room's bytes as each batch's pass 1 begins
     begin_batch = HostWaitingRoom.begin_batch
     monkeypatch.setattr(HostWaitingRoom, "begin_batch", lambda room: room_bytes.append(room.bytes) or begin_batch(room))
-    for kept_chunks, on_host in ((0, lambda rows: rows == reread), (20, lambda rows: 0 < rows < reread),
-                                 (10**4, lambda rows: rows == 0)):
+    held_by_pass_1 = []  # chunks pass 1 copied into the room (not those prepared ahead there)
+    hold = HostWaitingRoom.hold
+    monkeypatch.setattr(HostWaitingRoom, "hold", lambda room, chunk, *args: held_by_pass_1.append(1) or hold(room, chunk, *args))
+    # Rows read from the host: pass 2's, and pass 1's of chunks prepared ahead into the room.
+    for kept_chunks, on_host in ((0, lambda rows, ahead: rows == reread + ahead), (20, lambda rows, ahead: 0 < rows < reread + ahead),
+                                 (10**4, lambda rows, ahead: rows == 0)):
         from_host.clear()
         ahead_rows.clear()
         room_bytes.clear()
+        held_by_pass_1.clear()
         previous = signal.signal(signal.SIGALRM, stuck)
         signal.alarm(120)
         try:
@@ -529,10 +536,12 @@ def test_a_batch_larger_than_the_arenas_streams_through_them_on_the_same_curve(d
             signal.alarm(0)
             signal.signal(signal.SIGALRM, previous)
         assert windows[-1] is not None and not windows[-1].holds_a_batch, windows
-        assert on_host(sum(from_host)), (kept_chunks, sum(from_host))
+        assert on_host(sum(from_host), sum(ahead_rows)), (kept_chunks, sum(from_host), sum(ahead_rows))
         assert len(room_bytes) == 6 and room_bytes == sorted(room_bytes), room_bytes
         assert room_bytes[-1] <= reread // 6 * chunk_bytes // chunk + 10 * chunk_bytes, (kept_chunks, room_bytes)
-        assert ahead_rows and (sum(ahead_rows) > 0) == (kept_chunks > 0), (kept_chunks, ahead_rows)
+        assert sum(ahead_rows) == 5 * batch, (kept_chunks, ahead_rows)
+        if kept_chunks == 0:  # the first step's chunks only: a chunk prepared ahead into the room stays in its slot
+            assert len(held_by_pass_1) == reread // 6 // chunk, len(held_by_pass_1)
         assert [m["loss"] for m in streamed] == [m["loss"] for m in copied], kept_chunks
         assert [m["skipped_samples_total"] for m in streamed] == [m["skipped_samples_total"] for m in copied]
 
@@ -558,6 +567,8 @@ def test_the_waiting_rooms_first_segments_are_made_ahead_in_a_thread_of_their_ow
     assert made_in == ["clipscale-room_0", "clipscale-room_0", threading.current_thread().name], made_in
     assert len(room.segments) == 3 and room.bytes == 3 * 3_072
     assert all(torch.equal(chunk.host, expected) for chunk, expected in zip(held, sent))
+    for chunk in held:
+        chunk.leave(None)  # pass 2 has read them
     room.begin_batch()  # the next batch reuses them: nothing made
     held = [room.hold(chunk, None) for chunk in sent[:6]]
     assert len(made_in) == 3 and all(torch.equal(chunk.host, expected) for chunk, expected in zip(held, sent))
@@ -585,7 +596,10 @@ def test_pass_twos_chunks_beyond_the_rooms_limit_wait_on_disk_and_come_back_bit_
     def pass_two(held: list) -> list[torch.Tensor]:
         pending, back = deque(chunk.prepared() for chunk in held[:LOOKAHEAD]), []
         for chunk in held[LOOKAHEAD:] + [None] * LOOKAHEAD:
-            back.append(pending.popleft().on_device(torch.device("cpu"), None))
+            read = pending.popleft()
+            back.append(read.on_device(torch.device("cpu"), None))
+            if isinstance(read, OnHost):
+                read.leave(None)  # as `ChunkSource` does: its slot takes another chunk
             if chunk is not None:
                 pending.append(chunk.prepared())
         return back
@@ -667,6 +681,7 @@ def test_a_batch_beyond_the_host_spills_to_disk_through_the_arenas_window_on_the
     spilled_to = tmp_path / "spill"
     spilled_to.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(spilled_to))
+    ahead_rows = rows_prepared_ahead(monkeypatch)
     from_disk = []
     real_on_device = OnDisk.on_device
     monkeypatch.setattr(OnDisk, "on_device", lambda chunk, *args: from_disk.append(chunk.shape[0]) or real_on_device(chunk, *args))
@@ -674,7 +689,9 @@ def test_a_batch_beyond_the_host_spills_to_disk_through_the_arenas_window_on_the
     window = windows[-1]
     assert window is not None and not window.holds_a_batch and 0 < window.spilled_bytes < on_host, window
     assert window.on_host_bytes + window.spilled_bytes == on_host
-    assert from_disk and from_host and sum(from_disk) + sum(from_host) == 6 * (batch - chunk), (from_disk, from_host)
+    # Pass 2's rows, and pass 1's of the chunks prepared ahead into the room's slots pass 2 had read.
+    assert sum(ahead_rows) > 0 and sum(from_disk) + sum(from_host) == 6 * (batch - chunk) + sum(ahead_rows)
+    assert from_disk and from_host
     assert [m["loss"] for m in spilled] == [m["loss"] for m in copied]
     assert os.listdir(spilled_to) == []
 
