@@ -509,7 +509,8 @@ class DeviceDecoder:
         # it made from the start (`HostWaitingRoom`), for chunks of `chunk_size` at the crop's size;
         # where the host has no room for all of them, the room holds that much and `spilled` bytes
         # wait on disk (`SpillFile`).
-        height, width = split.only_random_resized_crop().size if split.only_random_resized_crop() is not None else (0, 0)
+        crop = split.only_random_resized_crop() if split is not None else None
+        height, width = crop.size if crop is not None else (0, 0)  # a slot of the room: a whole chunk
         spill = SpillFile(spill_directory(), spilled / (spilled + room_ahead)) if spilled else None
         self.waiting_room = HostWaitingRoom(room_ahead, (chunk_size or 0) * uint8_image_bytes(height, width), spill)
 
