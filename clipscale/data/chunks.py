@@ -10,6 +10,7 @@ preparing chunks before their pass asks (`prepare_ahead`), and the time the step
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -1090,8 +1091,12 @@ class ChunkSource:
             elif self.waiting_room is not None and self.waiting_room.free:
                 if self.ahead_copies is None and device.type == "cuda":
                     self.ahead_copies = torch.cuda.Stream(device)
-                chunk = self.rows.prepare(start, stop, 1).on_device(device, self.ahead_copies)
-                self.ahead[(start, stop)] = (self.waiting_room.hold_ahead(chunk, self.ahead_copies), 0)
+                prepared = self.rows.prepare(start, stop, 1)
+                # The copy to the host follows the chunk's own preparation, not the step's queued work
+                # (the compute stream does not wait for it either), and frees its device memory soon.
+                with torch.cuda.stream(self.ahead_copies) if self.ahead_copies is not None else contextlib.nullcontext():
+                    chunk = prepared.on_device(device, None)
+                    self.ahead[(start, stop)] = (self.waiting_room.hold_ahead(chunk, self.ahead_copies), 0)
             else:
                 return
             start = self.ahead_until = stop
