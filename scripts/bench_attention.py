@@ -70,6 +70,9 @@ def measure(name: str, samples: int, tokens: int, width: int, heads: int, causal
 
         def forward_backward():
             torch.compiler.cudagraph_mark_step_begin()
+            # A gradient left from the last call lies in graph memory this call's replay writes over:
+            # accumulating into it fails ("accessing tensor output of CUDAGraphs that has been overwritten").
+            module.zero_grad(set_to_none=True)
             y = x.detach().requires_grad_()
             with torch.autocast("cuda", torch.bfloat16):
                 out = compiled(y)
@@ -78,7 +81,6 @@ def measure(name: str, samples: int, tokens: int, width: int, heads: int, causal
 
         row[f"{label}_forward_ms"] = timed_ms(forward, repeats)
         row[f"{label}_forward_backward_ms"] = timed_ms(forward_backward, repeats)
-        module.zero_grad(set_to_none=True)
         out, x_grad = forward_backward()
         outputs[label] = (out.float().clone(), x_grad.float().clone(), module.in_proj_weight.grad.float().clone())
     y = x.detach().requires_grad_()
