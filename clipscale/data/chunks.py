@@ -575,8 +575,9 @@ class OnDevice:
 
 class OnHost:
     """A chunk of pass 1 that pass 2 asks for again and the `KeepBudget` could not keep on the
-    device: copied into a slot of the `HostWaitingRoom` (on `copy_stream`, after the compute stream's
-    work so far), and back for pass 2, once that copy has run. Where the workers' arenas hold less
+    device: copied into a slot of the `HostWaitingRoom` (on `copy_stream`, after the current stream's
+    work so far: pass 1's compute stream, or a chunk prepared ahead's own), and back for pass 2, once
+    that copy has run. Where the workers' arenas hold less
     than a batch, pass 1 hands every chunk's rows back to them as it goes (`ChunkSource.waiting_room`):
     what it could not keep waits here, as final uint8 pixels, instead of in the arenas. A chunk of
     the next batch prepared during pass 2 waits here too, for that batch's pass 1 and then its pass 2."""
